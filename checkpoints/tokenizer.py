@@ -1,0 +1,231 @@
+"""A tokenizer rebuilt from GGUF metadata, id-for-id equal to transformers'.
+
+GGUF files carry no ``tokenizer.json``: they hold the vocabulary, merges, token
+types and special ids under llama.cpp's ``tokenizer.ggml.*`` keys. We rebuild the
+``tokenizers`` pipeline that ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``
+builds (transformers v5, ``integrations/gguf/gguf_tokenizer_mapping.py`` +
+``GPT2Tokenizer`` + ``TokenizersBackend``):
+
+- model: byte-level BPE over the file's tokens and merges; a token spelled outside
+  the GPT-2 byte alphabet is respelled byte by byte (``byte_level_tokenizer``).
+- pre-tokenizer: ``ByteLevel(add_prefix_space=False)`` with GPT-2's own regex,
+  unless ``tokenizer.ggml.pre`` names a split regex HF knows (llama-bpe, qwen2,
+  tekken, gpt-4o ...), then ``Split(regex, isolated)`` + ``ByteLevel(use_regex=False)``.
+- decoder: ``ByteLevel``; no clean-up of spaces (HF skips it for BPE).
+- added tokens: control tokens (type 3) spelled in the byte alphabet and the
+  bos/eos/unk/pad tokens are special; user-defined tokens (type 4) are added as
+  plain tokens. All are matched whole in the input text.
+- post-processor: prepend BOS only if ``tokenizer.ggml.add_bos_token`` (default
+  False for this kind), append EOS only if ``tokenizer.ggml.add_eos_token``.
+
+Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: SmolLM2, Llama 3, Qwen2)
+is supported; sentencepiece (``"llama"``) and others raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Iterable, Mapping
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from checkpoints.chat_template import render_chat_template
+
+SUPPORTED_KINDS = ("gpt2",)
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+# Split regexes per ``tokenizer.ggml.pre``, copied from transformers'
+# GGUF_PRE_TOKENIZER_SPLITS; any other value keeps GPT-2's ByteLevel regex.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2),
+    "qwen35": _QWEN35,
+    "tekken": _TEKKEN,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (256 entries)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def _byte_level_spelling(token: str, alphabet: frozenset[str]) -> str:
+    if set(token) <= alphabet:
+        return token
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF model, plus its chat template.
+
+    Build with ``Tokenizer.from_gguf(path)`` or ``Tokenizer.from_gguf_fields(fields)``.
+
+    Attributes:
+      backend: the ``tokenizers.Tokenizer`` doing the work.
+      bos_token_id / eos_token_id / unk_token_id / pad_token_id: int or None.
+      chat_template: Jinja source from ``tokenizer.chat_template``, or None.
+      special_token_ids: ids of all special added tokens (skipped by
+        ``decode(skip_special_tokens=True)``).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, special_ids: Mapping[str, int | None],
+                 chat_template: str | None = None):
+        self.backend = backend
+        self.bos_token_id = special_ids.get("bos")
+        self.eos_token_id = special_ids.get("eos")
+        self.unk_token_id = special_ids.get("unk")
+        self.pad_token_id = special_ids.get("pad")
+        self.chat_template = chat_template
+        self.special_token_ids = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Read only the metadata of a GGUF file and build its tokenizer."""
+        import gguf  # local: the rest of this module does not need it
+
+        reader = gguf.GGUFReader(os.fspath(path))
+        return cls.from_gguf_fields(
+            {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+
+    @classmethod
+    def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+        """Build from GGUF metadata (key -> Python value; only ``tokenizer.*`` is read).
+
+        Raises:
+          ValueError: no token list, a tokenizer kind other than ``"gpt2"`` (names it),
+            or a gpt2 vocabulary without merges.
+        """
+        kind = fields.get("tokenizer.ggml.model")
+        if kind not in SUPPORTED_KINDS:
+            raise ValueError(f"unsupported GGUF tokenizer kind tokenizer.ggml.model={kind!r}; "
+                             f"supported: {list(SUPPORTED_KINDS)}")
+        tokens: list[str] = fields.get("tokenizer.ggml.tokens") or []
+        merges: list[str] = fields.get("tokenizer.ggml.merges") or []
+        if not tokens or not merges:
+            raise ValueError("GGUF byte-level BPE tokenizer needs tokenizer.ggml.tokens and "
+                             "tokenizer.ggml.merges")
+        token_types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        alphabet = frozenset(bytes_to_unicode().values())
+        vocab = {_byte_level_spelling(t, alphabet): i for i, t in enumerate(tokens)}
+        backend = tokenizers.Tokenizer(models.BPE(
+            vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+            continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        split = PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+
+        ids = {name: fields.get(f"tokenizer.ggml.{key}") for name, key in (
+            ("bos", "bos_token_id"), ("eos", "eos_token_id"),
+            ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
+        ids = {name: None if i is None else int(i) for name, i in ids.items()}
+        backend.add_special_tokens([
+            AddedToken(t, normalized=False, special=True)
+            for t, ttype in zip(tokens, token_types) if ttype == _CONTROL and set(t) <= alphabet])
+        backend.add_tokens([
+            AddedToken(t, normalized=False, special=False)
+            for t, ttype in zip(tokens, token_types) if ttype == _USER_DEFINED and t in vocab])
+        added = {tok.content for tok in backend.get_added_tokens_decoder().values()}
+        named = [tokens[i] for i in ids.values() if i is not None and tokens[i] not in added]
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t in dict.fromkeys(named)])
+
+        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and ids["bos"] is not None
+        add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and ids["eos"] is not None
+        bos = tokens[ids["bos"]] if add_bos else None
+        eos = tokens[ids["eos"]] if add_eos else None
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"]
+                          + ([f"{eos}:0"] if add_eos else []))
+        pair = " ".join([single] + ([f"{bos}:1"] if add_bos else []) + ["$B:1"]
+                        + ([f"{eos}:1"] if add_eos else []))
+        specials = ([(bos, ids["bos"])] if add_bos else []) + ([(eos, ids["eos"])] if add_eos else [])
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=specials)
+        return cls(backend, ids, fields.get("tokenizer.chat_template"))
+
+    # -- ids ------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary entry for id ``i`` (byte-level spelling), None if out of range."""
+        return self.backend.id_to_token(int(i))
+
+    # -- text -----------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are matched whole.
+
+        ``add_special_tokens`` adds BOS/EOS only where the file asks for them.
+        """
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 byte runs become U+FFFD."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # -- chat -----------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str | list[int]:
+        """Render the model's chat template over ``messages`` as HF does.
+
+        Args:
+          messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+          add_generation_prompt: end with the opening of an assistant turn.
+          tokenize: return ids (the text encoded with ``add_special_tokens=False``,
+            HF semantics) instead of text.
+
+        Raises:
+          ValueError: the model has no chat template.
+          jinja2.TemplateError: the template rejected the conversation.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer.chat_template)")
+        names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
+                 "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}
+        variables = {k: self.id_to_token(i) for k, i in names.items() if i is not None}
+        text = render_chat_template(self.chat_template, messages,
+                                    add_generation_prompt=add_generation_prompt, **variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+__all__ = ["PRE_TOKENIZER_SPLITS", "SUPPORTED_KINDS", "Tokenizer", "bytes_to_unicode"]

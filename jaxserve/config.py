@@ -1,0 +1,149 @@
+"""Frozen configuration dataclasses for the engine.
+
+The core never reads flags or environment variables: ``jaxserve.main`` turns
+flags into these dataclasses, and everything below takes them as arguments.
+Vary a config with ``dataclasses.replace``. Each class validates itself in
+``__post_init__`` and raises ``ValueError`` naming the offending field and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral).
+
+    Built from GGUF metadata by ``checkpoints.gguf_loader.model_config_from_gguf``
+    or written by hand for tiny random test models.
+
+    Attributes:
+      architecture: key into ``jaxserve.models.MODEL_CLASSES`` (e.g. ``"llama"``).
+      vocab_size: number of token ids V.
+      hidden_size: model width D.
+      intermediate_size: SwiGLU width F.
+      num_layers: decoder blocks.
+      num_heads: query heads N.
+      num_kv_heads: key/value heads K (GQA when K < N; N % K == 0).
+      head_dim: H; usually D // N.
+      rope_theta: RoPE base frequency (GGUF ``rope.freq_base``).
+      rms_norm_eps: epsilon inside RMSNorm.
+      max_position_embeddings: context length the model was trained for, tokens.
+      tie_word_embeddings: the LM head reuses the token embedding matrix.
+      bos_token_id / eos_token_ids: special ids from the tokenizer metadata.
+    """
+
+    architecture: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The preallocated paged KV cache.
+
+    Attributes:
+      page_size: tokens per page L.
+      num_pages: pages P to allocate. When None, sized from ``memory_bytes``.
+      memory_bytes: KV budget in bytes (K and V of all layers together), used when
+        ``num_pages`` is None. Default 1 GiB.
+      dtype: KV cache dtype name; None means the model's parameter dtype.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    memory_bytes: int = 1 << 30
+    dtype: str | None = None
+
+    def __post_init__(self):
+        _positive("page_size", self.page_size)
+        _positive("num_pages", self.num_pages, allow_none=True)
+        _positive("memory_bytes", self.memory_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+      max_num_seqs: most sequences running at once (decode batch ceiling).
+      max_num_batched_tokens: most prompt tokens packed into one prefill step.
+      max_model_len: longest sequence (prompt + output), tokens. None means the
+        model's ``max_position_embeddings``.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh shape. Only a single device is used until tensor parallelism lands."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs.
+
+    Attributes:
+      model: alias (``"smollm2-135m"``) or path to a ``.gguf`` file.
+      dtype: parameter and activation dtype name (``"float32"`` on CPU,
+        ``"bfloat16"`` on GPU/TPU).
+      seed: seed for requests that give none.
+      compilation_cache_dir: persistent XLA compilation cache folder, or None.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    seed: int = 0
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    compilation_cache_dir: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,191 @@
+"""Command line entry point: ``python -m jaxserve.main``.
+
+Modes:
+  generate (default): with no ``--prompt``, a demo batch of prompts of several
+    shapes on the default model, streamed, then one table row per request.
+  bench: the offline throughput benchmark (``jaxserve.bench.throughput``).
+
+Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
+input (unknown model, empty prompt, out-of-range sampling values) prints
+``error: ...`` on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "generate", ["generate", "bench"], "What to run.")
+flags.DEFINE_string("model", "smollm2-135m", "Model alias or path to a .gguf file.")
+flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
+flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
+flags.DEFINE_integer("max_tokens", None, "Most output tokens per request (demo: per prompt).")
+flags.DEFINE_float("temperature", None, "Sampling temperature; 0 is greedy (default 0.7).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
+flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 is off.")
+flags.DEFINE_integer("seed", None, "Per-request sampling seed.")
+flags.DEFINE_bool("json", False, "Print one JSON object per request instead of text.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter dtype.")
+flags.DEFINE_integer("page_size", 16, "KV cache page size, tokens.")
+flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from --kv_cache_mib).")
+flags.DEFINE_integer("kv_cache_mib", 1024, "KV cache budget, MiB.")
+flags.DEFINE_integer("max_num_seqs", 64, "Most running sequences.")
+flags.DEFINE_integer("max_num_batched_tokens", 2048, "Most prompt tokens per prefill step.")
+flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
+flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
+flags.DEFINE_integer("bench_input_len", 120, "bench: prompt tokens (+-10%).")
+flags.DEFINE_integer("bench_output_len", 128, "bench: output tokens (EOS ignored).")
+
+_CHAT = "chat"
+# (prompt, chat?, max_tokens): short chats, a long prompt with a short answer,
+# a short prompt with a long answer, raw completion.
+DEMO_PROMPTS = [
+    ("What is the capital of France?", _CHAT, 32),
+    ("Give me three tips for staying healthy.", _CHAT, 128),
+    ("Summarize in one sentence: The Industrial Revolution began in Great Britain in the late "
+     "18th century and spread to Europe and North America. It replaced hand production with "
+     "machines, brought new chemical and iron making processes, and made steam power and the "
+     "factory system common. Living standards rose over the long run, but working conditions "
+     "in early factories were often harsh, with long hours, child labour and dangerous "
+     "machinery. Cities grew quickly as people moved from farms to find work, and new "
+     "railways and canals carried coal, cotton and people across whole countries.", _CHAT, 48),
+    ("Write a short story about a robot who learns to paint.", _CHAT, 256),
+    ("Translate to French: Good morning, how are you today?", _CHAT, 32),
+    ("Explain what a hash table is to a beginner programmer.", _CHAT, 200),
+    ("Hi!", _CHAT, 24),
+    ("The three primary colors are", None, 40),
+]
+
+
+def _engine_args() -> dict:
+    return dict(dtype=FLAGS.dtype, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+                kv_cache_memory_bytes=FLAGS.kv_cache_mib << 20, max_num_seqs=FLAGS.max_num_seqs,
+                max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                max_model_len=FLAGS.max_model_len,
+                compilation_cache_dir=os.path.join(
+                    os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
+                    "xla"))
+
+
+def _requests(llm, SamplingParams):
+    temperature = 0.7 if FLAGS.temperature is None else FLAGS.temperature
+    def params(max_tokens):
+        return SamplingParams(max_tokens=FLAGS.max_tokens or max_tokens, temperature=temperature,
+                              top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
+    if FLAGS.prompt:
+        items = [(p, _CHAT if FLAGS.chat else None, 256) for p in FLAGS.prompt]
+    else:
+        items = DEMO_PROMPTS
+    out = []
+    for text, chat, max_tokens in items:
+        prompt = llm.apply_chat_template([{"role": "user", "content": text}]) if chat and text \
+            else text
+        out.append((text, prompt, params(max_tokens)))
+    return out
+
+
+def _generate(llm, SamplingParams) -> None:
+    engine = llm.engine
+    reqs = _requests(llm, SamplingParams)
+    ids = [engine.add_request(None, prompt, p) for _, prompt, p in reqs]
+    single = len(ids) == 1
+    pending = {rid: "" for rid in ids}
+    finals = {}
+    t0 = time.monotonic()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            rid, comp = out.request_id, out.outputs[0]
+            if out.finished:
+                finals[rid] = out
+            if FLAGS.json:
+                continue
+            if single:
+                sys.stdout.write(comp.delta_text)
+                sys.stdout.flush()
+                continue
+            pending[rid] += comp.delta_text
+            # Stream whole lines per request, tagged, so concurrent outputs stay readable.
+            while "\n" in pending[rid] or (out.finished and pending[rid]):
+                line, sep, rest = pending[rid].partition("\n")
+                print(f"[{rid}] {line}", flush=True)
+                pending[rid] = rest if sep else ""
+            if out.finished:
+                print(f"[{rid}] <{comp.finish_reason}>", flush=True)
+    wall = time.monotonic() - t0
+    if single and not FLAGS.json:
+        print()
+    if FLAGS.json:
+        for rid, (text, _, _) in zip(ids, reqs):
+            o = finals[rid]
+            m = o.metrics
+            print(json.dumps({"request_id": rid, "prompt": text, "text": o.outputs[0].text,
+                              "token_ids": o.outputs[0].token_ids,
+                              "finish_reason": o.outputs[0].finish_reason,
+                              "prompt_tokens": len(o.prompt_token_ids),
+                              "output_tokens": len(o.outputs[0].token_ids),
+                              "cached_tokens": m.num_cached_tokens, "queue_ms": m.queue_ms,
+                              "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms}))
+        return
+    _print_table([finals[r] for r in ids], wall, engine.runner.num_compilations)
+
+
+def _print_table(outs, wall: float, compilations: int) -> None:
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    print(f"\n{'req':>4} {'prompt':>7} {'output':>7} {'cached':>7} {'queue ms':>9} "
+          f"{'TTFT ms':>9} {'TPOT ms':>8} {'E2E ms':>9}  finish")
+    for o in outs:
+        m = o.metrics
+        print(f"{o.request_id:>4} {len(o.prompt_token_ids):>7} {len(o.outputs[0].token_ids):>7} "
+              f"{m.num_cached_tokens:>7} {fmt(m.queue_ms):>9} {fmt(m.ttft_ms):>9} "
+              f"{fmt(m.tpot_ms):>8} {fmt(m.e2e_ms):>9}  {o.outputs[0].finish_reason}")
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"total: {len(outs)} requests, {n_in} prompt + {n_out} output tokens in {wall:.2f} s "
+          f"(includes compilation: {compilations} XLA compilations); "
+          f"{n_out / wall:.1f} output tokens/s")
+
+
+def _bench(llm) -> None:
+    from jaxserve.bench import throughput
+    engine = llm.engine
+    prompts = throughput.make_prompts(engine, FLAGS.bench_num_requests, FLAGS.bench_input_len,
+                                      seed=FLAGS.seed or 0)
+    cold = throughput.run_once(engine, prompts, FLAGS.bench_output_len)
+    print(throughput.format_result("warm-up (includes compilation)", cold), flush=True)
+    warm = throughput.run_once(engine, prompts, FLAGS.bench_output_len)
+    print(throughput.format_result("timed run", warm))
+    print(f"  new compilations in timed run: {warm.num_compilations - cold.num_compilations}")
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from jaxserve import LLM, SamplingParams
+    try:
+        # Check sampling flags before the (slow) model load.
+        SamplingParams(max_tokens=FLAGS.max_tokens or 1,
+                       temperature=0.7 if FLAGS.temperature is None else FLAGS.temperature,
+                       top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
+        if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
+            raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
+        llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
+        if FLAGS.mode == "bench":
+            _bench(llm)
+        else:
+            _generate(llm, SamplingParams)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,219 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2-style GQA) in Flax NNX.
+
+Dimension letters: T tokens, D model dim, N query heads, K kv heads, H head dim,
+F SwiGLU width, V vocab, P pages, L page size, S sequences of a step.
+
+Weights keep HF's layout, ``[out, in]``, and every ``nnx.Param`` names its
+axes (``sharding_names``) for ``sharding.rules``. The module is split once into
+graph and state; the runner jits pure functions over the state.
+
+References: HF transformers ``modeling_llama.py`` (RoPE with ``rotate_half``,
+RMSNorm in f32, SwiGLU); Touvron et al. 2023 (Llama); Ainslie et al. 2023 (GQA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from pallas_kernels.ragged_paged_attention import reference as rpa
+
+
+def _param(shape, names, dtype, rngs: nnx.Rngs | None, scale: float = 0.02, ones=False):
+    if ones:
+        value = jnp.ones(shape, dtype)
+    elif rngs is None:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """What one step's attention needs; built on the host by the runner.
+
+    Attributes:
+      positions: i32[T] absolute position of each token (padding: 0).
+      slot_pages: i32[T] page each token's K/V is written to (padding: P, dropped).
+      slot_offsets: i32[T] offset inside that page.
+      kv_lens: i32[S] kv length of each sequence, this step's tokens included.
+      page_indices: i32[S, pages_per_seq] page table rows.
+      cu_q_lens: i32[S + 1] prefix sums of query lengths (prefill only).
+      num_seqs: i32[1] real sequences in the step.
+      logits_indices: i32[S] row of each sequence's last token in T.
+    """
+
+    positions: jax.Array
+    slot_pages: jax.Array
+    slot_offsets: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    logits_indices: jax.Array
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in f32 as HF does."""
+
+    def __init__(self, dim: int, eps: float, dtype, rngs=None):
+        self.weight = _param((dim,), ("norm",), dtype, None, ones=True)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight.value.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_cos_sin(positions_T, head_dim: int, theta: float):
+    """cos, sin of shape [T, H/2] in f32 (HF ``LlamaRotaryEmbedding``, no scaling)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_TH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(freqs_TH2), jnp.sin(freqs_TH2)
+
+
+def apply_rope(x_TNH, cos_TH2, sin_TH2):
+    """Rotate-half RoPE on [T, heads, H]; math in f32."""
+    x = x_TNH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    c, s = cos_TH2[:, None, :], sin_TH2[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNH.dtype)
+
+
+def _linear(x_TD, w_FD):
+    return jnp.einsum("td,fd->tf", x_TD, w_FD)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _param((N * H, D), ("q_heads", "embed"), dtype, rngs)
+        self.k_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
+        self.v_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
+        self.o_proj = _param((D, N * H), ("embed", "q_heads"), dtype, rngs)
+        self.cfg = cfg
+
+    def __call__(self, x_TD, layer: int, cos_TH2, sin_TH2, k_cache, v_cache,
+                 md: AttentionMetadata, decode: bool, max_q_len: int):
+        cfg = self.cfg
+        T = x_TD.shape[0]
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_TNH = apply_rope(_linear(x_TD, self.q_proj.value).reshape(T, N, H), cos_TH2, sin_TH2)
+        k_TKH = apply_rope(_linear(x_TD, self.k_proj.value).reshape(T, K, H), cos_TH2, sin_TH2)
+        v_TKH = _linear(x_TD, self.v_proj.value).reshape(T, K, H)
+        # Write this step's K/V first; padding tokens target page P (dropped).
+        k_cache = k_cache.at[layer, md.slot_pages, md.slot_offsets].set(
+            k_TKH.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[layer, md.slot_pages, md.slot_offsets].set(
+            v_TKH.astype(v_cache.dtype), mode="drop")
+        scale = H ** -0.5
+        if decode:
+            o_TNH = rpa.paged_decode_attention(
+                q_TNH, k_cache[layer], v_cache[layer], md.kv_lens, md.page_indices,
+                sm_scale=scale)
+        else:
+            o_TNH = rpa.ragged_paged_attention(
+                q_TNH, k_cache[layer], v_cache[layer], md.kv_lens, md.page_indices,
+                md.cu_q_lens, md.num_seqs, max_q_len=max_q_len, sm_scale=scale)
+        return _linear(o_TNH.reshape(T, N * H), self.o_proj.value), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _param((F, D), ("mlp", "embed"), dtype, rngs)
+        self.up_proj = _param((F, D), ("mlp", "embed"), dtype, rngs)
+        self.down_proj = _param((D, F), ("embed", "mlp"), dtype, rngs)
+
+    def __call__(self, x_TD):
+        h_TF = jax.nn.silu(_linear(x_TD, self.gate_proj.value)) * _linear(x_TD, self.up_proj.value)
+        return _linear(h_TF, self.down_proj.value)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama decoder with an LM head.
+
+    ``__call__`` runs the packed tokens of one step through all layers,
+    writing their K/V into the paged cache, and returns the hidden state of the
+    rows in ``md.logits_indices`` plus the updated cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
+
+    def __call__(self, input_ids_T, k_cache, v_cache, md: AttentionMetadata, *,
+                 decode: bool, max_q_len: int = 1):
+        """Forward one step.
+
+        Args:
+          input_ids_T: i32[T] packed token ids.
+          k_cache, v_cache: [layers, P, L, K, H] paged cache.
+          md: the step's ``AttentionMetadata``.
+          decode: every sequence has exactly one query token (T == S).
+          max_q_len: static bound on per-sequence query length (prefill).
+
+        Returns:
+          (logits [S, V] f32, k_cache, v_cache).
+        """
+        cfg = self.cfg
+        x_TD = self.embed_tokens.value[input_ids_T]
+        cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
+        for i, layer in enumerate(self.layers):
+            h, k_cache, v_cache = layer.self_attn(
+                layer.input_layernorm(x_TD), i, cos, sin, k_cache, v_cache, md, decode, max_q_len)
+            x_TD = x_TD + h
+            x_TD = x_TD + layer.mlp(layer.post_attention_layernorm(x_TD))
+        x_SD = self.norm(x_TD[md.logits_indices])
+        head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
+        logits_SV = jnp.einsum("sd,vd->sv", x_SD, head_VD, preferred_element_type=jnp.float32)
+        return logits_SV, k_cache, v_cache
+
+
+def load_params(model: LlamaForCausalLM, params: dict) -> None:
+    """Copy an HF-named dict of numpy arrays into ``model`` in place.
+
+    Raises:
+      ValueError: a tensor is missing or has the wrong shape.
+    """
+    def put(p: nnx.Param, name: str):
+        if name not in params:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        arr = params[name]
+        if tuple(arr.shape) != tuple(p.value.shape):
+            raise ValueError(f"{name}: checkpoint shape {arr.shape} != model {p.value.shape}")
+        p.value = jnp.asarray(arr, dtype=p.value.dtype)
+
+    put(model.embed_tokens, "model.embed_tokens.weight")
+    put(model.norm.weight, "model.norm.weight")
+    if model.lm_head is not None:
+        put(model.lm_head, "lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        put(layer.input_layernorm.weight, pre + "input_layernorm.weight")
+        put(layer.post_attention_layernorm.weight, pre + "post_attention_layernorm.weight")
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            put(getattr(layer.self_attn, n), pre + f"self_attn.{n}.weight")
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            put(getattr(layer.mlp, n), pre + f"mlp.{n}.weight")

@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random Llama (HF reference + jaxserve copy) and the
+real SmolLM2-135M GGUF (fetched once into the cache)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3,
+            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+            rms_norm_eps=1e-5, max_position_embeddings=512)
+XLA_CACHE = os.path.join(os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
+                         "xla-tests")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    """A random HF ``LlamaForCausalLM`` (f32, eval) with untied embeddings.
+
+    ``initializer_range`` is large so greedy outputs vary from token to token.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"],
+        intermediate_size=TINY["intermediate_size"], num_hidden_layers=TINY["num_layers"],
+        num_attention_heads=TINY["num_heads"], num_key_value_heads=TINY["num_kv_heads"],
+        head_dim=TINY["head_dim"], rope_theta=TINY["rope_theta"],
+        rms_norm_eps=TINY["rms_norm_eps"], max_position_embeddings=TINY["max_position_embeddings"],
+        tie_word_embeddings=False, initializer_range=0.15, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(torch.float32)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_parts(tiny_hf):
+    """Keyword arguments that build a jaxserve engine with ``tiny_hf``'s weights."""
+    from jaxserve.config import ModelConfig
+    cfg = ModelConfig(tie_word_embeddings=False, eos_token_ids=(1,), **TINY)
+    params = {k: v.detach().numpy().astype(np.float32) for k, v in tiny_hf.state_dict().items()}
+    return dict(model_config=cfg, params=params)
+
+
+@pytest.fixture
+def make_tiny_llm(tiny_parts):
+    """Factory: ``make_tiny_llm(**engine_args) -> LLM`` over the tiny model."""
+    from jaxserve import LLM
+
+    def make(**kw):
+        kw.setdefault("num_pages", 128)
+        kw.setdefault("page_size", 8)
+        kw.setdefault("compilation_cache_dir", XLA_CACHE)
+        return LLM(**kw, **tiny_parts)
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from checkpoints.fetch import resolve_model
+    return resolve_model("smollm2-135m")
