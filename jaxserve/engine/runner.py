@@ -7,7 +7,8 @@ updates them in place. Sampling is a third jitted function over the logits
 (still on device), compiled once per row bucket. Every dimension that
 varies with the batch is padded to a power-of-two bucket:
 
-* decode: sequences B (>= 8) and pages per sequence (>= 4);
+* decode: sequences B (>= 8) and pages per sequence (>= 4, in steps of
+  2^k and 3 * 2^(k-1));
 * prefill: tokens T (>= 16), sequences S (>= 4), the per-sequence query
   window (power of two >= the longest query) and pages per sequence.
 
@@ -26,7 +27,7 @@ from flax import nnx
 
 from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.sampling import MAX_BANNED, SamplingTensors, sample
-from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
+from jaxserve.engine.scheduler import ScheduledBatch, next_pow2, page_bucket
 from jaxserve.models.llama import AttentionMetadata
 
 
@@ -80,7 +81,7 @@ class ModelRunner:
 
     def _page_bucket(self, reqs) -> int:
         need = max(len(r.page_ids) for r in reqs)
-        return min(next_pow2(need, 4), max(self.max_pages_per_seq, need))
+        return min(page_bucket(need), max(self.max_pages_per_seq, need))
 
     def _sampling_tensors(self, reqs, rows: int) -> SamplingTensors:
         temp = np.zeros(rows, np.float32)

@@ -20,7 +20,15 @@ from jaxserve.engine.request import Request, RequestStatus
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def page_bucket(n: int, minimum: int = 4) -> int:
+    """Smallest of {2^k, 3 * 2^(k-1)} >= max(n, minimum): at most 33% padding,
+    about twice the bucket count of powers of two."""
+    p = next_pow2(n, minimum)
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= max(n, minimum) else p
 
 
 @dataclasses.dataclass

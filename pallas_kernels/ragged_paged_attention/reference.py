@@ -58,14 +58,14 @@ def paged_decode_attention(q_BNH, k_pages_PLKH, v_pages_PLKH, kv_lens_B,
     return o_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
 
 
-def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S,
-                           page_indices_SP, cu_q_lens_S1, num_seqs, *,
-                           max_q_len: int, sm_scale: float):
+def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                           cu_q_lens_S1, num_seqs, *, max_q_len: int, sm_scale: float):
     """Causal attention for a packed ragged batch (prefill or chunked prefill).
 
     Sequences are processed one after another in a ``fori_loop``; each reads a
-    fixed window of ``max_q_len`` queries starting at its ``cu_q_lens`` offset,
-    so the work is ``num_seqs * max_q_len * S``: the scheduler keeps
+    fixed window of ``max_q_len`` query rows that covers its own rows (the
+    window start is clamped so it stays inside T) and merges only its own rows
+    back, so the work is ``num_seqs * max_q_len * S``: the scheduler keeps
     ``num_seqs * max_q_len`` near the token budget.
 
     Args:
@@ -76,7 +76,7 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S,
       page_indices_SP: i32[max_seqs, pages_per_seq].
       cu_q_lens_S1: i32[max_seqs + 1] prefix sums of query lengths.
       num_seqs: i32 scalar (or shape [1]) count of real sequences.
-      max_q_len: static upper bound on any sequence's query length.
+      max_q_len: static bound on any sequence's query length (<= T).
       sm_scale: softmax scale.
 
     Returns:
@@ -85,28 +85,29 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S,
     T, N, H = q_TNH.shape
     _, L, K, _ = k_pages_PLKH.shape
     G = N // K
-    Q = max_q_len
-    q_pad = jnp.pad(q_TNH, ((0, Q), (0, 0), (0, 0))).reshape(T + Q, K, G, H)
-    out0 = jnp.zeros((T + Q, K, G, H), jnp.float32)
+    Q = min(max_q_len, T)
+    q_TKGH = q_TNH.reshape(T, K, G, H)
     S = page_indices_SP.shape[1] * L
 
-    def body(i, out):
+    def body(i, out_TKGH):
         q_start = cu_q_lens_S1[i]
         q_len = cu_q_lens_S1[i + 1] - q_start
         kv_len = kv_lens_S[i]
-        q_QKGH = jax.lax.dynamic_slice(q_pad, (q_start, 0, 0, 0), (Q, K, G, H))
+        start = jnp.minimum(q_start, T - Q)
+        row_Q = jnp.arange(Q) - (q_start - start)  # index within this sequence's queries
+        own_Q = (row_Q >= 0) & (row_Q < q_len)
+        q_QKGH = jax.lax.dynamic_slice(q_TKGH, (start, 0, 0, 0), (Q, K, G, H))
         k_SKH = k_pages_PLKH[page_indices_SP[i]].reshape(S, K, H)
         v_SKH = v_pages_PLKH[page_indices_SP[i]].reshape(S, K, H)
-        q_pos_Q = kv_len - q_len + jnp.arange(Q)
+        q_pos_Q = kv_len - q_len + row_Q
         kv_pos_S = jnp.arange(S)
-        mask_QS = (kv_pos_S[None, :] <= q_pos_Q[:, None]) & (kv_pos_S[None, :] < kv_len)
+        mask_QS = own_Q[:, None] & (kv_pos_S[None, :] <= q_pos_Q[:, None]) \
+            & (kv_pos_S[None, :] < kv_len)
         o_QKGH = _attend(q_QKGH, k_SKH, v_SKH, mask_QS, sm_scale)
-        # Rows past q_len spill into the next sequence's rows, which that
-        # sequence overwrites on its own (later) iteration.
-        return jax.lax.dynamic_update_slice(out, o_QKGH, (q_start, 0, 0, 0))
+        old_QKGH = jax.lax.dynamic_slice(out_TKGH, (start, 0, 0, 0), (Q, K, G, H))
+        new_QKGH = jnp.where(own_Q[:, None, None, None], o_QKGH, old_QKGH)
+        return jax.lax.dynamic_update_slice(out_TKGH, new_QKGH, (start, 0, 0, 0))
 
-    n = jnp.reshape(num_seqs, ())
-    out = jax.lax.fori_loop(0, n, body, out0)
-    valid_T = jnp.arange(T) < cu_q_lens_S1[n]
-    out = jnp.where(valid_T[:, None, None, None], out[:T], 0.0)
+    out = jax.lax.fori_loop(0, jnp.reshape(num_seqs, ()), body,
+                            jnp.zeros((T, K, G, H), jnp.float32))
     return out.reshape(T, N, H).astype(q_TNH.dtype)
