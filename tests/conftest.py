@@ -62,3 +62,38 @@ def make_tiny_llm(tiny_parts):
 def smollm2_path():
     from checkpoints.fetch import resolve_model
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_ckpt(smollm2_path):
+    """jaxserve's own load of the SmolLM2 GGUF (config, params, tokenizer, template)."""
+    from checkpoints.gguf_loader import load_gguf
+    return load_gguf(smollm2_path, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path):
+    """transformers' tokenizer read from the same GGUF file."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
+                                                      gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' f32 model dequantized from the same GGUF file (~30 s; load once)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The one jaxserve ``LLM`` over SmolLM2 shared by the session (default engine args).
+
+    Tests must leave it idle: no unfinished requests, every page free.
+    """
+    from jaxserve import LLM
+    return LLM("smollm2-135m", compilation_cache_dir=XLA_CACHE)

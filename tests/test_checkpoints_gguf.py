@@ -5,7 +5,8 @@ Three layers:
   2. a tiny random GGUF written by ``checkpoints.tiny_gguf`` (seconds);
   3. ``@pytest.mark.real_model``: SmolLM2-135M-Instruct Q4_1 (fetched once through
      ``resolve_model("smollm2-135m")`` into the default cache) against
-     transformers' own GGUF loader, tensor for tensor and id for id.
+     transformers' own GGUF loader, tensor for tensor and id for id (the
+     checkpoint and the HF model/tokenizer are session fixtures in conftest.py).
 """
 
 import types
@@ -14,7 +15,6 @@ import gguf
 import numpy as np
 import pytest
 
-from checkpoints.fetch import resolve_model
 from checkpoints.gguf_loader import (dequantize_tensor, hf_name, load_gguf,
                                      model_config_from_gguf, read_fields, unpermute_qk)
 from checkpoints.tiny_gguf import permute_qk, write_tiny_gguf
@@ -202,54 +202,28 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def real_path():
-    return resolve_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def real_ckpt(real_path):
-    return load_gguf(real_path, show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(real_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(real_path.parent),
-                                                      gguf_file=real_path.name)
-
-
-@pytest.fixture(scope="module")
-def hf_model(real_path):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(real_path.parent), gguf_file=real_path.name, dtype=torch.float32)
-
-
 @pytest.mark.real_model
 @pytest.mark.parametrize("text", TEXTS)
-def test_real_tokenizer_matches_hf(real_ckpt, hf_tokenizer, text):
-    tok = real_ckpt.tokenizer
+def test_real_tokenizer_matches_hf(smollm2_ckpt, smollm2_hf_tokenizer, text):
+    tok = smollm2_ckpt.tokenizer
     ids = tok.encode(text)
-    assert ids == hf_tokenizer(text)["input_ids"]
-    assert tok.encode(text, add_special_tokens=False) == hf_tokenizer.encode(
+    assert ids == smollm2_hf_tokenizer(text)["input_ids"]
+    assert tok.encode(text, add_special_tokens=False) == smollm2_hf_tokenizer.encode(
         text, add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids) == smollm2_hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.real_model
-def test_real_tokenizer_specials(real_ckpt, hf_tokenizer):
-    tok = real_ckpt.tokenizer
-    assert tok.vocab_size == len(hf_tokenizer) == real_ckpt.config.vocab_size
-    assert (tok.bos_token_id, tok.eos_token_id) == (hf_tokenizer.bos_token_id,
-                                                    hf_tokenizer.eos_token_id)
-    hf_special = {i for i, t in hf_tokenizer.backend_tokenizer.get_added_tokens_decoder().items()
-                  if t.special}
+def test_real_tokenizer_specials(smollm2_ckpt, smollm2_hf_tokenizer):
+    tok = smollm2_ckpt.tokenizer
+    assert tok.vocab_size == len(smollm2_hf_tokenizer) == smollm2_ckpt.config.vocab_size
+    assert (tok.bos_token_id, tok.eos_token_id) == (smollm2_hf_tokenizer.bos_token_id,
+                                                    smollm2_hf_tokenizer.eos_token_id)
+    added = smollm2_hf_tokenizer.backend_tokenizer.get_added_tokens_decoder()
+    hf_special = {i for i, t in added.items() if t.special}
     assert tok.special_token_ids == hf_special  # what decode(skip_special_tokens=True) drops
-    assert all(tok.id_to_token(i) == hf_tokenizer.convert_ids_to_tokens(i)
+    assert all(tok.id_to_token(i) == smollm2_hf_tokenizer.convert_ids_to_tokens(i)
                for i in (0, 1, 2, 100, 5000, 49151))
 
 
@@ -265,32 +239,33 @@ CONVERSATIONS = [
 @pytest.mark.real_model
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["system_user", "multi_turn"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_real_chat_template_matches_hf(real_ckpt, hf_tokenizer, messages, add_generation_prompt):
-    tok = real_ckpt.tokenizer
+def test_real_chat_template_matches_hf(smollm2_ckpt, smollm2_hf_tokenizer, messages,
+                                       add_generation_prompt):
+    tok = smollm2_ckpt.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == hf_tokenizer.apply_chat_template(
+    assert text == smollm2_hf_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                   tokenize=True)
-    hf_ids = hf_tokenizer.apply_chat_template(
+    hf_ids = smollm2_hf_tokenizer.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=add_generation_prompt)
     assert ids == list(getattr(hf_ids, "input_ids", None) or hf_ids)
 
 
 @pytest.mark.real_model
-def test_real_params_match_hf(real_ckpt, hf_model):
-    state = hf_model.state_dict()
-    assert "lm_head.weight" not in real_ckpt.params  # tied in this file
-    assert sorted(real_ckpt.params) == sorted(k for k in state if k != "lm_head.weight")
-    for name, ours in real_ckpt.params.items():
+def test_real_params_match_hf(smollm2_ckpt, smollm2_hf):
+    state = smollm2_hf.state_dict()
+    assert "lm_head.weight" not in smollm2_ckpt.params  # tied in this file
+    assert sorted(smollm2_ckpt.params) == sorted(k for k in state if k != "lm_head.weight")
+    for name, ours in smollm2_ckpt.params.items():
         theirs = state[name].numpy()
         assert ours.shape == theirs.shape and ours.dtype == np.float32, name
         assert float(np.abs(ours - theirs).max()) < 1e-6, name
 
 
 @pytest.mark.real_model
-def test_real_config_matches_hf(real_ckpt, hf_model):
-    ours, theirs = real_ckpt.config, hf_model.config
+def test_real_config_matches_hf(smollm2_ckpt, smollm2_hf):
+    ours, theirs = smollm2_ckpt.config, smollm2_hf.config
     rope_theta = (theirs.rope_parameters or {}).get("rope_theta") if hasattr(
         theirs, "rope_parameters") else theirs.rope_theta
     assert ours.architecture == theirs.model_type == "llama"

@@ -1,0 +1,161 @@
+"""Engine properties on the tiny random Llama (seconds): stopping rules, abort,
+request validation, preemption, and sampling (seeded, filtered, distribution).
+
+Greedy references come from HF transformers (``tiny_hf``). The tiny model has
+no tokenizer, so prompts are token ids; its EOS id is 1.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import SamplingParams
+
+PROMPT = [5, 17, 99, 3, 250, 7, 7, 31]
+PROMPTS = [PROMPT, [200], list(range(10, 60)), [42] * 19, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3] * 3]
+
+
+def hf_greedy(hf, ids, n, **kw):
+    """HF greedy continuation of ``ids``: exactly ``n`` tokens, or fewer if ``kw`` sets an EOS."""
+    kw.setdefault("min_new_tokens", n)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def first_repeat_free(ref, lo, hi):
+    """An index k in [lo, hi) whose token does not occur earlier in ``ref``."""
+    return next(k for k in range(lo, hi) if ref[k] not in ref[:k])
+
+
+def drain(engine):
+    """Step until idle; the final output of each request, by id."""
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return final
+
+
+def test_stop_token_id_stops_with_stop_reason(tiny_hf, make_tiny_llm):
+    ref = hf_greedy(tiny_hf, PROMPT, 24)
+    k = first_repeat_free(ref, 4, 20)
+    out = make_tiny_llm().generate(PROMPT, greedy(24, stop_token_ids=[ref[k]]))[0].outputs[0]
+    assert out.token_ids == ref[:k + 1]  # the stop id is kept in token_ids
+    assert (out.finish_reason, out.stop_reason) == ("stop", ref[k])
+
+
+def test_max_tokens_finishes_with_length(tiny_hf, make_tiny_llm):
+    out = make_tiny_llm().generate(PROMPT, greedy(5))[0].outputs[0]
+    assert out.token_ids == hf_greedy(tiny_hf, PROMPT, 5)
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+
+
+def test_min_tokens_holds_back_stop_id(tiny_hf, make_tiny_llm):
+    ref = hf_greedy(tiny_hf, PROMPT, 24)
+    k = first_repeat_free(ref, 0, 24)
+    assert k <= 3  # greedy would stop early without min_tokens
+    stop, m = ref[k], k + 6
+    # HF bans its EOS for the first min_new_tokens steps, as min_tokens does.
+    want = hf_greedy(tiny_hf, PROMPT, 24, min_new_tokens=m, eos_token_id=stop, pad_token_id=0)
+    out = make_tiny_llm().generate(PROMPT, greedy(24, stop_token_ids=[stop], min_tokens=m))
+    out = out[0].outputs[0]
+    assert out.token_ids == want
+    assert stop not in out.token_ids[:m] and len(out.token_ids) > k + 1
+    assert out.finish_reason == ("stop" if want[-1] == stop else "length")
+
+
+def test_abort_finishes_with_abort_and_frees_pages(tiny_hf, make_tiny_llm):
+    llm = make_tiny_llm()
+    engine, alloc = llm.engine, llm.engine.allocator
+    rids = [engine.add_request(None, p, greedy(24)) for p in PROMPTS[:3]]
+    for _ in range(4):  # one prefill, three decodes
+        assert not any(o.finished for o in engine.step())
+    held = len(engine._requests[rids[1]].page_ids)
+    free = alloc.num_free_pages
+    engine.abort(rids[1])
+    assert alloc.num_free_pages == free + held > free
+    queued = engine.add_request("queued", PROMPT, greedy(24))
+    engine.abort(queued)  # aborted before it ever ran
+    final = drain(engine)
+    assert sorted(final) == sorted(rids + [queued])
+    a = final[rids[1]].outputs[0]
+    assert a.finish_reason == "abort" and a.token_ids == hf_greedy(tiny_hf, PROMPTS[1], 4)
+    assert final[queued].outputs[0].finish_reason == "abort"
+    assert final[queued].outputs[0].token_ids == []
+    for r, p in ((rids[0], PROMPTS[0]), (rids[2], PROMPTS[2])):
+        assert final[r].outputs[0].finish_reason == "length"
+        assert final[r].outputs[0].token_ids == hf_greedy(tiny_hf, p, 24)
+    assert alloc.num_free_pages == alloc.num_pages and not engine._requests
+
+
+def test_duplicate_request_id_rejected(make_tiny_llm):
+    engine = make_tiny_llm().engine
+    engine.add_request("x", PROMPT, greedy(2))
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        engine.add_request("x", [9, 9], greedy(2))
+    assert drain(engine)["x"].prompt_token_ids == PROMPT
+
+
+def test_preemption_keeps_greedy_exact(tiny_hf, make_tiny_llm):
+    n = 32
+    refs = [hf_greedy(tiny_hf, p, n) for p in PROMPTS]
+    # 8-token pages; the longest sequence (50 + 32 tokens) needs 11, all five need 27.
+    llm = make_tiny_llm(page_size=8, num_pages=14)
+    engine = llm.engine
+    rids = [engine.add_request(None, p, greedy(n)) for p in PROMPTS]
+    reqs = [engine._requests[r] for r in rids]
+    final = drain(engine)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    for rid, ref in zip(rids, refs):
+        assert final[rid].outputs[0].token_ids == ref
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+def test_sequence_larger_than_cache_rejected(make_tiny_llm):
+    engine = make_tiny_llm(page_size=8, num_pages=4).engine  # 32 token slots
+    with pytest.raises(ValueError, match="33 tokens needs more than the 4 pages"):
+        engine.add_request(None, list(range(20)), greedy(13))
+    assert not engine.has_unfinished_requests()
+    engine.add_request(None, list(range(20)), greedy(12))  # exactly fits
+    assert drain(engine)
+
+
+@pytest.mark.parametrize("bad", [256, -1, 10**6])
+def test_token_ids_outside_vocab_rejected(make_tiny_llm, bad):
+    engine = make_tiny_llm().engine
+    with pytest.raises(ValueError, match=rf"\[{bad}\] are outside the vocabulary"):
+        engine.add_request(None, [5, bad, 7], greedy(2))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_k=1, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True),
+    SamplingParams(top_p=1e-6, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
+], ids=["top_k=1", "top_p=1e-6"])
+def test_degenerate_filters_equal_greedy(tiny_hf, make_tiny_llm, params):
+    outs = make_tiny_llm().generate(PROMPTS[:3], params)
+    for p, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_hf, p, 24)
+
+
+def test_first_token_distribution_matches_softmax(make_tiny_llm):
+    llm = make_tiny_llm(max_num_seqs=128, num_pages=256)
+    prompt = [42] * 19
+    probs = np.exp(llm.engine.last_token_logits([prompt])[0].astype(np.float64))
+    probs /= probs.sum()
+    assert probs.max() < 0.7  # greedy sampling would fail the check below
+    n = 400
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=1)
+                                       for s in range(n)])
+    counts = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=len(probs))
+    # Bins: the 8 likeliest tokens one by one, then everything else.
+    top = np.argsort(probs)[::-1][:8]
+    p_bins = np.append(probs[top], 1 - probs[top].sum())
+    e_bins = np.append(counts[top], n - counts[top].sum()) / n
+    tv = 0.5 * np.abs(p_bins - e_bins).sum()
+    assert tv < 0.15, (tv, p_bins.round(3), e_bins.round(3))
