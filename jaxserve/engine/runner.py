@@ -1,7 +1,8 @@
 """ModelRunner: metadata building, shape buckets and the two jitted steps.
 
 ``prefill_step`` and ``decode_step`` are pure functions of
-``(params, k_cache, v_cache, input_ids, AttentionMetadata)`` returning the
+``(params, k_cache, v_cache, AttentionMetadata)`` (the metadata carries the
+token ids, positions, ``cu_q_lens``, ``kv_lens`` and page table) returning the
 logits of each sequence's last token and the caches, which are donated so XLA
 updates them in place. Sampling is a third jitted function over the logits
 (still on device), compiled once per row bucket. Every dimension that
@@ -68,10 +69,10 @@ class ModelRunner:
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * \
             jnp.dtype(dtype).itemsize
 
-    def _step(self, state, k_cache, v_cache, input_ids, md, *, decode, max_q_len):
+    def _step(self, state, k_cache, v_cache, md, *, decode, max_q_len):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation
         model = nnx.merge(self.graphdef, state)
-        return model(input_ids, k_cache, v_cache, md, decode=decode, max_q_len=max_q_len)
+        return model(k_cache, v_cache, md, decode=decode, max_q_len=max_q_len)
 
     def _sample_fn(self, logits, st):
         self.num_compilations += 1
@@ -143,13 +144,14 @@ class ModelRunner:
             cu_q_lens[i + 1] = t
             logits_indices[i] = t - 1
         cu_q_lens[n + 1:] = t
-        md = AttentionMetadata(positions, slot_pages, slot_offsets, kv_lens, page_indices,
+        md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
+                               page_indices,
                                cu_q_lens, np.array([n], np.int32), logits_indices)
         st = self._sampling_tensors(reqs, rows)
         if batch.decode:
-            out = self.decode_step(self.state, self.k_cache, self.v_cache, input_ids, md)
+            out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
         else:
-            out = self.prefill_step(self.state, self.k_cache, self.v_cache, input_ids, md,
+            out = self.prefill_step(self.state, self.k_cache, self.v_cache, md,
                                 max_q_len=next_pow2(max(q_lens), 1))
         logits, self.k_cache, self.v_cache = out
         token_ids, logprobs = self._sample(logits, st)

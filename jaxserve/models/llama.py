@@ -39,6 +39,7 @@ class AttentionMetadata:
     """What one step's attention needs; built on the host by the runner.
 
     Attributes:
+      input_ids: i32[T] packed token ids of every sequence (padding: 0).
       positions: i32[T] absolute position of each token (padding: 0).
       slot_pages: i32[T] page each token's K/V is written to (padding: P, dropped).
       slot_offsets: i32[T] offset inside that page.
@@ -49,6 +50,7 @@ class AttentionMetadata:
       logits_indices: i32[S] row of each sequence's last token in T.
     """
 
+    input_ids: jax.Array
     positions: jax.Array
     slot_pages: jax.Array
     slot_offsets: jax.Array
@@ -163,12 +165,11 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 
-    def __call__(self, input_ids_T, k_cache, v_cache, md: AttentionMetadata, *,
+    def __call__(self, k_cache, v_cache, md: AttentionMetadata, *,
                  decode: bool, max_q_len: int = 1):
         """Forward one step.
 
         Args:
-          input_ids_T: i32[T] packed token ids.
           k_cache, v_cache: [layers, P, L, K, H] paged cache.
           md: the step's ``AttentionMetadata``.
           decode: every sequence has exactly one query token (T == S).
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nnx.Module):
           (logits [S, V] f32, k_cache, v_cache).
         """
         cfg = self.cfg
-        x_TD = self.embed_tokens.value[input_ids_T]
+        x_TD = self.embed_tokens.value[md.input_ids]
         cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
         for i, layer in enumerate(self.layers):
             h, k_cache, v_cache = layer.self_attn(
