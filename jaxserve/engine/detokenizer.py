@@ -35,22 +35,29 @@ class IncrementalDetokenizer:
     def _decode(self, ids):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token_id: int) -> str:
-        """Append one token; return the newly final text (maybe "")."""
+    def add(self, token_id: int, check_stop: bool = True) -> str:
+        """Append one token; return the newly final text (maybe "").
+
+        ``check_stop=False`` (while ``min_tokens`` is not reached) skips the
+        stop-string search for this token's text, as vLLM does."""
         self.ids.append(token_id)
         if self.tokenizer is None or self.stopped_on is not None:
             return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return self._flush(final=False)
+            return self._flush(final=False, check_stop=check_stop)
         self.text += full[len(prefix):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        return self._flush(final=False)
+        return self._flush(final=False, check_stop=check_stop)
 
-    def _flush(self, final: bool) -> str:
+    def _flush(self, final: bool, check_stop: bool = True) -> str:
         end = len(self.text)
+        if not check_stop:
+            delta = self.text[self.emitted:end]
+            self.emitted = end
+            return delta
         for s in self.stop:
             idx = self.text.find(s, max(0, self.emitted - len(s) + 1))
             if idx != -1 and (self.stopped_on is None or idx < end):

@@ -120,7 +120,11 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self._requests:  # skip ids the caller chose
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
@@ -179,8 +183,8 @@ class Engine:
         if r.metrics.first_token_time is None:
             r.metrics.first_token_time = now
         detok = self._detok[r.request_id]
-        delta = detok.add(tok)
         p, n_out = r.params, len(r.output_token_ids)
+        delta = detok.add(tok, check_stop=n_out >= p.min_tokens)
         reason, stop_reason = None, None
         if detok.stopped_on is not None:
             reason, stop_reason = "stop", detok.stopped_on
@@ -286,20 +290,27 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for "
                              f"{len(prompts)} prompts")
         engine = self.engine
-        ids = []
+        ids: list[str] = []
+        others: list[RequestOutput] = []  # outputs of requests added elsewhere: handed back
         try:
             for p, sp in zip(prompts, sampling_params):
                 ids.append(engine.add_request(None, p, sp))
         except ValueError:
             for rid in ids:
                 engine.abort(rid)
-            engine.step()  # drain the abort outputs
+            engine._pending = [o for o in engine._pending if o.request_id not in ids]
             raise
+        mine = set(ids)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while len(final) < len(ids):
+                for out in engine.step():
+                    if out.request_id not in mine:
+                        others.append(out)
+                    elif out.finished:
+                        final[out.request_id] = out
+        finally:
+            engine._pending[:0] = others
         return [final[rid] for rid in ids]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

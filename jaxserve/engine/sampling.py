@@ -81,10 +81,10 @@ def sample(logits_SV, t: SamplingTensors):
     """
     logits_SV = logits_SV.astype(jnp.float32)
     S, V = logits_SV.shape
+    logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)  # raw distribution
     rows = jnp.arange(S)[:, None]
     banned = jnp.where(t.banned_ids >= 0, t.banned_ids, V)
     logits_SV = logits_SV.at[rows, banned].set(NEG_INF, mode="drop")
-    logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)
     greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
 
     def sampled():
