@@ -102,6 +102,8 @@ def _linear(w_FD, x_DT):
 
 
 class Attention(nnx.Module):
+    """GQA self-attention over the paged cache: project, RoPE, write K/V, attend."""
+
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = _param((N * H, D), ("q_heads", "embed"), dtype, rngs)
@@ -150,6 +152,8 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
@@ -161,8 +165,9 @@ class LlamaForCausalLM(nnx.Module):
     """Llama decoder with an LM head.
 
     ``__call__`` runs the packed tokens of one step through all layers,
-    writing their K/V into the paged cache, and returns the hidden state of the
-    rows in ``md.logits_indices`` plus the updated cache.
+    writing their K/V into the paged cache, and returns the next-token logits
+    of the rows in ``md.logits_indices`` (each sequence's last token) plus the
+    updated caches.
     """
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
