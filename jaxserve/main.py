@@ -25,8 +25,8 @@ flags.DEFINE_string("model", "smollm2-135m", "Model alias or path to a .gguf fil
 flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
 flags.DEFINE_integer("max_tokens", None, "Most output tokens per request (demo: per prompt).")
-flags.DEFINE_float("temperature", None, "Sampling temperature; 0 is greedy (default 0.7).")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
+flags.DEFINE_float("temperature", 0.3, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_float("top_p", 0.9, "Nucleus sampling mass in (0, 1]; 1 is off.")
 flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 is off.")
 flags.DEFINE_integer("seed", None, "Per-request sampling seed.")
 flags.DEFINE_bool("json", False, "Print one JSON object per request instead of text.")
@@ -73,9 +73,9 @@ def _engine_args() -> dict:
 
 
 def _requests(llm, SamplingParams):
-    temperature = 0.7 if FLAGS.temperature is None else FLAGS.temperature
     def params(max_tokens):
-        return SamplingParams(max_tokens=FLAGS.max_tokens or max_tokens, temperature=temperature,
+        return SamplingParams(max_tokens=FLAGS.max_tokens or max_tokens,
+                              temperature=FLAGS.temperature,
                               top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
     if FLAGS.prompt:
         items = [(p, _CHAT if FLAGS.chat else None, 256) for p in FLAGS.prompt]
@@ -168,8 +168,7 @@ def main(argv) -> None:
     from jaxserve import LLM, SamplingParams
     try:
         # Check sampling flags before the (slow) model load.
-        SamplingParams(max_tokens=FLAGS.max_tokens or 1,
-                       temperature=0.7 if FLAGS.temperature is None else FLAGS.temperature,
+        SamplingParams(max_tokens=FLAGS.max_tokens or 1, temperature=FLAGS.temperature,
                        top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
