@@ -74,7 +74,9 @@ def _engine_args() -> dict:
 
 def _requests(llm, SamplingParams):
     def params(max_tokens):
-        return SamplingParams(max_tokens=FLAGS.max_tokens or max_tokens,
+        if FLAGS.max_tokens is not None:
+            max_tokens = FLAGS.max_tokens
+        return SamplingParams(max_tokens=max_tokens,
                               temperature=FLAGS.temperature,
                               top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
     if FLAGS.prompt:
@@ -168,7 +170,8 @@ def main(argv) -> None:
     from jaxserve import LLM, SamplingParams
     try:
         # Check sampling flags before the (slow) model load.
-        SamplingParams(max_tokens=FLAGS.max_tokens or 1, temperature=FLAGS.temperature,
+        SamplingParams(max_tokens=1 if FLAGS.max_tokens is None else FLAGS.max_tokens,
+                       temperature=FLAGS.temperature,
                        top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")

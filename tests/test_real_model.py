@@ -256,13 +256,37 @@ def test_cli_chat_greedy_says_paris(cache_dir):
     assert "Paris" in r.stdout
 
 
-def test_cli_bad_flags_exit_2(cache_dir):
-    r = _cli(cache_dir, "--temperature", "-1", "--prompt", "hi")
-    assert r.returncode == 2
-    assert "error:" in r.stderr and "-1" in r.stderr.split("error:")[-1]
-    r = _cli(cache_dir, "--model", "no-such-model", "--prompt", "hi")
-    assert r.returncode == 2
-    assert "no-such-model" in r.stderr.split("error:")[-1]
+@pytest.mark.parametrize("flags,named", [
+    (("--temperature", "-1"), "-1"),
+    (("--max_tokens", "0"), "got 0"),
+    (("--top_p", "0"), "0.0"),
+    (("--top_p", "1.5"), "1.5"),
+    (("--model", "no-such-model"), "no-such-model"),
+    (("--model", "/tmp/jaxserve-missing.gguf"), "jaxserve-missing.gguf"),
+])
+def test_cli_bad_flags_exit_2(cache_dir, flags, named):
+    """Each bad flag fails before the model loads, naming the value, with status 2."""
+    r = _cli(cache_dir, *flags, "--prompt", "hi")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "error:" in r.stderr and named in r.stderr.split("error:")[-1]
+
+
+def test_cli_empty_prompt_exit_2(cache_dir):
+    r = _cli(cache_dir, "--prompt", "")
+    assert r.returncode == 2 and "prompt is empty" in r.stderr
+
+
+def test_cli_demo_batch_prints_table(cache_dir):
+    """The default text path: tagged streaming, one table row per request, totals."""
+    r = _cli(cache_dir, "--max_tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    header = next(i for i, l in enumerate(lines) if l.split()[:3] == ["req", "prompt", "output"])
+    rows = [l.split() for l in lines[header + 1:header + 9]]
+    assert [row[0] for row in rows] == [str(i) for i in range(8)]
+    assert all(1 <= int(row[2]) <= 8 for row in rows)
+    assert any(l.startswith("[0] ") and "Paris" in l for l in lines)
+    assert lines[header + 9].startswith("total: 8 requests") and "output tokens/s" in lines[-1]
 
 
 def test_cli_json_demo_batch(cache_dir):
