@@ -8,7 +8,6 @@ drives ``step()`` from its own loop.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from typing import Sequence
@@ -22,7 +21,7 @@ from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
 from jaxserve.engine.request import (CompletionOutput, Request, RequestOutput,
-                                     RequestStatus, SamplingParams)
+                                     SamplingParams)
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
