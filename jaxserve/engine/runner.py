@@ -145,14 +145,14 @@ class ModelRunner:
             logits_indices[i] = t - 1
         cu_q_lens[n + 1:] = t
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
-                               page_indices,
-                               cu_q_lens, np.array([n], np.int32), logits_indices)
+                               page_indices, cu_q_lens, np.array([n], np.int32),
+                               logits_indices)
         st = self._sampling_tensors(reqs, rows)
         if batch.decode:
             out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
         else:
             out = self.prefill_step(self.state, self.k_cache, self.v_cache, md,
-                                max_q_len=next_pow2(max(q_lens), 1))
+                                    max_q_len=next_pow2(max(q_lens), 1))
         logits, self.k_cache, self.v_cache = out
         token_ids, logprobs = self._sample(logits, st)
         token_ids = np.asarray(token_ids)[:n]

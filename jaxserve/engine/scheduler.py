@@ -15,7 +15,7 @@ import collections
 import dataclasses
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.engine.page_table import PageAllocator, cdiv
+from jaxserve.engine.page_table import PageAllocator
 from jaxserve.engine.request import Request, RequestStatus
 
 
@@ -137,6 +137,3 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
-
-    def max_pages_per_seq(self) -> int:
-        return cdiv(self.max_model_len, self.allocator.page_size)
