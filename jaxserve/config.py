@@ -78,12 +78,16 @@ class CacheConfig:
       memory_bytes: KV budget in bytes (K and V of all layers together), used when
         ``num_pages`` is None. Default 1 GiB.
       dtype: KV cache dtype name; None means the model's parameter dtype.
+      enable_prefix_caching: reuse the K/V of full pages whose chained hash
+        (previous page's hash, this page's token ids) matches a new request's
+        prefix. On by default, as in vLLM v1.
     """
 
     page_size: int = 16
     num_pages: int | None = None
     memory_bytes: int = 1 << 30
     dtype: str | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _positive("page_size", self.page_size)
@@ -97,14 +101,20 @@ class SchedulerConfig:
 
     Attributes:
       max_num_seqs: most sequences running at once (decode batch ceiling).
-      max_num_batched_tokens: most prompt tokens packed into one prefill step.
+      max_num_batched_tokens: token budget of one step: decode tokens (one per
+        running sequence) plus prefill tokens.
       max_model_len: longest sequence (prompt + output), tokens. None means the
         model's ``max_position_embeddings``.
+      enable_chunked_prefill: split a prompt longer than the step's remaining
+        budget into chunks that run beside the decodes (vLLM/Sarathi-Serve).
+        When off, a prompt is prefilled whole; one longer than the budget runs
+        in a step with no other prefill (beside the decodes).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         _positive("max_num_seqs", self.max_num_seqs)

@@ -78,7 +78,7 @@ def test_abort_finishes_with_abort_and_frees_pages(tiny_hf, make_tiny_llm):
     rids = [engine.add_request(None, p, greedy(24)) for p in PROMPTS[:3]]
     for _ in range(4):  # one prefill, three decodes
         assert not any(o.finished for o in engine.step())
-    held = len(engine._requests[rids[1]].page_ids)
+    held = len(engine.get_sequences(rids[1])[0].page_ids)
     free = alloc.num_free_pages
     engine.abort(rids[1])
     assert alloc.num_free_pages == free + held > free
@@ -93,7 +93,7 @@ def test_abort_finishes_with_abort_and_frees_pages(tiny_hf, make_tiny_llm):
     for r, p in ((rids[0], PROMPTS[0]), (rids[2], PROMPTS[2])):
         assert final[r].outputs[0].finish_reason == "length"
         assert final[r].outputs[0].token_ids == hf_greedy(tiny_hf, p, 24)
-    assert alloc.num_free_pages == alloc.num_pages and not engine._requests
+    assert alloc.num_free_pages == alloc.num_pages and not engine._groups
 
 
 def test_duplicate_request_id_rejected(make_tiny_llm):
@@ -111,7 +111,7 @@ def test_preemption_keeps_greedy_exact(tiny_hf, make_tiny_llm):
     llm = make_tiny_llm(page_size=8, num_pages=14)
     engine = llm.engine
     rids = [engine.add_request(None, p, greedy(n)) for p in PROMPTS]
-    reqs = [engine._requests[r] for r in rids]
+    reqs = [engine.get_sequences(r)[0] for r in rids]
     final = drain(engine)
     assert sum(r.num_preemptions for r in reqs) > 0
     for rid, ref in zip(rids, refs):

@@ -67,7 +67,7 @@ def llm(smollm2_llm):
     """The session's shared LLM; checks each test leaves it idle with every page free."""
     yield smollm2_llm
     engine = smollm2_llm.engine
-    assert not engine.has_unfinished_requests() and not engine._requests
+    assert not engine.has_unfinished_requests() and not engine._groups
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
 
 
@@ -172,7 +172,7 @@ def test_paging_and_small_kv_budget_exact(llm, smollm2_ckpt, prompts, hf_refs):
                 compilation_cache_dir=XLA_CACHE, **parts)
     engine = small.engine
     rids = [engine.add_request(None, p, greedy(n)) for p in five]
-    reqs = [engine._requests[r] for r in rids]
+    reqs = [engine.get_sequences(r)[0] for r in rids]
     outs, most_running, queued = _drive(engine, rids)
     check(outs)
     assert queued and most_running < len(five)
@@ -229,7 +229,7 @@ def test_bad_input_rejected_while_good_requests_run(llm, prompts, tmp_path):
         engine.add_request(None, "hi", SamplingParams(top_p=0))
     with pytest.raises(ValueError, match=r"top_p.*got 1\.5$"):
         engine.add_request(None, "hi", SamplingParams(top_p=1.5))
-    assert sorted(engine._requests) == ["good0", "good1"]  # nothing half-queued
+    assert sorted(engine._groups) == ["good0", "good1"]  # nothing half-queued
 
     while engine.has_unfinished_requests():
         finals.update((o.request_id, o) for o in engine.step() if o.finished)

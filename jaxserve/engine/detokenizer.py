@@ -2,90 +2,132 @@
 
 Decoding each new token alone breaks multi-byte characters and BPE merges
 across token boundaries, so (like vLLM's ``detokenize_incrementally``) we
-decode a short window ``ids[prefix_offset:]`` and emit only what extends the
-decode of ``ids[prefix_offset:read_offset]``. Text ending in U+FFFD (an
-unfinished UTF-8 sequence) is held back until the next token completes it.
-Stop strings are searched in the text; a match truncates the output before
-the stop string, and text that could be the start of a stop string is held
-back so that a streamed delta never has to be taken back.
+decode a short window ``ids[prefix_offset:]`` and keep only what extends the
+decode of ``ids[prefix_offset:read_offset]``. A window whose decode ends in
+U+FFFD ends in an unfinished UTF-8 sequence: the text before that trailing
+U+FFFD run is taken now, the run itself waits for the token that completes it
+(or for ``finish()``, which releases it as the honest U+FFFD of orphan bytes).
+
+The detokenizer sees output ids only, never the prompt: if the prompt ends
+inside a multi-byte character, the output's leading continuation bytes decode
+to U+FFFD, exactly as ``tokenizer.decode(output_ids)`` does.
+
+Stop strings (vLLM semantics, ``include_stop_str_in_output=False``):
+
+- a stop string matches anywhere in the text, as a raw substring: across token
+  boundaries, inside one token, inside a word ("the" stops "there");
+- the text is cut before the earliest match (ties: the first in ``stop``);
+  the stop string and everything after it never reach a delta;
+- a text tail that is a proper prefix of some stop string is held back until
+  it is decided, so a delta never has to be taken back;
+- ``add(..., check_stop=False)`` (``min_tokens`` not reached) searches nothing,
+  but the hold-back still applies. Like vLLM, each search looks only at matches
+  that end in the text new since the previous ``add``, so a stop string
+  completed while ``check_stop`` was False never stops the request, while one
+  that starts then and completes later does. Each search scans only the last
+  ``len(new) + len(stop) - 1`` characters, so long outputs cost O(new text).
 """
 
 from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of output token ids into text deltas.
+
+    The deltas returned by ``add`` and ``finish`` concatenate to
+    ``output_text``; after ``finish`` that equals ``tokenizer.decode(ids)``
+    cut before the first stop string matched.
 
     Args:
       tokenizer: object with ``decode(ids, skip_special_tokens=True) -> str``,
         or None (text stays empty; token ids still flow).
-      stop: stop strings.
+      stop: stop strings (non-empty; empty ones are ignored).
     """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
-        self.stop = stop
+        self.stop = [s for s in stop if s]
         self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""      # all decoded text (may include held-back tail)
-        self.emitted = 0    # chars of ``text`` already handed out
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset]: context window
+        self.read_offset = 0    # ids before this are in ``text`` for good
+        self.read_chars = 0     # len(text) when read_offset was last moved
+        self.text = ""          # decoded text, incl. the held-back tail
+        self.emitted = 0        # chars of ``text`` already handed out
         self.stopped_on: str | None = None
+        self.finished = False
 
     def _decode(self, ids):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _read(self, final: bool) -> int:
+        """Extend ``text`` with the decode of the unread ids; return its old length."""
+        n_before = len(self.text)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        new = full[len(prefix):]  # "" while the window decodes no longer
+        complete = final or not new.endswith("\ufffd")
+        if not complete:
+            new = new.rstrip("\ufffd")  # an unfinished character: wait for its bytes
+        self.text = self.text[:self.read_chars] + new
+        if complete and new:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.read_chars = len(self.text)
+        return n_before
+
     def add(self, token_id: int, check_stop: bool = True) -> str:
-        """Append one token; return the newly final text (maybe "").
+        """Append one output token; return the newly final text (maybe "").
 
         ``check_stop=False`` (while ``min_tokens`` is not reached) skips the
         stop-string search for this token's text, as vLLM does."""
         self.ids.append(token_id)
-        if self.tokenizer is None or self.stopped_on is not None:
+        if self.tokenizer is None or self.stopped_on is not None or self.finished:
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return self._flush(final=False, check_stop=check_stop)
-        self.text += full[len(prefix):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return self._flush(final=False, check_stop=check_stop)
+        n_before = self._read(final=False)
+        if check_stop:
+            self._match(n_before)
+        return self._flush(final=False)
 
-    def _flush(self, final: bool, check_stop: bool = True) -> str:
-        end = len(self.text)
-        if not check_stop:
-            delta = self.text[self.emitted:end]
-            self.emitted = end
-            return delta
+    def _match(self, n_before: int):
+        """Cut ``text`` before the earliest stop string ending past ``n_before``."""
+        best = None
         for s in self.stop:
-            idx = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if idx != -1 and (self.stopped_on is None or idx < end):
-                end, self.stopped_on = idx, s
-        if self.stopped_on is not None:
-            self.text = self.text[:end]
-        elif not final:
-            # Hold back a tail that might begin a stop string.
+            i = self.text.find(s, max(0, n_before - len(s) + 1))
+            if i != -1 and (best is None or i < best):
+                best, self.stopped_on = i, s
+        if best is not None:
+            # The hold-back kept text[best:n_before] (a proper prefix of the
+            # stop string) unemitted, so nothing streamed is cut.
+            assert best >= self.emitted, (best, self.emitted)
+            self.text = self.text[:best]
+
+    def _flush(self, final: bool) -> str:
+        end = len(self.text)
+        if self.stopped_on is None and not final:
+            # Hold back the longest tail that is a proper prefix of a stop string.
+            hold = 0
             for s in self.stop:
-                for k in range(min(len(s) - 1, end - self.emitted), 0, -1):
+                for k in range(min(len(s) - 1, end - self.emitted), hold, -1):
                     if self.text.endswith(s[:k]):
-                        end = min(end, len(self.text) - k)
+                        hold = k
                         break
+            end -= hold
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
 
     def finish(self) -> str:
-        """Release any held-back text at the end of the request."""
-        if self.tokenizer is None:
+        """Release all held-back text at the end of the request.
+
+        Searches no stop strings: the request has already ended for another
+        reason, and the only new text here is U+FFFD for unfinished bytes."""
+        if self.tokenizer is None or self.finished:
             return ""
-        if self.stopped_on is None and self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            full = self._decode(self.ids[self.prefix_offset:])
-            self.text += full[len(prefix):]
-            self.read_offset = len(self.ids)
+        self.finished = True
+        if self.stopped_on is None:
+            self._read(final=True)
         return self._flush(final=True)
 
     @property
     def output_text(self) -> str:
+        """All text handed out so far (the final text after ``finish``)."""
         return self.text[:self.emitted]

@@ -4,13 +4,18 @@ One thread, one loop: ``step()`` asks the scheduler for a plan, runs it on
 device through the ModelRunner, appends the sampled tokens, detokenizes, and
 retires finished requests. Nothing here is asynchronous; the gRPC server
 drives ``step()`` from its own loop.
+
+A user request is a group of ``n`` sequences (``Request``), one per choice;
+outputs are reported per group, one ``RequestOutput`` per step in which any
+of its choices changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +25,58 @@ from flax import nnx
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
-from jaxserve.engine.request import (CompletionOutput, Request, RequestOutput,
-                                     SamplingParams)
-from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
+                                     RequestOutput, SamplingParams)
+from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 from jaxserve.models import MODEL_CLASSES, llama
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics (counts; tokens where named).
+
+    Attributes:
+      num_running, num_waiting: sequences (choices) in each state.
+      pages_total, pages_used, pages_free: KV pages; free includes cached
+        pages no sequence holds (they are evicted on demand).
+      pages_cached: pages findable in the prefix cache.
+      prefix_cache_queries, prefix_cache_hits: prompt tokens looked up and
+        served from the cache; ``prefix_cache_hit_rate`` = hits / queries.
+      num_preemptions: sequences preempted so far.
+      prompt_tokens, generation_tokens: prompt tokens computed (cache hits
+        excluded; recomputation after preemption counts again) and tokens
+        sampled, since start.
+      num_steps: steps run.
+    """
+
+    num_running: int
+    num_waiting: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """One user request: its choices and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
 
 
 class Engine:
@@ -71,18 +122,20 @@ class Engine:
         num_pages = cache.num_pages or max(
             1, cache.memory_bytes // ModelRunner.kv_bytes_per_page(model_config, cache.page_size,
                                                                    kv_dtype))
-        self.allocator = PageAllocator(num_pages, cache.page_size)
+        self.allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
                                   max_model_len=self.max_model_len, kv_dtype=kv_dtype)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset([tokenizer.eos_token_id]) if tokenizer is not None
             and tokenizer.eos_token_id is not None else frozenset())
-        self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._groups: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_steps = 0
 
     # ---- requests -----------------------------------------------------------
 
@@ -110,26 +163,30 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None) -> str:
-        """Queue a request; returns its id.
+        """Queue a request (its ``params.n`` choices); returns its id.
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that leaves no
-            room in ``max_model_len``, or a sequence larger than the whole KV cache.
+            room in ``max_model_len``, ``n`` above ``max_num_seqs``, or a
+            sequence larger than the whole KV cache.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id is None:
             request_id = str(next(self._ids))
-            while request_id in self._requests:  # skip ids the caller chose
+            while request_id in self._groups:  # skip ids the caller chose
                 request_id = str(next(self._ids))
         request_id = str(request_id)
-        if request_id in self._requests:
+        if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
                              f"max_model_len={self.max_model_len}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"SamplingParams.n must be <= max_num_seqs="
+                             f"{self.config.scheduler.max_num_seqs}, got {params.n}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         if cdiv(longest, self.allocator.page_size) > self.allocator.num_pages:
             raise ValueError(f"a sequence of {longest} tokens needs more than the "
@@ -138,23 +195,53 @@ class Engine:
             raise ValueError(f"min_tokens supports at most {MAX_BANNED} stop and EOS ids, "
                              f"got {len(params.stop_token_ids) + len(self.eos_token_ids)}")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
-        req = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
-                      seed, self.eos_token_ids)
-        self._requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(req)
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        text = prompt if isinstance(prompt, str) else None
+        seqs: list[Request] = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(Request(seq_id, text, ids, params, (seed + i) % 2**32,
+                                self.eos_token_ids, metrics=metrics, group_id=request_id,
+                                index=i, fork_of=seqs[0] if i else None))
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None]
+        self._groups[request_id] = _Group(
+            request_id, text, ids, params, seqs,
+            [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs], metrics)
+        for r in seqs:
+            self.scheduler.add(r)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its final output (finish_reason "abort") comes from the next step."""
-        req = self._requests.get(str(request_id))
-        if req is None or req.finished:
+        """Stop a request in any state (waiting, mid-prefill, decoding): its
+        pages are freed now, and its final output (finish_reason "abort")
+        comes from the next ``step``. Unknown or finished ids are ignored."""
+        group = self._groups.get(str(request_id))
+        if group is None:
             return
-        self.scheduler.finish(req, "abort")
-        self._pending.append(self._retire(req, ""))
+        for r in group.seqs:
+            if not r.finished:
+                self.scheduler.finish(r, "abort")
+        self._pending.append(self._group_output(group, {}, time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def get_sequences(self, request_id: str) -> list[Request]:
+        """The live sequences (choices) of a request, for inspection; [] when gone."""
+        group = self._groups.get(str(request_id))
+        return list(group.seqs) if group else []
+
+    def stats(self) -> EngineStats:
+        """Counts for metrics; see ``EngineStats``."""
+        a, s = self.allocator, self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), pages_total=a.num_pages,
+            pages_used=a.num_pages - a.num_free_pages, pages_free=a.num_free_pages,
+            pages_cached=a.num_cached_pages, prefix_cache_queries=a.prefix_queries,
+            prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
+            num_preemptions=s.num_preemptions, prompt_tokens=self._num_prompt_tokens,
+            generation_tokens=self._num_generation_tokens, num_steps=self._num_steps)
 
     # ---- the loop -----------------------------------------------------------
 
@@ -168,20 +255,59 @@ class Engine:
         for r in batch.requests:
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
-        token_ids, logprobs, _ = self.runner.execute(batch)
+        res = self.runner.execute(batch)
         now = time.monotonic()
-        for r, q, tok, lp in zip(batch.requests, batch.q_lens, token_ids, logprobs):
-            outputs.append(self._append(r, q, int(tok), float(lp), now))
+        self._num_steps += 1
+        changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        for k, (r, q) in enumerate(zip(batch.requests, batch.q_lens)):
+            start = r.num_computed_tokens
+            self._num_prompt_tokens += max(0, min(start + q, len(r.prompt_token_ids)) - start)
+            r.num_computed_tokens += q
+            self.scheduler.cache_computed_pages(r)
+            if k in res.prompt_logprobs:
+                self._add_prompt_logprobs(r, *res.prompt_logprobs[k])
+            if r.num_computed_tokens < r.num_tokens:
+                continue  # a prompt chunk that does not reach the end: nothing sampled
+            changed.setdefault(r.group_id, {})[r.index] = self._append(r, res, k, now)
+        for gid, deltas in changed.items():
+            outputs.append(self._group_output(self._groups[gid], deltas, now))
         return outputs
 
-    def _append(self, r: Request, q_len: int, tok: int, logprob: float, now: float):
-        r.num_computed_tokens += q_len
+    def _logprob_dict(self, chosen: int, lp: float, rank: int, top_ids, top_lps, k: int):
+        """{token id: Logprob} of a position: the chosen token and the top ``k``."""
+        def text(i):
+            return self.tokenizer.decode([i], skip_special_tokens=False) \
+                if self.tokenizer is not None else None
+        out = {chosen: Logprob(lp, rank, text(chosen))}
+        for j in range(k):
+            i = int(top_ids[j])
+            if i not in out:
+                out[i] = Logprob(float(top_lps[j]), j + 1, text(i))
+        return out
+
+    def _add_prompt_logprobs(self, r: Request, lo: int, hi: int, arrays) -> None:
+        lps, ranks, top_ids, top_lps = arrays
+        k = r.params.prompt_logprobs
+        assert len(r.prompt_logprobs) == lo, (len(r.prompt_logprobs), lo)
+        for m, u in enumerate(range(lo, hi)):
+            r.prompt_logprobs.append(self._logprob_dict(
+                r.prompt_token_ids[u], float(lps[m]), int(ranks[m]), top_ids[m], top_lps[m], k))
+
+    def _append(self, r: Request, res: StepResult, k: int, now: float) -> tuple[str, list[int]]:
+        """Append row ``k``'s sampled token to ``r``; returns (delta text, [token])."""
+        tok, lp = int(res.token_ids[k]), float(res.logprobs[k])
         r.output_token_ids.append(tok)
-        r.output_logprobs.append(logprob)
-        r.metrics.num_output_tokens = len(r.output_token_ids)
-        if r.metrics.first_token_time is None:
-            r.metrics.first_token_time = now
-        detok = self._detok[r.request_id]
+        r.cumulative_logprob += lp
+        if r.params.logprobs is not None:
+            r.output_logprobs.append(self._logprob_dict(
+                tok, lp, int(res.ranks[k]), res.top_ids[k], res.top_logprobs[k],
+                r.params.logprobs))
+        self._num_generation_tokens += 1
+        m = r.metrics
+        m.num_output_tokens = max(m.num_output_tokens, len(r.output_token_ids))
+        if m.first_token_time is None:
+            m.first_token_time = now
+        detok = self._groups[r.group_id].detoks[r.index]
         p, n_out = r.params, len(r.output_token_ids)
         delta = detok.add(tok, check_stop=n_out >= p.min_tokens)
         reason, stop_reason = None, None
@@ -193,29 +319,30 @@ class Engine:
             reason, stop_reason = "stop", tok
         elif n_out >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is None:
-            return self._output(r, delta, [tok])
-        self.scheduler.finish(r, reason, stop_reason)
-        r.metrics.finished_time = now
-        return self._retire(r, delta + detok.finish(), [tok])
+        if reason is not None:
+            self.scheduler.finish(r, reason, stop_reason)
+            delta += detok.finish()
+        return delta, [tok]
 
-    def _retire(self, r: Request, delta: str, delta_ids=()) -> RequestOutput:
-        if r.metrics.finished_time is None:
-            r.metrics.finished_time = time.monotonic()
-        out = self._output(r, delta, list(delta_ids))
-        del self._requests[r.request_id]
-        del self._detok[r.request_id]
-        return out
-
-    def _output(self, r: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
-        detok = self._detok[r.request_id]
-        comp = CompletionOutput(
-            index=0, text=detok.output_text, token_ids=list(r.output_token_ids),
-            finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
-            delta_text=delta_text, delta_token_ids=delta_ids)
-        return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), [comp],
-                             r.finished, r.metrics)
+    def _group_output(self, g: _Group, deltas: dict, now: float) -> RequestOutput:
+        """The group's output after a step; retires it when every choice is done."""
+        finished = all(r.finished for r in g.seqs)
+        if finished:
+            if g.metrics.finished_time is None:
+                g.metrics.finished_time = now
+            del self._groups[g.request_id]
+        comps = []
+        for r, detok in zip(g.seqs, g.detoks):
+            delta_text, delta_ids = deltas.get(r.index, ("", []))
+            comps.append(CompletionOutput(
+                index=r.index, text=detok.output_text, token_ids=list(r.output_token_ids),
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                logprobs=list(r.output_logprobs) if g.params.logprobs is not None else None,
+                cumulative_logprob=r.cumulative_logprob,
+                delta_text=delta_text, delta_token_ids=delta_ids))
+        plp = g.seqs[0].prompt_logprobs if g.params.prompt_logprobs is not None else None
+        return RequestOutput(g.request_id, g.prompt, list(g.prompt_token_ids), comps,
+                             finished, g.metrics, prompt_logprobs=plp)
 
     # ---- numerics hooks -----------------------------------------------------
 
@@ -234,9 +361,8 @@ class Engine:
                             0, self.eos_token_ids)
                 r.page_ids = self.allocator.allocate(cdiv(len(ids), self.allocator.page_size))
                 reqs.append(r)
-            batch = ScheduledBatch(decode=False, requests=reqs,
-                                   q_lens=[r.num_tokens for r in reqs])
-            return self.runner.execute(batch, return_logits=True)[2]
+            batch = ScheduledBatch(reqs, [r.num_tokens for r in reqs], num_decode=0)
+            return self.runner.execute(batch, return_logits=True).logits
         finally:
             for r in reqs:
                 self.allocator.free(r.page_ids)
@@ -248,7 +374,9 @@ class LLM:
     Args:
       model: alias (``"smollm2-135m"``) or a ``.gguf`` path.
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
-      max_num_batched_tokens, max_model_len, compilation_cache_dir: engine args.
+      max_num_batched_tokens, max_model_len, enable_prefix_caching,
+      enable_chunked_prefill, compilation_cache_dir: engine args (see
+      ``jaxserve.config``).
       model_config, params, tokenizer, chat_template: see ``Engine``.
     """
 
@@ -256,14 +384,17 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None,
                  kv_cache_memory_bytes: int = 1 << 30, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, **parts):
         config = EngineConfig(
             model=model, dtype=dtype, seed=seed,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
-                              memory_bytes=kv_cache_memory_bytes),
+                              memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len,
+                                      enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compilation_cache_dir)
         self.engine = Engine(config, **parts)
 
@@ -311,6 +442,34 @@ class LLM:
         finally:
             engine._pending[:0] = others
         return [final[rid] for rid in ids]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as it runs (``delta_text`` per step).
+
+        Closing the iterator early (``break``, garbage collection, an
+        exception in the consumer) aborts the request at once, freeing its
+        pages. Outputs of other requests in the engine are kept for their owners.
+
+        Raises:
+          ValueError: bad prompt or params (raised at the first ``next``).
+        """
+        engine = self.engine
+        rid = engine.add_request(request_id, prompt, sampling_params)
+        done = False
+        try:
+            while not done:
+                outs = engine.step()
+                for out in outs:
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+                    else:
+                        engine._pending.append(out)
+        finally:
+            if not done:
+                engine.abort(rid)
+                engine._pending = [o for o in engine._pending if o.request_id != rid]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.

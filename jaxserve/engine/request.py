@@ -10,6 +10,9 @@ import enum
 import math
 import time
 
+# Largest ``logprobs`` / ``prompt_logprobs`` a request may ask (vLLM's max_logprobs).
+MAX_LOGPROBS = 20
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -27,10 +30,19 @@ class SamplingParams:
       stop_token_ids: ids that end the output (included in token_ids).
       ignore_eos: keep going past EOS.
       min_tokens: EOS and stop ids are suppressed until this many tokens.
-      n, logprobs, prompt_logprobs, presence_penalty, frequency_penalty,
-      repetition_penalty: accepted only at their defaults for now (n=1,
-      logprobs None or 0 = the chosen token's logprob, no penalties); other
-      values raise ``ValueError`` rather than being silently ignored.
+      n: independent choices sampled for the prompt; they share its pages.
+        With a seed, choice i uses seed + i (vLLM).
+      logprobs: None, or return the log probability of each sampled token and
+        the top ``logprobs`` candidates (0..20) per position, from the raw
+        model distribution (before penalties, temperature and filters).
+      prompt_logprobs: None, or the same for every prompt token but the first.
+        Such requests skip the prefix cache (every position must be computed).
+      presence_penalty, frequency_penalty: in [-2, 2]; subtract
+        ``presence * (count > 0) + frequency * count`` over the output so far
+        (OpenAI definitions).
+      repetition_penalty: > 0; 1 is off. Tokens seen in the prompt or output
+        have their logit divided by it when positive, multiplied when negative
+        (Keskar et al. 2019, CTRL; HF ``RepetitionPenaltyLogitsProcessor``).
 
     Raises:
       ValueError: naming the field and value, from ``__post_init__``.
@@ -82,18 +94,25 @@ class SamplingParams:
             bad("stop_token_ids", "must hold non-negative integers")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if self.n != 1:
-            bad("n", "other than 1 is not supported yet")
-        if self.logprobs not in (None, 0):
-            bad("logprobs", "other than None or 0 (the chosen token's logprob) is not supported yet")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs", "is not supported yet")
-        if self.presence_penalty != 0.0:
-            bad("presence_penalty", "is not supported yet (must be 0)")
-        if self.frequency_penalty != 0.0:
-            bad("frequency_penalty", "is not supported yet (must be 0)")
-        if self.repetition_penalty != 1.0:
-            bad("repetition_penalty", "is not supported yet (must be 1)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        for f in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                                  or not 0 <= v <= MAX_LOGPROBS):
+                bad(f, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for f in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(f, "must be in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) \
+                or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a finite number > 0")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 class RequestStatus(enum.Enum):
@@ -109,7 +128,9 @@ class RequestMetrics:
     ``queue_ms``: arrival to first scheduled; ``ttft_ms``: arrival to first
     token; ``tpot_ms``: mean time per output token after the first;
     ``e2e_ms``: arrival to finish; ``num_cached_tokens``: prompt tokens served
-    from the prefix cache (0 until prefix caching lands).
+    from the prefix cache at first scheduling. With ``n > 1`` the choices share
+    one ``RequestMetrics``: first token is the earliest choice's, finish the
+    last one's, ``num_output_tokens`` the longest choice's.
     """
 
     arrival_time: float
@@ -146,16 +167,36 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """A token's log probability (natural log, raw model distribution), its
+    1-based rank in that distribution and its text (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the chosen (or prompt) token and the top candidates.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One completion of a request. ``text``/``token_ids`` are cumulative;
-    ``delta_text``/``delta_token_ids`` are what this step added (for streaming)."""
+    ``delta_text``/``delta_token_ids`` are what this step added (for streaming).
+
+    ``logprobs`` (when asked): one dict per output token holding the sampled
+    token and the top ``SamplingParams.logprobs`` candidates.
+    ``cumulative_logprob``: sum of the sampled tokens' raw logprobs.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    logprobs: list[float] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 
@@ -170,11 +211,22 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # One entry per prompt token when asked: None for the first, then the
+    # prompt token's and the top candidates' logprobs.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """Host-side state of one request, owned by the scheduler."""
+    """Host-side state of one sequence (one choice of a request), owned by
+    the scheduler.
+
+    ``group_id`` is the user's request id; with ``n > 1`` each choice is its own
+    ``Request`` (``index`` 0..n-1) and choices 1.. carry ``fork_of`` = choice 0,
+    whose prompt pages they share once it is prefilled. ``page_hashes`` are the
+    chained hashes of the sequence's full pages (computed lazily);
+    ``num_registered_pages`` of its pages are in the prefix cache.
+    """
 
     request_id: str
     prompt: str | None
@@ -184,15 +236,24 @@ class Request:
     eos_token_ids: frozenset[int]
     metrics: RequestMetrics = None  # type: ignore[assignment]
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    group_id: str | None = None
+    index: int = 0
+    fork_of: Request | None = None
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_registered_pages: int = 0
 
     def __post_init__(self):
+        if self.group_id is None:
+            self.group_id = self.request_id
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=time.monotonic())
 
@@ -207,3 +268,7 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.index == 0

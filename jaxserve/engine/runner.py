@@ -3,23 +3,29 @@
 ``prefill_step`` and ``decode_step`` are pure functions of
 ``(params, k_cache, v_cache, AttentionMetadata)`` (the metadata carries the
 token ids, positions, ``cu_q_lens``, ``kv_lens`` and page table) returning the
-logits of each sequence's last token and the caches, which are donated so XLA
-updates them in place. Sampling is a third jitted function over the logits
-(still on device), compiled once per row bucket. Every dimension that
-varies with the batch is padded to a power-of-two bucket:
+logits of the rows in ``logits_indices`` and the caches, which are donated so
+XLA updates them in place. ``decode_step`` serves steps whose every row has
+one new token; ``prefill_step`` serves the rest, including mixed steps (decode
+rows first, then prefill chunks; the model attends each part with its own
+reference kernel). Sampling, top-N logprobs and prompt logprobs are a third
+jitted function over the logits (still on device).
 
-* decode: sequences B (>= 8) and pages per sequence (>= 4, in steps of
+Every dimension that varies with the batch is padded to a bucket:
+
+* decode: sequences B (pow2 >= 8) and pages per sequence (>= 4, in steps of
   2^k and 3 * 2^(k-1));
-* prefill: tokens T (>= 16), sequences S (>= 4), the per-sequence query
-  window (power of two >= the longest query) and pages per sequence.
+* prefill/mixed: decode rows Bd (0 or pow2 >= 4), prefill tokens Tp
+  (pow2 >= 16), prefill sequences Sp (pow2 >= 4), the per-sequence query
+  window (pow2 >= the longest chunk) and pages per sequence;
+* logits rows: the sampled rows, plus prompt-logprob rows (pow2 >= 16);
 
 so the number of compilations is bounded by the product of bucket counts, not
-by the number of requests. ``num_compilations`` counts traces of both steps.
+by the number of requests. ``num_compilations`` counts traces of all jits.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +33,34 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine.page_table import cdiv
-from jaxserve.engine.sampling import MAX_BANNED, SamplingTensors, sample
+from jaxserve.engine.request import MAX_LOGPROBS
+from jaxserve.engine.sampling import make_sampling_tensors, prompt_logprobs, sample
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2, page_bucket
 from jaxserve.models.llama import AttentionMetadata
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step's results on the host; row k is the step's k-th request.
+
+    Attributes:
+      token_ids: i32[n] sampled ids (meaningless for non-final chunks).
+      logprobs, ranks: f32[n], i32[n] raw logprob and 1-based rank of each.
+      top_ids, top_logprobs: i32[n, 20], f32[n, 20] top candidates, or [n, 0]
+        when no request of the step asked for logprobs.
+      prompt_logprobs: request row k -> (lo, hi, [target logprobs f32[m],
+        target ranks i32[m], top ids i32[m, 20], top logprobs f32[m, 20]])
+        for prompt positions lo..hi-1 (m = hi - lo).
+      logits: f32[n, V] last-token logits when asked, else None.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    prompt_logprobs: dict
+    logits: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -54,14 +85,12 @@ class ModelRunner:
         self.k_cache = jnp.zeros(shape, kv_dtype)
         self.v_cache = jnp.zeros(shape, kv_dtype)
         self.num_compilations = 0
-        self.prefill_step = jax.jit(functools.partial(self._step, decode=False),
-                                static_argnames=("max_q_len",),
-                                donate_argnums=(1, 2))
-        self.decode_step = jax.jit(functools.partial(self._step, decode=True, max_q_len=1),
-                               donate_argnums=(1, 2))
+        self.prefill_step = jax.jit(self._step, static_argnames=("num_decode_rows", "max_q_len"),
+                                    donate_argnums=(1, 2))
+        self.decode_step = jax.jit(self._decode, donate_argnums=(1, 2))
         # Sampling is its own jit: its compilations depend only on the row
-        # bucket, so they are shared by every prefill/decode shape.
-        self._sample = jax.jit(self._sample_fn)
+        # buckets, so they are shared by every prefill/decode shape.
+        self._postprocess = jax.jit(self._postprocess_fn, static_argnames=("rows", "num_top"))
 
     @staticmethod
     def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
@@ -69,14 +98,20 @@ class ModelRunner:
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * \
             jnp.dtype(dtype).itemsize
 
-    def _step(self, state, k_cache, v_cache, md, *, decode, max_q_len):
+    def _step(self, state, k_cache, v_cache, md, *, num_decode_rows, max_q_len):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation
         model = nnx.merge(self.graphdef, state)
-        return model(k_cache, v_cache, md, decode=decode, max_q_len=max_q_len)
+        return model(k_cache, v_cache, md, num_decode_rows=num_decode_rows, max_q_len=max_q_len)
 
-    def _sample_fn(self, logits, st):
+    def _decode(self, state, k_cache, v_cache, md):
+        return self._step(state, k_cache, v_cache, md,
+                          num_decode_rows=md.input_ids.shape[0], max_q_len=1)
+
+    def _postprocess_fn(self, logits_RV, st, targets_E, *, rows, num_top):
         self.num_compilations += 1
-        return sample(logits, st)
+        out = sample(logits_RV[:rows], st, num_top)
+        plp = prompt_logprobs(logits_RV[rows:], targets_E, num_top) if targets_E.shape[0] else None
+        return out, plp
 
     # ---- host-side metadata -------------------------------------------------
 
@@ -84,42 +119,26 @@ class ModelRunner:
         need = max(len(r.page_ids) for r in reqs)
         return min(page_bucket(need), max(self.max_pages_per_seq, need))
 
-    def _sampling_tensors(self, reqs, rows: int) -> SamplingTensors:
-        temp = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        min_p = np.zeros(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        steps = np.zeros(rows, np.int32)
-        banned = np.full((rows, MAX_BANNED), -1, np.int32)
-        for i, r in enumerate(reqs):
-            p = r.params
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seeds[i] = r.seed
-            steps[i] = len(r.output_token_ids)
-            if len(r.output_token_ids) < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(r.eos_token_ids))
-                ids = ids[:MAX_BANNED]
-                banned[i, :len(ids)] = ids
-        return SamplingTensors(temp, top_k, top_p, min_p, seeds, steps, banned)
-
-    def execute(self, batch: ScheduledBatch, return_logits: bool = False):
+    def execute(self, batch: ScheduledBatch, return_logits: bool = False) -> StepResult:
         """Run one step on device.
 
+        Row k of the results belongs to ``batch.requests[k]``. Prompt-logprob
+        rows are collected for requests with ``wants_prompt_logprobs`` whose
+        step covers prompt positions they have no logprob for yet.
+
         Returns:
-          (token_ids i32[n], logprobs f32[n], logits f32[n, V] or None) as
-          numpy arrays, one row per request of ``batch`` in order.
+          a ``StepResult`` of numpy arrays.
         """
         reqs, q_lens = batch.requests, batch.q_lens
-        n = len(reqs)
+        n, nd = len(reqs), batch.num_decode
         L = self.page_size
         Pb = self._page_bucket(reqs)
         if batch.decode:
-            rows = next_pow2(n, 8)
-            T = rows
+            Bd = rows = T = next_pow2(n, 8)
         else:
-            rows = next_pow2(n, 4)
-            T = next_pow2(sum(q_lens), 16)
+            Bd = next_pow2(nd, 4) if nd else 0
+            rows = Bd + next_pow2(n - nd, 4)
+            T = Bd + next_pow2(sum(q_lens[nd:]), 16)
         input_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slot_pages = np.full(T, self.num_pages, np.int32)  # out of range: dropped
@@ -127,34 +146,61 @@ class ModelRunner:
         kv_lens = np.zeros(rows, np.int32)
         page_indices = np.zeros((rows, Pb), np.int32)
         cu_q_lens = np.zeros(rows + 1, np.int32)
-        logits_indices = np.zeros(rows, np.int32)
-        t = 0
-        for i, (r, q) in enumerate(zip(reqs, q_lens)):
+        cu_q_lens[1:Bd + 1] = np.arange(1, Bd + 1)  # decode rows (padding too): one token each
+        sample_rows = np.zeros(n, np.int32)
+        plp_rows, plp_targets, plp_spans = [], [], {}
+        t, s = 0, 0
+        for k, (r, q) in enumerate(zip(reqs, q_lens)):
+            if k == nd:
+                t, s = Bd, Bd
             start = r.num_computed_tokens
-            toks = r.all_token_ids[start:start + q]
             pos = np.arange(start, start + q, dtype=np.int32)
             pages = np.asarray(r.page_ids, np.int32)
-            input_ids[t:t + q] = toks
+            input_ids[t:t + q] = r.all_token_ids[start:start + q]
             positions[t:t + q] = pos
             slot_pages[t:t + q] = pages[pos // L]
             slot_offsets[t:t + q] = pos % L
-            kv_lens[i] = start + q
-            page_indices[i, :len(pages)] = pages
+            kv_lens[s] = start + q
+            page_indices[s, :len(pages)] = pages
+            sample_rows[k] = t + q - 1
+            if r.wants_prompt_logprobs:
+                # Position j predicts prompt token j + 1; collect the missing ones.
+                P = len(r.prompt_token_ids)
+                lo, hi = max(start + 1, len(r.prompt_logprobs)), min(start + q, P - 1) + 1
+                if hi > lo:
+                    plp_spans[k] = (len(plp_rows), lo, hi)
+                    plp_rows.extend(range(t + lo - 1 - start, t + hi - 1 - start))
+                    plp_targets.extend(r.prompt_token_ids[lo:hi])
             t += q
-            cu_q_lens[i + 1] = t
-            logits_indices[i] = t - 1
-        cu_q_lens[n + 1:] = t
+            s += 1
+            if k >= nd:
+                cu_q_lens[s] = t
+        cu_q_lens[s + 1:] = t
+        E = next_pow2(len(plp_rows), 16) if plp_rows else 0
+        logits_indices = np.zeros(rows + E, np.int32)
+        logits_indices[:n] = sample_rows
+        logits_indices[rows:rows + len(plp_rows)] = plp_rows
+        targets = np.zeros(E, np.int32)
+        targets[:len(plp_targets)] = plp_targets
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
-                               page_indices, cu_q_lens, np.array([n], np.int32),
+                               page_indices, cu_q_lens, np.array([s], np.int32),
                                logits_indices)
-        st = self._sampling_tensors(reqs, rows)
+        st = make_sampling_tensors(reqs, rows)
         if batch.decode:
             out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
         else:
             out = self.prefill_step(self.state, self.k_cache, self.v_cache, md,
-                                    max_q_len=next_pow2(max(q_lens), 1))
+                                    num_decode_rows=Bd,
+                                    max_q_len=next_pow2(max(q_lens[nd:]), 1))
         logits, self.k_cache, self.v_cache = out
-        token_ids, logprobs = self._sample(logits, st)
-        token_ids = np.asarray(token_ids)[:n]
-        logprobs = np.asarray(logprobs)[:n]
-        return token_ids, logprobs, (np.asarray(logits)[:n] if return_logits else None)
+        wants_top = any(r.params.logprobs or r.params.prompt_logprobs for r in reqs)
+        so, plp = self._postprocess(logits, st, targets, rows=rows,
+                                    num_top=MAX_LOGPROBS if wants_top else 0)
+        so = jax.tree.map(lambda a: np.asarray(a)[:n], so)
+        plp = None if plp is None else [np.asarray(a) for a in plp]
+        return StepResult(
+            token_ids=so.token_ids, logprobs=so.logprobs, ranks=so.ranks, top_ids=so.top_ids,
+            top_logprobs=so.top_logprobs,
+            prompt_logprobs={k: (lo, hi, [a[i:i + hi - lo] for a in plp])
+                             for k, (i, lo, hi) in plp_spans.items()},
+            logits=np.asarray(logits)[:n] if return_logits else None)

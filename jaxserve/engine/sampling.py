@@ -1,13 +1,21 @@
 """On-device sampling, vectorised over per-request parameters.
 
-Each row of a step carries its own temperature, top-k, top-p, min-p and PRNG
-key. The key of a row is ``fold_in(PRNGKey(seed), num_generated)``, so a seeded
-request draws the same numbers whatever its batch-mates are (vLLM's per-request
-generators, done functionally). Sampling is the Gumbel-max trick over the
-filtered, temperature-scaled logits; ``temperature == 0`` is greedy argmax.
+Each row of a step carries its own temperature, top-k, top-p, min-p, penalties
+and PRNG key. The key of a row is ``fold_in(PRNGKey(seed), num_generated)``, so
+a seeded request draws the same numbers whatever its batch-mates are (vLLM's
+per-request generators, done functionally). Sampling is the Gumbel-max trick
+over the filtered, temperature-scaled logits; ``temperature == 0`` is greedy
+argmax.
 
-Filters follow HF ``TopKLogitsWarper`` / ``TopPLogitsWarper`` / ``MinPLogitsWarper``
-(applied after temperature, as vLLM does): tokens outside the filter get -inf.
+Order per row, as vLLM v1's ``Sampler``: raw log-probs are taken first (what
+``logprobs`` report), then min_tokens bans, then penalties
+(vllm/model_executor/layers/utils.py ``apply_penalties``), then greedy argmax or
+temperature, top-k/top-p/min-p and the draw. Filters follow HF
+``TopKLogitsWarper`` / ``TopPLogitsWarper`` / ``MinPLogitsWarper`` (applied
+after temperature, as vLLM does): tokens outside the filter get -inf.
+
+Letters: S rows (sequences), V vocab, M unique output ids per row, Mp unique
+prompt ids per row, R prompt positions, N top log-probs.
 """
 
 from __future__ import annotations
@@ -16,6 +24,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.engine.request import MAX_LOGPROBS  # noqa: F401  (re-exported)
+from jaxserve.engine.scheduler import next_pow2
 
 NEG_INF = -jnp.inf
 # Most banned ids (stop/EOS ids held back by min_tokens) per row.
@@ -35,6 +47,12 @@ class SamplingTensors:
       seeds: u32[S] per-request seed.
       steps: i32[S] tokens generated so far (folded into the key).
       banned_ids: i32[S, MAX_BANNED] ids whose logit is forced to -inf; -1 pads.
+      presence_penalty: f32[S]; 0 means off.
+      frequency_penalty: f32[S]; 0 means off.
+      repetition_penalty: f32[S] > 0; 1 means off.
+      output_ids: i32[S, M] unique ids generated so far; -1 pads.
+      output_counts: i32[S, M] how often each of ``output_ids`` was generated; 0 pads.
+      prompt_ids: i32[S, Mp] unique prompt ids; -1 pads.
     """
 
     temperature: jax.Array
@@ -44,6 +62,129 @@ class SamplingTensors:
     seeds: jax.Array
     steps: jax.Array
     banned_ids: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
+    output_ids: jax.Array
+    output_counts: jax.Array
+    prompt_ids: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+    """What ``sample`` returns; log-probs are of the raw distribution
+    (log_softmax of the model's logits, before bans, penalties, temperature
+    and filters: vLLM v1's default ``logprobs_mode``).
+
+    Attributes:
+      token_ids: i32[S] chosen ids.
+      logprobs: f32[S] log prob of each chosen id.
+      ranks: i32[S] 1-based rank of each chosen id (1 + ids with a strictly
+        larger log prob, as vLLM's ``batch_get_rank``).
+      top_ids: i32[S, N] the N most likely ids, most likely first.
+      top_logprobs: f32[S, N] their log probs.
+    """
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def make_sampling_tensors(reqs, rows: int) -> SamplingTensors:
+    """Build one step's ``SamplingTensors`` on the host (numpy).
+
+    Args:
+      reqs: the step's requests, in row order; each has ``.params`` (a
+        ``SamplingParams``), ``.seed``, ``.output_token_ids``,
+        ``.prompt_token_ids`` and ``.eos_token_ids``.
+      rows: S, the padded row count (>= len(reqs)); later rows are greedy with
+        no penalties.
+
+    Returns:
+      ``SamplingTensors`` of numpy arrays. M (Mp) is the most unique output
+      (prompt) ids of any penalised row, rounded up to a power of two, and 1
+      when no row needs them, so the shapes, and compilations, stay few.
+    """
+    temp = np.zeros(rows, np.float32)
+    top_k = np.zeros(rows, np.int32)
+    top_p = np.ones(rows, np.float32)
+    min_p = np.zeros(rows, np.float32)
+    seeds = np.zeros(rows, np.uint32)
+    steps = np.zeros(rows, np.int32)
+    banned = np.full((rows, MAX_BANNED), -1, np.int32)
+    presence = np.zeros(rows, np.float32)
+    frequency = np.zeros(rows, np.float32)
+    repetition = np.ones(rows, np.float32)
+    outs, prompts = {}, {}  # row -> (unique ids, counts) / unique ids
+    for i, r in enumerate(reqs):
+        p = r.params
+        temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        seeds[i] = r.seed
+        steps[i] = len(r.output_token_ids)
+        if len(r.output_token_ids) < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(r.eos_token_ids))
+            ids = ids[:MAX_BANNED]
+            banned[i, :len(ids)] = ids
+        presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+        repetition[i] = p.repetition_penalty
+        if presence[i] != 0 or frequency[i] != 0 or repetition[i] != 1:
+            outs[i] = np.unique(np.asarray(r.output_token_ids, np.int64), return_counts=True)
+        if repetition[i] != 1:
+            prompts[i] = np.unique(np.asarray(r.prompt_token_ids, np.int64))
+    M = next_pow2(max((len(u) for u, _ in outs.values()), default=1))
+    Mp = next_pow2(max((len(u) for u in prompts.values()), default=1))
+    output_ids = np.full((rows, M), -1, np.int32)
+    output_counts = np.zeros((rows, M), np.int32)
+    prompt_ids = np.full((rows, Mp), -1, np.int32)
+    for i, (u, c) in outs.items():
+        output_ids[i, :len(u)], output_counts[i, :len(u)] = u, c
+    for i, u in prompts.items():
+        prompt_ids[i, :len(u)] = u
+    return SamplingTensors(temp, top_k, top_p, min_p, seeds, steps, banned,
+                           presence, frequency, repetition,
+                           output_ids, output_counts, prompt_ids)
+
+
+def apply_penalties(logits_SV, t: SamplingTensors):
+    """Apply repetition, frequency and presence penalties (vLLM v1 semantics).
+
+    For each row, with ``count`` the times an id was generated so far:
+      * repetition (CTRL, Keskar et al. 2019; HF ``RepetitionPenaltyLogitsProcessor``):
+        ids seen in the prompt or the output get ``logit / r`` if ``logit > 0``
+        else ``logit * r``;
+      * frequency (OpenAI): ``logit -= frequency_penalty * count``;
+      * presence (OpenAI): ``logit -= presence_penalty * (count > 0)``.
+    Skipped (``lax.cond``) when no row has a penalty.
+
+    Args:
+      logits_SV: f32[S, V] logits.
+      t: the step's ``SamplingTensors``.
+
+    Returns:
+      f32[S, V] penalised logits; rows without penalties are unchanged.
+    """
+    logits_SV = jnp.asarray(logits_SV, jnp.float32)
+    S, V = logits_SV.shape
+    rows = jnp.arange(S)[:, None]
+
+    def penalise(x_SV):
+        out_ids = jnp.where(t.output_ids >= 0, t.output_ids, V)  # pads dropped
+        counts_SV = jnp.zeros((S, V), jnp.float32).at[rows, out_ids].add(
+            t.output_counts.astype(jnp.float32), mode="drop")
+        in_output_SV = counts_SV > 0
+        prompt_ids = jnp.where(t.prompt_ids >= 0, t.prompt_ids, V)
+        in_prompt_SV = jnp.zeros((S, V), bool).at[rows, prompt_ids].set(True, mode="drop")
+        r_SV = jnp.where(in_prompt_SV | in_output_SV, t.repetition_penalty[:, None], 1.0)
+        x_SV = jnp.where(x_SV > 0, x_SV / r_SV, x_SV * r_SV)
+        x_SV = x_SV - t.frequency_penalty[:, None] * counts_SV
+        return x_SV - t.presence_penalty[:, None] * in_output_SV
+
+    active = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0)
+                     | (t.repetition_penalty != 1))
+    return jax.lax.cond(active, penalise, lambda x: x, logits_SV)
 
 
 def _filter(logits_SV, t: SamplingTensors):
@@ -68,23 +209,40 @@ def _filter(logits_SV, t: SamplingTensors):
     return jnp.where(logits_SV >= threshold, logits_SV, NEG_INF)
 
 
-def sample(logits_SV, t: SamplingTensors):
+def _gather_logprobs(logprobs_RV, ids_R, num_top: int):
+    """Log probs and 1-based ranks of ``ids_R`` plus the ``num_top`` best.
+
+    Returns:
+      (logprobs f32[R], ranks i32[R], top_ids i32[R, num_top],
+      top_logprobs f32[R, num_top]).
+    """
+    lp_R = jnp.take_along_axis(logprobs_RV, ids_R[:, None], axis=-1)[:, 0]
+    ranks_R = 1 + jnp.sum(logprobs_RV > lp_R[:, None], axis=-1, dtype=jnp.int32)
+    top_lp_RN, top_ids_RN = jax.lax.top_k(logprobs_RV, num_top)
+    return lp_R, ranks_R, top_ids_RN.astype(jnp.int32), top_lp_RN
+
+
+def sample(logits_SV, t: SamplingTensors, num_top: int = 0) -> SampleOutput:
     """Pick one token per row.
 
     Args:
       logits_SV: f32[S, V] raw next-token logits.
       t: the step's ``SamplingTensors``.
+      num_top: N, how many top log-probs to return per row (0 to
+        ``MAX_LOGPROBS``); a Python int, static under ``jit``.
 
     Returns:
-      (token_ids i32[S], logprobs f32[S]): the chosen ids and their log
-      probability under the raw (unfiltered, temperature 1) distribution.
+      ``SampleOutput``: the chosen ids, and their log probs, ranks and the
+      top-N ids and log probs under the raw (temperature 1, unpenalised,
+      unfiltered) distribution.
     """
-    logits_SV = logits_SV.astype(jnp.float32)
+    logits_SV = jnp.asarray(logits_SV, jnp.float32)
     S, V = logits_SV.shape
     logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)  # raw distribution
     rows = jnp.arange(S)[:, None]
     banned = jnp.where(t.banned_ids >= 0, t.banned_ids, V)
     logits_SV = logits_SV.at[rows, banned].set(NEG_INF, mode="drop")
+    logits_SV = apply_penalties(logits_SV, t)
     greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
 
     def sampled():
@@ -101,5 +259,21 @@ def sample(logits_SV, t: SamplingTensors):
         return jnp.where(t.temperature > 0, drawn, greedy_S)
 
     token_ids = jax.lax.cond(jnp.any(t.temperature > 0), sampled, lambda: greedy_S)
-    token_logprobs = jnp.take_along_axis(logprobs_SV, token_ids[:, None], axis=-1)[:, 0]
-    return token_ids, token_logprobs
+    return SampleOutput(token_ids, *_gather_logprobs(logprobs_SV, token_ids, num_top))
+
+
+def prompt_logprobs(logits_RV, target_ids_R, num_top: int):
+    """Raw log probs of given next tokens, for ``prompt_logprobs``.
+
+    Args:
+      logits_RV: f32[R, V] logits at R prompt positions.
+      target_ids_R: i32[R] the prompt token that follows each position.
+      num_top: N, top log-probs per position (a Python int, static under jit).
+
+    Returns:
+      (target_logprobs f32[R], target_ranks i32[R], top_ids i32[R, N],
+      top_logprobs f32[R, N]) under log_softmax of ``logits_RV``; ranks are
+      1-based as in ``SampleOutput``.
+    """
+    logprobs_RV = jax.nn.log_softmax(jnp.asarray(logits_RV, jnp.float32), axis=-1)
+    return _gather_logprobs(logprobs_RV, jnp.asarray(target_ids_R, jnp.int32), num_top)

@@ -1,12 +1,24 @@
-"""Continuous-batching scheduler (host Python, one plan per step).
+"""Continuous-batching scheduler with chunked prefill and prefix caching
+(host Python, one plan per step).
 
-Policy (vLLM v0 style, prefill first): when requests wait and there is room
-(``max_num_seqs``, ``max_num_batched_tokens``, free pages), the step is a
-prefill of as many waiting requests as fit, packed ragged; otherwise the step
-decodes one token for every running request. A running request that needs a
-new page when none is free preempts the most recently admitted request
-(recompute preemption: its pages are freed and it rejoins the front of the
-queue, keeping its output tokens, so the next prefill recomputes them).
+Policy (vLLM v1 / Sarathi-Serve): every step has a token budget,
+``max_num_batched_tokens``. Running sequences are served first, in admission
+order: a decoding sequence takes one token; a sequence part-way through its
+prompt takes its next chunk (what is left of the budget). Then waiting
+requests are admitted first come, first served while the budget, the
+``max_num_seqs`` ceiling and the free pages allow; a prompt that does not fit
+the remaining budget is cut into a chunk (unless chunked prefill is off).
+Decodes therefore never stall behind a long prompt.
+
+On admission a request reuses the cached pages of its longest cached prefix
+(see ``page_table``); at least one token is always computed, so the last
+prompt token's logits exist. Choices 1..n-1 of an ``n > 1`` request wait until
+choice 0 has prefilled the prompt, then share its full prompt pages.
+
+When a running sequence needs a page and none is free, the most recently
+admitted running sequence is preempted (recompute: its pages are freed, and
+it rejoins the front of the queue keeping its output tokens, which the next
+prefill recomputes, mostly from the prefix cache).
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import collections
 import dataclasses
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.engine.page_table import PageAllocator
+from jaxserve.engine.page_table import PageAllocator, page_hashes
 from jaxserve.engine.request import Request, RequestStatus
 
 
@@ -33,19 +45,36 @@ def page_bucket(n: int, minimum: int = 4) -> int:
 
 @dataclasses.dataclass
 class ScheduledBatch:
-    """One step's plan: the requests and how many new tokens each computes."""
+    """One step's plan: the sequences and how many new tokens each computes.
 
-    decode: bool
+    The first ``num_decode`` requests have exactly one new token each (decode
+    rows); the rest are prefills or prefill chunks. A row whose tokens end
+    before the sequence's last token (a non-final chunk) samples nothing.
+    """
+
     requests: list[Request]
     q_lens: list[int]
+    num_decode: int
+
+    @property
+    def decode(self) -> bool:
+        """Every row is a decode row (the step can use ``decode_step``)."""
+        return self.num_decode == len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
 
 
 class Scheduler:
-    """Admits, batches, preempts and retires requests.
+    """Admits, batches, preempts and retires sequences.
 
     Args:
-      config: batching limits; ``max_model_len`` must be resolved (not None).
-      allocator: the page allocator of the KV cache.
+      config: batching limits and the chunked-prefill switch.
+      allocator: the page pool of the KV cache (prefix caching lives there).
+      max_model_len: longest sequence, tokens.
+
+    Counters: ``num_preemptions``.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int):
@@ -56,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Keep ~1% of pages free when admitting, so decode does not preempt at once.
         self.watermark_pages = max(1, allocator.num_pages // 100)
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -63,66 +93,137 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- planning -----------------------------------------------------------
+
     def schedule(self) -> ScheduledBatch | None:
         """Plan the next step, or None when nothing can run."""
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
-
-    def _schedule_prefill(self) -> ScheduledBatch | None:
         cfg = self.config
-        reqs, q_lens = [], []
-        while self.waiting and len(self.running) + len(reqs) < cfg.max_num_seqs:
-            req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
-            if reqs:
-                tokens = sum(q_lens) + n
-                work = next_pow2(max(q_lens + [n])) * (len(reqs) + 1)
-                if tokens > cfg.max_num_batched_tokens or work > 2 * cfg.max_num_batched_tokens:
-                    break
-            need = self.allocator.pages_needed(req.page_ids, req.num_tokens)
-            reserve = self.watermark_pages if (self.running or reqs) else 0
-            if need + reserve > self.allocator.num_free_pages:
-                break
-            req.page_ids += self.allocator.allocate(need)
-            self.waiting.popleft()
-            reqs.append(req)
-            q_lens.append(n)
-        if not reqs:
-            return None
-        for req in reqs:
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-        return ScheduledBatch(decode=False, requests=reqs, q_lens=q_lens)
+        alloc = self.allocator
+        budget = cfg.max_num_batched_tokens
+        decode: list[tuple[Request, int]] = []
+        prefill: list[tuple[Request, int]] = []
+        preempted = False
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        scheduled: list[Request] = []
         for req in list(self.running):
-            if req not in self.running:  # preempted below by an earlier request
-                continue
-            while self.allocator.pages_needed(req.page_ids, req.num_tokens) > \
-                    self.allocator.num_free_pages:
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted below, or out of budget
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    continue
+                n = budget
+            while alloc.pages_needed(req.page_ids, req.num_computed_tokens + n) > \
+                    alloc.num_free_pages:
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.page_ids += self.allocator.allocate(
-                self.allocator.pages_needed(req.page_ids, req.num_tokens))
-            scheduled.append(req)
-        if not scheduled:
+            req.page_ids += alloc.allocate(
+                alloc.pages_needed(req.page_ids, req.num_computed_tokens + n))
+            (decode if n == 1 else prefill).append((req, n))
+            budget -= n
+
+        skipped: list[Request] = []
+        while self.waiting and not preempted and budget > 0 \
+                and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._gated(req):
+                skipped.append(req)
+                continue
+            n = self._admit(req, budget, decode, prefill)
+            if not n:
+                self.waiting.appendleft(req)
+                break
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+        if not decode and not prefill:
             return None
-        return ScheduledBatch(decode=True, requests=scheduled, q_lens=[1] * len(scheduled))
+        reqs = [r for r, _ in decode] + [r for r, _ in prefill]
+        q_lens = [q for _, q in decode] + [q for _, q in prefill]
+        return ScheduledBatch(reqs, q_lens, num_decode=len(decode))
+
+    def _gated(self, req: Request) -> bool:
+        """Choices 1.. of an n > 1 request wait for choice 0's prompt pages."""
+        parent = req.fork_of
+        return (parent is not None and not req.output_token_ids
+                and parent.status is not RequestStatus.FINISHED
+                and parent.num_computed_tokens < len(parent.prompt_token_ids))
+
+    def _admit(self, req: Request, budget: int, decode, prefill) -> int:
+        """Try to start ``req`` within ``budget`` tokens; returns the tokens it
+        computes this step, or 0 if it must wait."""
+        cfg, alloc, L = self.config, self.allocator, self.allocator.page_size
+        # Reuse cached pages of the prefix (never the last token: its logits are needed).
+        max_pages = (req.num_tokens - 1) // L
+        hits: list[int] = []
+        if not req.wants_prompt_logprobs:
+            if alloc.enable_prefix_caching:
+                req.page_hashes = page_hashes(req.all_token_ids[:max_pages * L], L,
+                                              req.page_hashes)
+                hits = alloc.lookup(req.page_hashes, max_pages)
+            parent = req.fork_of
+            if parent is not None and parent.status is RequestStatus.RUNNING \
+                    and parent.num_computed_tokens >= len(parent.prompt_token_ids):
+                fork = parent.page_ids[:min(max_pages, (len(parent.prompt_token_ids) - 1) // L)]
+                if len(fork) > len(hits):
+                    hits = fork
+        computed = len(hits) * L
+        n = req.num_tokens - computed
+        if n > budget:
+            if cfg.enable_chunked_prefill:
+                n = budget
+            elif prefill:  # unchunked: a long prompt may overrun the budget, beside decodes only
+                return 0
+        if prefill and n > 1:
+            # The ragged prefill attends a window of next_pow2(longest chunk)
+            # rows per sequence: keep that work near the token budget.
+            longest = max([q for _, q in prefill] + [n])
+            if next_pow2(longest) * (len(prefill) + 1) > 2 * cfg.max_num_batched_tokens:
+                return 0
+        need = alloc.pages_needed(hits, computed + n)
+        reserve = self.watermark_pages if (self.running or decode or prefill) else 0
+        if need + alloc.count_free_among(hits) + reserve > alloc.num_free_pages:
+            return 0
+        if not req.wants_prompt_logprobs:
+            alloc.prefix_queries += req.num_tokens
+            alloc.prefix_hits += computed
+        alloc.share(hits)
+        req.page_ids = hits + alloc.allocate(need)
+        req.num_computed_tokens = computed
+        req.num_registered_pages = len(hits)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.num_cached_tokens = computed
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        (decode if n == 1 else prefill).append((req, n))
+        return n
+
+    # ---- state changes --------------------------------------------------------
+
+    def cache_computed_pages(self, req: Request) -> None:
+        """Put ``req``'s newly filled, computed pages into the prefix cache."""
+        alloc, L = self.allocator, self.allocator.page_size
+        full = min(req.num_computed_tokens // L, len(req.page_ids))
+        if not alloc.enable_prefix_caching or full <= req.num_registered_pages:
+            return
+        req.page_hashes = page_hashes(req.all_token_ids[:full * L], L, req.page_hashes)
+        lo = req.num_registered_pages
+        alloc.register(req.page_ids[lo:full], req.page_hashes[lo:full])
+        req.num_registered_pages = full
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.allocator.free(req.page_ids)
         req.page_ids = []
         req.num_computed_tokens = 0
+        req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:

@@ -51,9 +51,15 @@ class AttentionMetadata:
       slot_offsets: i32[T] offset inside that page.
       kv_lens: i32[S] kv length of each sequence, this step's tokens included.
       page_indices: i32[S, pages_per_seq] page table rows.
-      cu_q_lens: i32[S + 1] prefix sums of query lengths (prefill only).
-      num_seqs: i32[1] real sequences in the step.
-      logits_indices: i32[S] row of each sequence's last token in T.
+      cu_q_lens: i32[S + 1] prefix sums of query lengths.
+      num_seqs: i32[1] rows of S in use: the decode rows (padding included)
+        plus the real prefill sequences.
+      logits_indices: i32[R] rows of T whose next-token logits are returned:
+        each sampled sequence's last token, then any prompt-logprob rows.
+
+    The first ``num_decode_rows`` (static) rows of both T and S are decode
+    rows: row i is sequence i's single new token. The rest are prefill
+    sequences (or chunks) packed ragged.
     """
 
     input_ids: jax.Array
@@ -113,7 +119,7 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_DT, layer: int, cos_TH2, sin_TH2, k_cache, v_cache,
-                 md: AttentionMetadata, decode: bool, max_q_len: int):
+                 md: AttentionMetadata, num_decode_rows: int, max_q_len: int):
         cfg = self.cfg
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -126,14 +132,18 @@ class Attention(nnx.Module):
         v_cache = v_cache.at[layer, md.slot_pages, md.slot_offsets].set(
             v_TKH.astype(v_cache.dtype), mode="drop")
         scale = H ** -0.5
-        if decode:
-            o_TNH = rpa.paged_decode_attention(
-                q_TNH, k_cache[layer], v_cache[layer], md.kv_lens, md.page_indices,
-                sm_scale=scale)
-        else:
-            o_TNH = rpa.ragged_paged_attention(
-                q_TNH, k_cache[layer], v_cache[layer], md.kv_lens, md.page_indices,
-                md.cu_q_lens, md.num_seqs, max_q_len=max_q_len, sm_scale=scale)
+        Bd = num_decode_rows  # leading rows: one query token per sequence
+        parts = []
+        if Bd:
+            parts.append(rpa.paged_decode_attention(
+                q_TNH[:Bd], k_cache[layer], v_cache[layer], md.kv_lens[:Bd],
+                md.page_indices[:Bd], sm_scale=scale))
+        if Bd < T:
+            parts.append(rpa.ragged_paged_attention(
+                q_TNH[Bd:], k_cache[layer], v_cache[layer], md.kv_lens[Bd:],
+                md.page_indices[Bd:], md.cu_q_lens[Bd:] - Bd, md.num_seqs - Bd,
+                max_q_len=max_q_len, sm_scale=scale))
+        o_TNH = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_cache, v_cache
 
 
@@ -166,8 +176,7 @@ class LlamaForCausalLM(nnx.Module):
 
     ``__call__`` runs the packed tokens of one step through all layers,
     writing their K/V into the paged cache, and returns the next-token logits
-    of the rows in ``md.logits_indices`` (each sequence's last token) plus the
-    updated caches.
+    of the rows in ``md.logits_indices`` plus the updated caches.
     """
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
@@ -179,24 +188,26 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 
     def __call__(self, k_cache, v_cache, md: AttentionMetadata, *,
-                 decode: bool, max_q_len: int = 1):
+                 num_decode_rows: int, max_q_len: int = 1):
         """Forward one step.
 
         Args:
           k_cache, v_cache: [layers, P, L, K, H] paged cache.
           md: the step's ``AttentionMetadata``.
-          decode: every sequence has exactly one query token (T == S).
-          max_q_len: static bound on per-sequence query length (prefill).
+          num_decode_rows: static count of leading decode rows (== T for a
+            pure decode step, 0 for a pure prefill step).
+          max_q_len: static bound on a prefill sequence's query length.
 
         Returns:
-          (logits [S, V] f32, k_cache, v_cache).
+          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache).
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
         cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
         for i, layer in enumerate(self.layers):
             h_DT, k_cache, v_cache = layer.self_attn(
-                layer.input_layernorm(x_DT), i, cos, sin, k_cache, v_cache, md, decode, max_q_len)
+                layer.input_layernorm(x_DT), i, cos, sin, k_cache, v_cache, md,
+                num_decode_rows, max_q_len)
             x_DT = x_DT + h_DT
             x_DT = x_DT + layer.mlp(layer.post_attention_layernorm(x_DT))
         x_DS = self.norm(x_DT[:, md.logits_indices])
