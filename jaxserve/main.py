@@ -3,7 +3,10 @@
 Modes:
   generate (default): with no ``--prompt``, a demo batch of prompts of several
     shapes on the default model, streamed, then one table row per request.
-  bench: the offline throughput benchmark (``jaxserve.bench.throughput``).
+  bench: ``--bench_workload=throughput`` (default) is the offline throughput
+    benchmark (``jaxserve.bench.throughput``); ``prefix_cache`` times TTFT
+    with a cached 1,000-token system prompt against cold
+    (``jaxserve.bench.prefix_cache``).
 
 Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
 input (unknown model, empty prompt, out-of-range sampling values) prints
@@ -35,8 +38,14 @@ flags.DEFINE_integer("page_size", 16, "KV cache page size, tokens.")
 flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from --kv_cache_mib).")
 flags.DEFINE_integer("kv_cache_mib", 1024, "KV cache budget, MiB.")
 flags.DEFINE_integer("max_num_seqs", 64, "Most running sequences.")
-flags.DEFINE_integer("max_num_batched_tokens", 2048, "Most prompt tokens per prefill step.")
+flags.DEFINE_integer("max_num_batched_tokens", 2048,
+                     "Token budget per step (decode tokens + prefill chunk tokens).")
+flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shared prefixes.")
+flags.DEFINE_bool("enable_chunked_prefill", True,
+                  "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
+flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"],
+                  "bench: which benchmark.")
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
 flags.DEFINE_integer("bench_input_len", 120, "bench: prompt tokens (+-10%).")
 flags.DEFINE_integer("bench_output_len", 128, "bench: output tokens (EOS ignored).")
@@ -67,6 +76,8 @@ def _engine_args() -> dict:
                 kv_cache_memory_bytes=FLAGS.kv_cache_mib << 20, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_model_len=FLAGS.max_model_len,
+                enable_prefix_caching=FLAGS.enable_prefix_caching,
+                enable_chunked_prefill=FLAGS.enable_chunked_prefill,
                 compilation_cache_dir=os.path.join(
                     os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
                     "xla"))
@@ -153,8 +164,11 @@ def _print_table(outs, wall: float, compilations: int) -> None:
 
 
 def _bench(llm) -> None:
-    from jaxserve.bench import throughput
+    from jaxserve.bench import prefix_cache, throughput
     engine = llm.engine
+    if FLAGS.bench_workload == "prefix_cache":
+        print(prefix_cache.format_result(prefix_cache.run(engine)))
+        return
     prompts = throughput.make_prompts(engine, FLAGS.bench_num_requests, FLAGS.bench_input_len,
                                       seed=FLAGS.seed or 0)
     cold = throughput.run_once(engine, prompts, FLAGS.bench_output_len)

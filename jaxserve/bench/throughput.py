@@ -21,7 +21,7 @@ import numpy as np
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams
 
-_TEXT = (
+ENGLISH_TEXT = (
     "The history of computing is a story of people trying to make machines do arithmetic "
     "faster than any clerk could. Early mechanical calculators used gears and levers; later, "
     "relays and vacuum tubes replaced them, and the transistor made it possible to put "
@@ -53,7 +53,7 @@ def make_prompts(engine: Engine, num_requests: int, input_len: int, seed: int) -
     """Token-id prompts of about ``input_len`` tokens (+-10%), from real text."""
     rng = np.random.default_rng(seed)
     if engine.tokenizer is not None:
-        base = engine.tokenizer.encode(_TEXT * (2 + 2 * input_len // 100),
+        base = engine.tokenizer.encode(ENGLISH_TEXT * (2 + 2 * input_len // 100),
                                        add_special_tokens=False)
     else:
         base = list(rng.integers(0, engine.model_config.vocab_size, size=4 * input_len + 64))
@@ -67,7 +67,10 @@ def make_prompts(engine: Engine, num_requests: int, input_len: int, seed: int) -
 
 
 def run_once(engine: Engine, prompts, output_len: int) -> BenchResult:
+    """One pass over ``prompts``, all arriving at once. The prefix cache is
+    emptied first, so a repeated pass does not reuse the previous one's pages."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.allocator.reset_prefix_cache()
     t0 = time.monotonic()
     for p in prompts:
         engine.add_request(None, p, params)
