@@ -13,12 +13,14 @@ from jaxserve.engine.request import SamplingParams
 from jaxserve.engine.sampling import (MAX_BANNED, SampleOutput, apply_penalties,
                                       make_sampling_tensors, prompt_logprobs, sample)
 
+
+
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _params(**kw):
-    """A real ``SamplingParams``; penalties are set after validation, which
-    (for now) rejects non-default ones."""
+    """A real ``SamplingParams``. Penalties are set after validation so tests
+    can use values beyond the API's range (e.g. frequency -5) for large effects."""
     pen = {k: kw.pop(k) for k in PENALTIES if k in kw}
     p = SamplingParams(**kw)
     for k, v in pen.items():

@@ -135,8 +135,11 @@ def test_streamed_utf8_and_prompt_cut_inside_a_character(llm, smollm2_ckpt):
                                        "Reply with emoji only: 🎉🌊🐟 and the word 日本"}])
     out, deltas = _stream(engine, "emoji", prompt, greedy(24, ignore_eos=True))
     assert out.text == tok.decode(out.token_ids)
-    if "\ufffd" not in out.text:
-        assert not any("\ufffd" in d for d in deltas)
+    # Greedy SmolLM2 echoes emoji and CJK here, split across byte-level tokens.
+    assert any(c in out.text for c in "🎉🌊🐟日本"), out.text
+    assert any("\ufffd" in tok.decode([t]) for t in out.token_ids), \
+        "no token holds a partial character"
+    assert not any("\ufffd" in d for d in deltas)
     # A prompt given as ids that ends inside the 3-byte character 日.
     ids = tok.encode("Translate: 日本")
     cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))

@@ -91,11 +91,17 @@ def test_prefix_cache_hits_are_exact_and_page_aligned(tiny_hf, long_parts):
     assert [o.metrics.num_cached_tokens for o in cold] == [0, 0, 0]
     for p, o in zip(prompts, cold):
         assert o.outputs[0].token_ids == hf_greedy(tiny_hf, p, 10)
+    s_cold = engine.stats()
+    assert (s_cold.prompt_tokens, s_cold.generation_tokens) == (40 + 100 + 161, 30)
     warm = llm.generate(prompts, greedy(10))
+    s_warm = engine.stats()
+    assert s_warm.prompt_tokens - s_cold.prompt_tokens == \
+        sum(len(p) - (len(p) - 1) // L * L for p in prompts)  # only the uncached tails
+    assert s_warm.pages_cached > 0 and (s_warm.num_running, s_warm.num_waiting) == (0, 0)
     for p, c, w in zip(prompts, cold, warm):
         assert w.outputs[0].token_ids == c.outputs[0].token_ids
         # Every full page but the one holding the last prompt token is reused.
-        assert w.metrics.num_cached_tokens == (len(p) - 1) // L * L
+        assert w.num_cached_tokens == w.metrics.num_cached_tokens == (len(p) - 1) // L * L
     # A shared 500-token prefix with different tails.
     prefix = long_prompt(500, seed=7)
     tails = [long_prompt(k, seed=100 + k) for k in (3, 20, 45)]
@@ -158,6 +164,25 @@ def test_prompt_logprobs_same_cold_warm_and_any_order(tiny_hf, long_parts):
         top2 = np.argsort(-ref[j - 1])[:2]
         assert {k for k, v in d.items() if v.rank <= 2} >= set(top2.tolist())
         assert len(d) in (2, 3)
+
+
+def test_prompt_logprobs_of_a_chunked_prompt_beside_a_decode(tiny_hf, long_parts):
+    llm = make(long_parts, max_num_batched_tokens=64)
+    engine = llm.engine
+    prompt = long_prompt(300, seed=21)
+    engine.add_request("beside", PROMPTS[0], greedy(30))
+    engine.step()
+    engine.add_request("plp", prompt, greedy(2, prompt_logprobs=1))
+    out = drain(engine)["plp"]
+    assert engine.stats().num_steps >= 1 + 300 // 63
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    plp = out.prompt_logprobs
+    assert len(plp) == 300 and plp[0] is None
+    for j in range(1, 300):
+        assert plp[j][prompt[j]].logprob == pytest.approx(ref[j - 1, prompt[j]], abs=2e-4), j
+        top1 = int(np.argmax(ref[j - 1]))
+        assert plp[j][top1].rank == 1
 
 
 # ---- 3. preemption ---------------------------------------------------------------
@@ -236,6 +261,22 @@ def test_random_aborts_leak_no_page(long_parts):
     assert not seen_after_abort
     assert engine.stats().num_preemptions > 0  # the pool was under pressure too
     assert_all_pages_free(engine)
+
+
+def test_abort_many_ids_and_dict_prompts(long_parts):
+    llm = make(long_parts)
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, greedy(20))
+    engine.add_request("b", PROMPTS[2], SamplingParams(n=2, max_tokens=20, seed=1))
+    engine.step()
+    engine.abort(["a", "b", "unknown"])
+    outs = {o.request_id: o for o in engine.step()}
+    assert {r: [c.finish_reason for c in o.outputs] for r, o in outs.items()} == \
+        {"a": ["abort"], "b": ["abort", "abort"]}
+    assert_all_pages_free(engine)
+    for bad in ({"prompt": "x", "prompt_token_ids": [1]}, {"text": "x"}, 3.5, None):
+        with pytest.raises(ValueError, match="prompt"):
+            engine.add_request(None, bad, greedy(2))
 
 
 def test_closing_a_stream_aborts_it(long_parts):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -139,12 +139,25 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt (a string, or ids passed through).
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: a string, a list of ids, or vLLM's dict forms
+        ``{"prompt": str}`` / ``{"prompt_token_ids": [int]}``.
 
         Raises:
-          ValueError: empty prompt, ids outside the vocabulary, text without a tokenizer.
+          ValueError: empty prompt, ids outside the vocabulary, text without a
+            tokenizer, or a prompt of another type.
         """
+        if isinstance(prompt, dict):
+            if set(prompt) == {"prompt"}:
+                prompt = prompt["prompt"]
+            elif set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise ValueError(f"a dict prompt needs exactly one key, 'prompt' or "
+                                 f"'prompt_token_ids'; got keys {sorted(prompt)}")
+        if not isinstance(prompt, (str, list, tuple, np.ndarray)):
+            raise ValueError(f"prompt must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: ''")
@@ -181,6 +194,8 @@ class Engine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
                              f"max_model_len={self.max_model_len}")
@@ -212,17 +227,20 @@ class Engine:
             self.scheduler.add(r)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request in any state (waiting, mid-prefill, decoding): its
-        pages are freed now, and its final output (finish_reason "abort")
-        comes from the next ``step``. Unknown or finished ids are ignored."""
-        group = self._groups.get(str(request_id))
-        if group is None:
-            return
-        for r in group.seqs:
-            if not r.finished:
-                self.scheduler.finish(r, "abort")
-        self._pending.append(self._group_output(group, {}, time.monotonic()))
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request (or each of an iterable of ids) in any state
+        (waiting, mid-prefill, decoding): its pages are freed now, and its
+        final output (finish_reason "abort") comes from the next ``step``.
+        Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
+        for rid in ids:
+            group = self._groups.get(str(rid))
+            if group is None:
+                continue
+            for r in group.seqs:
+                if not r.finished:
+                    self.scheduler.finish(r, "abort")
+            self._pending.append(self._group_output(group, {}, time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -405,13 +423,14 @@ class LLM:
         """Generate for each prompt; outputs come back in prompt order.
 
         Args:
-          prompts: a string, a list of strings, or a list of token-id lists.
+          prompts: a string, a list of strings, a list of token-id lists, or
+            vLLM's dict prompts (``{"prompt": ...}``, ``{"prompt_token_ids": ...}``).
           sampling_params: one ``SamplingParams`` for all, or a list, one each.
 
         Raises:
           ValueError: any bad prompt or params (nothing is queued then).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

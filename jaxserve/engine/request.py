@@ -215,6 +215,11 @@ class RequestOutput:
     # prompt token's and the top candidates' logprobs.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (vLLM's field)."""
+        return self.metrics.num_cached_tokens
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
