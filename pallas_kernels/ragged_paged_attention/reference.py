@@ -9,6 +9,15 @@ Semantics follow JAX's ``pallas/ops/tpu/ragged_paged_attention`` reference
 pages *before* attention, ``kv_lens`` counts them, and query token ``j`` of
 sequence ``i`` sits at absolute position ``kv_lens[i] - q_len_i + j`` and sees
 kv positions ``<=`` its own (causal). Softmax and accumulation are in f32.
+
+Options (Gemma 2/3 need both): ``sliding_window=W`` lets a query at position
+``i`` see only kv positions ``j`` with ``i - W < j <= i`` (HF/Mistral
+convention: W tokens including itself); ``soft_cap=c`` replaces each score
+``s`` (after ``sm_scale``) by ``c * tanh(s / c)`` before the softmax.
+
+``ref_ragged_paged_attention`` is the plain, slow definition that kernels are
+tested against (one dense masked softmax per query token); the other two
+functions are the fast XLA path the engine runs on CPU.
 """
 
 from __future__ import annotations
@@ -19,17 +28,31 @@ import jax.numpy as jnp
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _attend(q_QKGH, k_SKH, v_SKH, mask_QS, sm_scale):
+def _window_mask(q_pos, kv_pos, sliding_window):
+    """True where kv position ``kv_pos`` is visible from query position ``q_pos``."""
+    visible = kv_pos <= q_pos
+    if sliding_window is not None:
+        visible &= kv_pos > q_pos - sliding_window
+    return visible
+
+
+def _cap(s, soft_cap):
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _attend(q_QKGH, k_SKH, v_SKH, mask_QS, sm_scale, soft_cap=None):
     """Masked GQA attention of one block; f32 softmax. Returns o [Q, K, G, H] f32."""
     s_KGQS = jnp.einsum("qkgh,skh->kgqs", q_QKGH.astype(jnp.float32),
                         k_SKH.astype(jnp.float32)) * sm_scale
+    s_KGQS = _cap(s_KGQS, soft_cap)
     s_KGQS = jnp.where(mask_QS[None, None], s_KGQS, _MASK_VALUE)
     p_KGQS = jax.nn.softmax(s_KGQS, axis=-1)
     return jnp.einsum("kgqs,skh->qkgh", p_KGQS, v_SKH.astype(jnp.float32))
 
 
 def paged_decode_attention(q_BNH, k_pages_PLKH, v_pages_PLKH, kv_lens_B,
-                           page_indices_BP, *, sm_scale: float):
+                           page_indices_BP, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None):
     """Attention of one new token per sequence over its pages.
 
     Args:
@@ -39,6 +62,7 @@ def paged_decode_attention(q_BNH, k_pages_PLKH, v_pages_PLKH, kv_lens_B,
         0 for padding rows (their output is garbage and must be ignored).
       page_indices_BP: i32[B, pages_per_seq] page ids of each sequence in order.
       sm_scale: softmax scale, usually H ** -0.5.
+      sliding_window, soft_cap: see the module docstring.
 
     Returns:
       o_BNH: [B, N, H] in q's dtype.
@@ -51,7 +75,10 @@ def paged_decode_attention(q_BNH, k_pages_PLKH, v_pages_PLKH, kv_lens_B,
     S = k_BSKH.shape[1]
     q_BKGH = q_BNH.reshape(B, K, G, H).astype(jnp.float32)
     s_BKGS = jnp.einsum("bkgh,bskh->bkgs", q_BKGH, k_BSKH.astype(jnp.float32)) * sm_scale
+    s_BKGS = _cap(s_BKGS, soft_cap)
     mask_BS = jnp.arange(S)[None, :] < kv_lens_B[:, None]
+    if sliding_window is not None:
+        mask_BS &= jnp.arange(S)[None, :] > kv_lens_B[:, None] - 1 - sliding_window
     s_BKGS = jnp.where(mask_BS[:, None, None, :], s_BKGS, _MASK_VALUE)
     p_BKGS = jax.nn.softmax(s_BKGS, axis=-1)
     o_BKGH = jnp.einsum("bkgs,bskh->bkgh", p_BKGS, v_BSKH.astype(jnp.float32))
@@ -59,7 +86,8 @@ def paged_decode_attention(q_BNH, k_pages_PLKH, v_pages_PLKH, kv_lens_B,
 
 
 def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                           cu_q_lens_S1, num_seqs, *, max_q_len: int, sm_scale: float):
+                           cu_q_lens_S1, num_seqs, *, max_q_len: int, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None):
     """Causal attention for a packed ragged batch (prefill or chunked prefill).
 
     Sequences are processed one after another in a ``fori_loop``; each reads a
@@ -78,6 +106,7 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
       num_seqs: i32 scalar (or shape [1]) count of real sequences.
       max_q_len: static bound on any sequence's query length (<= T).
       sm_scale: softmax scale.
+      sliding_window, soft_cap: see the module docstring.
 
     Returns:
       o_TNH: [T, N, H] in q's dtype; rows past ``cu_q_lens[num_seqs]`` are 0.
@@ -101,9 +130,10 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
         v_SKH = v_pages_PLKH[page_indices_SP[i]].reshape(S, K, H)
         q_pos_Q = kv_len - q_len + row_Q
         kv_pos_S = jnp.arange(S)
-        mask_QS = own_Q[:, None] & (kv_pos_S[None, :] <= q_pos_Q[:, None]) \
+        mask_QS = own_Q[:, None] & _window_mask(q_pos_Q[:, None], kv_pos_S[None, :],
+                                                sliding_window) \
             & (kv_pos_S[None, :] < kv_len)
-        o_QKGH = _attend(q_QKGH, k_SKH, v_SKH, mask_QS, sm_scale)
+        o_QKGH = _attend(q_QKGH, k_SKH, v_SKH, mask_QS, sm_scale, soft_cap)
         old_QKGH = jax.lax.dynamic_slice(out_TKGH, (start, 0, 0, 0), (Q, K, G, H))
         new_QKGH = jnp.where(own_Q[:, None, None, None], o_QKGH, old_QKGH)
         return jax.lax.dynamic_update_slice(out_TKGH, new_QKGH, (start, 0, 0, 0))
@@ -111,3 +141,92 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     out = jax.lax.fori_loop(0, jnp.reshape(num_seqs, ()), body,
                             jnp.zeros((T, K, G, H), jnp.float32))
     return out.reshape(T, N, H).astype(q_TNH.dtype)
+
+
+def ref_ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                               cu_q_lens_S1, num_seqs, *, sm_scale: float,
+                               sliding_window: int | None = None,
+                               soft_cap: float | None = None):
+    """The definition kernels are tested against: each query token gets one
+    dense masked softmax over its sequence's gathered pages (O(T * S) memory).
+
+    Args:
+      q_TNH: [T, N, H] packed queries of all sequences.
+      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache, this step's
+        K/V already written.
+      kv_lens_S: i32[max_seqs] context length per sequence, new tokens included.
+      page_indices_SP: i32[max_seqs, pages_per_seq].
+      cu_q_lens_S1: i32[max_seqs + 1] prefix sums of query lengths (0 allowed).
+      num_seqs: i32[1] (or scalar) sequences in use.
+      sm_scale, sliding_window, soft_cap: see the module docstring.
+
+    Returns:
+      [T, N, H] in q's dtype; rows owned by no sequence are 0.
+    """
+    T, N, H = q_TNH.shape
+    _, L, K, _ = k_pages_PLKH.shape
+    G = N // K
+    n = jnp.reshape(num_seqs, ())
+    t = jnp.arange(T)
+    seq_T = jnp.searchsorted(cu_q_lens_S1, t, side="right") - 1
+    owned_T = (t < cu_q_lens_S1[n]) & (seq_T < n)
+    seq_T = jnp.clip(seq_T, 0, page_indices_SP.shape[0] - 1)
+    q_len_T = cu_q_lens_S1[seq_T + 1] - cu_q_lens_S1[seq_T]
+    kv_len_T = kv_lens_S[seq_T]
+    q_pos_T = kv_len_T - q_len_T + (t - cu_q_lens_S1[seq_T])
+    k_TSKH = k_pages_PLKH[page_indices_SP[seq_T]].reshape(T, -1, K, H).astype(jnp.float32)
+    v_TSKH = v_pages_PLKH[page_indices_SP[seq_T]].reshape(T, -1, K, H).astype(jnp.float32)
+    S = k_TSKH.shape[1]
+    kv_pos = jnp.arange(S)[None, :]
+    mask_TS = _window_mask(q_pos_T[:, None], kv_pos, sliding_window) \
+        & (kv_pos < kv_len_T[:, None]) & owned_T[:, None]
+    q_TKGH = q_TNH.reshape(T, K, G, H).astype(jnp.float32)
+    s_TKGS = _cap(jnp.einsum("tkgh,tskh->tkgs", q_TKGH, k_TSKH) * sm_scale, soft_cap)
+    s_TKGS = jnp.where(mask_TS[:, None, None, :], s_TKGS, -jnp.inf)
+    p_TKGS = jax.nn.softmax(s_TKGS, axis=-1)
+    p_TKGS = jnp.where(mask_TS[:, None, None, :], p_TKGS, 0.0)
+    o_TKGH = jnp.einsum("tkgs,tskh->tkgh", p_TKGS, jnp.where(
+        mask_TS[:, :, None, None], v_TSKH, 0.0))
+    o_TKGH = jnp.where(owned_T[:, None, None, None], o_TKGH, 0.0)
+    return o_TKGH.reshape(T, N, H).astype(q_TNH.dtype)
+
+
+def validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                    cu_q_lens_S1, num_seqs, *, sliding_window=None, soft_cap=None) -> None:
+    """Check shapes and dtypes of a ragged paged attention call (static checks
+    only: values live on device).
+
+    Raises:
+      ValueError: naming the offending argument and its shape or value.
+    """
+    def bad(msg):
+        raise ValueError(f"ragged_paged_attention: {msg}")
+
+    if q_TNH.ndim != 3:
+        bad(f"q must be [T, N, H], got shape {q_TNH.shape}")
+    if k_pages_PLKH.ndim != 4 or k_pages_PLKH.shape != v_pages_PLKH.shape:
+        bad(f"k_pages and v_pages must both be [P, L, K, H], got {k_pages_PLKH.shape} "
+            f"and {v_pages_PLKH.shape}")
+    T, N, H = q_TNH.shape
+    P, L, K, Hk = k_pages_PLKH.shape
+    if Hk != H:
+        bad(f"head_dim of q ({H}) != head_dim of the pages ({Hk})")
+    if N % K:
+        bad(f"query heads {N} must be a multiple of kv heads {K}")
+    if kv_lens_S.ndim != 1 or page_indices_SP.ndim != 2 \
+            or page_indices_SP.shape[0] != kv_lens_S.shape[0]:
+        bad(f"kv_lens must be [max_seqs] and page_indices [max_seqs, pages_per_seq], got "
+            f"{kv_lens_S.shape} and {page_indices_SP.shape}")
+    if cu_q_lens_S1.shape != (kv_lens_S.shape[0] + 1,):
+        bad(f"cu_q_lens must be [max_seqs + 1] = [{kv_lens_S.shape[0] + 1}], "
+            f"got {cu_q_lens_S1.shape}")
+    if jnp.size(num_seqs) != 1:
+        bad(f"num_seqs must hold one value, got shape {jnp.shape(num_seqs)}")
+    for name, a in (("kv_lens", kv_lens_S), ("page_indices", page_indices_SP),
+                    ("cu_q_lens", cu_q_lens_S1), ("num_seqs", num_seqs)):
+        if not jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer):
+            bad(f"{name} must be int32, got {jnp.asarray(a).dtype}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        bad(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+        bad(f"soft_cap must be None or > 0, got {soft_cap!r}")
