@@ -144,6 +144,9 @@ class EngineConfig:
         ``"bfloat16"`` on GPU/TPU).
       seed: seed for requests that give none.
       compilation_cache_dir: persistent XLA compilation cache folder, or None.
+      attention_impl: "auto" (Pallas on GPU/TPU, XLA on CPU), "pallas" or "xla".
+      attention_interpret: run the Pallas kernel in the Pallas interpreter
+        (lets ``attention_impl="pallas"`` run on CPU; slow, for tests).
     """
 
     model: str = "smollm2-135m"
@@ -153,7 +156,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compilation_cache_dir: str | None = None
+    attention_impl: str = "auto"
+    attention_interpret: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_impl not in ("auto", "pallas", "xla"):
+            raise ValueError(f"attention_impl must be auto, pallas or xla, "
+                             f"got {self.attention_impl!r}")

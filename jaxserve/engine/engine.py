@@ -112,8 +112,17 @@ class Engine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        impl = config.attention_impl
+        if impl == "auto":
+            impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu") \
+                and not config.attention_interpret:
+            raise ValueError(f"attention_impl='pallas' has no lowering on "
+                             f"{jax.default_backend()!r}; set attention_interpret=True")
+        self.attention_impl = impl
         model = MODEL_CLASSES[model_config.architecture](
-            model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if params is None else None)
+            model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if params is None else None,
+            attention_impl=impl, interpret=config.attention_interpret)
         if params is not None:
             llama.load_params(model, params)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
@@ -393,8 +402,8 @@ class LLM:
       model: alias (``"smollm2-135m"``) or a ``.gguf`` path.
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
-      enable_chunked_prefill, compilation_cache_dir: engine args (see
-      ``jaxserve.config``).
+      enable_chunked_prefill, compilation_cache_dir, attention_impl,
+      attention_interpret: engine args (see ``jaxserve.config``).
       model_config, params, tokenizer, chat_template: see ``Engine``.
     """
 
@@ -403,7 +412,8 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 compilation_cache_dir: str | None = None, **parts):
+                 compilation_cache_dir: str | None = None, attention_impl: str = "auto",
+                 attention_interpret: bool = False, **parts):
         config = EngineConfig(
             model=model, dtype=dtype, seed=seed,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -413,7 +423,8 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
-            compilation_cache_dir=compilation_cache_dir)
+            compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
+            attention_interpret=attention_interpret)
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):

@@ -147,6 +147,10 @@ class ModelRunner:
         page_indices = np.zeros((rows, Pb), np.int32)
         cu_q_lens = np.zeros(rows + 1, np.int32)
         cu_q_lens[1:Bd + 1] = np.arange(1, Bd + 1)  # decode rows (padding too): one token each
+        if not batch.decode:
+            # Padding decode rows of a mixed step own a query token: let it see
+            # position 0 (finite garbage, never read) rather than nothing.
+            kv_lens[nd:Bd] = 1
         sample_rows = np.zeros(n, np.int32)
         plp_rows, plp_targets, plp_spans = [], [], {}
         t, s = 0, 0

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import reference as rpa
 
 
@@ -108,15 +109,23 @@ def _linear(w_FD, x_DT):
 
 
 class Attention(nnx.Module):
-    """GQA self-attention over the paged cache: project, RoPE, write K/V, attend."""
+    """GQA self-attention over the paged cache: project, RoPE, write K/V, attend.
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
+    ``attention_impl``: "xla" (the reference kernels: decode rows and prefill
+    rows attended separately) or "pallas" (one ragged Pallas kernel for the
+    whole mixed batch; ``interpret`` as in ``rpa_kernel.ragged_paged_attention``).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs, attention_impl: str = "xla",
+                 interpret=False):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = _param((N * H, D), ("q_heads", "embed"), dtype, rngs)
         self.k_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
         self.v_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
         self.o_proj = _param((D, N * H), ("embed", "q_heads"), dtype, rngs)
         self.cfg = cfg
+        self.attention_impl = attention_impl
+        self.interpret = interpret
 
     def __call__(self, x_DT, layer: int, cos_TH2, sin_TH2, k_cache, v_cache,
                  md: AttentionMetadata, num_decode_rows: int, max_q_len: int):
@@ -127,11 +136,14 @@ class Attention(nnx.Module):
         k_TKH = apply_rope(_linear(self.k_proj.value, x_DT).T.reshape(T, K, H), cos_TH2, sin_TH2)
         v_TKH = _linear(self.v_proj.value, x_DT).T.reshape(T, K, H)
         # Write this step's K/V first; padding tokens target page P (dropped).
-        k_cache = k_cache.at[layer, md.slot_pages, md.slot_offsets].set(
-            k_TKH.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[layer, md.slot_pages, md.slot_offsets].set(
-            v_TKH.astype(v_cache.dtype), mode="drop")
+        k_cache, v_cache = rpa_kernel.write_kv(k_cache, v_cache, layer, k_TKH, v_TKH,
+                                               md.slot_pages, md.slot_offsets)
         scale = H ** -0.5
+        if self.attention_impl == "pallas":
+            o_TNH = rpa_kernel.ragged_paged_attention(
+                q_TNH, k_cache[layer], v_cache[layer], md.kv_lens, md.page_indices,
+                md.cu_q_lens, md.num_seqs, sm_scale=scale, interpret=self.interpret)
+            return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_cache, v_cache
         Bd = num_decode_rows  # leading rows: one query token per sequence
         parts = []
         if Bd:
@@ -164,9 +176,9 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, **attn):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, **attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
@@ -179,11 +191,14 @@ class LlamaForCausalLM(nnx.Module):
     of the rows in ``md.logits_indices`` plus the updated caches.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 attention_impl: str = "xla", interpret=False):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, attention_impl=attention_impl,
+                                             interpret=interpret)
+                                for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 

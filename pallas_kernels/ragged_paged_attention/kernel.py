@@ -1,0 +1,90 @@
+"""Ragged paged attention: the public entry point and the KV write beside it.
+
+``ragged_paged_attention`` picks the Pallas lowering for the device:
+
+* TPU: ``kernel_tpu`` (Mosaic; metadata scalar-prefetched, K/V pages copied
+  HBM -> VMEM by double-buffered DMAs);
+* GPU: ``kernel_gpu`` (Pallas on Triton);
+* CPU: no lowering; pass ``interpret=True`` (the GPU kernel under the Pallas
+  interpreter) or ``interpret=pltpu.InterpretParams()`` (the TPU kernel under
+  JAX's TPU interpreter, which simulates scalar prefetch, DMAs and semaphores).
+
+Semantics are those of ``reference.ref_ragged_paged_attention`` (the tests
+hold every lowering to it). Every query row owned by a sequence must see at
+least one kv position (true whenever ``kv_len >= q_len >= 1``).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.ragged_paged_attention.reference import validate_inputs
+
+
+def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                           cu_q_lens_S1, num_seqs, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           interpret=False):
+    """Causal attention of a packed ragged batch over a paged KV cache.
+
+    Args:
+      q_TNH: [T, N, H] f32 or bf16 query tokens of all sequences, packed; a
+        sequence may have 0, 1 (decode) or many (prefill chunk) new tokens.
+      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache, this step's
+        K/V already written (``write_kv``); N must be a multiple of K (GQA/MQA).
+      kv_lens_S: i32[max_seqs] context length of each sequence, new tokens included.
+      page_indices_SP: i32[max_seqs, pages_per_seq] page ids of each sequence.
+      cu_q_lens_S1: i32[max_seqs + 1] prefix sums of the query lengths.
+      num_seqs: i32[1] sequences in use.
+      sm_scale: softmax scale (usually H ** -0.5).
+      sliding_window: None, or W: a query at position i sees kv positions (i - W, i].
+      soft_cap: None, or c: scores become c * tanh(s / c) (Gemma 2).
+      interpret: False (compile for the device), True (GPU kernel in the Pallas
+        interpreter) or a ``pltpu.InterpretParams`` (TPU kernel, TPU interpreter).
+
+    Returns:
+      [T, N, H] in q's dtype; softmax statistics in f32. Rows owned by no sequence are 0.
+
+    Raises:
+      ValueError: inconsistent shapes or dtypes, or no Pallas lowering for this
+        backend (CPU without ``interpret``).
+    """
+    validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
+            num_seqs)
+    use_tpu = interpret is not False and interpret is not True  # InterpretParams
+    if interpret is False:
+        backend = jax.default_backend()
+        if backend not in ("gpu", "tpu"):
+            raise ValueError(f"ragged_paged_attention: no Pallas lowering for backend "
+                             f"{backend!r}; pass interpret=True or use the XLA path")
+        use_tpu = backend == "tpu"
+    if use_tpu:
+        from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
+        return ragged_paged_attention_tpu(*args, interpret=interpret, **kw)
+    from pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
+    return ragged_paged_attention_gpu(*args, interpret=bool(interpret), **kw)
+
+
+def write_kv(k_cache, v_cache, layer: int, k_TKH, v_TKH, slot_pages_T, slot_offsets_T):
+    """Write a step's new K and V into their pages, in place when the caches
+    are donated (XLA turns the scatter into an in-place update).
+
+    Args:
+      k_cache, v_cache: [layers, P, L, K, H] the whole cache.
+      layer: static layer index.
+      k_TKH, v_TKH: [T, K, H] this step's keys and values (cast to the cache dtype).
+      slot_pages_T: i32[T] page of each token; P (out of range) for padding,
+        whose writes are dropped.
+      slot_offsets_T: i32[T] offset of each token inside its page.
+
+    Returns:
+      (k_cache, v_cache) updated.
+    """
+    k_cache = k_cache.at[layer, slot_pages_T, slot_offsets_T].set(
+        k_TKH.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, slot_pages_T, slot_offsets_T].set(
+        v_TKH.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
