@@ -81,9 +81,11 @@ class ModelRunner:
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
-        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = jnp.zeros(shape, kv_dtype)
-        self.v_cache = jnp.zeros(shape, kv_dtype)
+        # One [P, L, K, H] buffer per layer (a tuple, donated as a pytree): a
+        # kernel then reads its layer's pages without a slice copy.
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = tuple(jnp.zeros(shape, kv_dtype) for _ in range(cfg.num_layers))
+        self.v_cache = tuple(jnp.zeros(shape, kv_dtype) for _ in range(cfg.num_layers))
         self.num_compilations = 0
         self.prefill_step = jax.jit(self._step, static_argnames=("num_decode_rows", "max_q_len"),
                                     donate_argnums=(1, 2))

@@ -127,7 +127,7 @@ class Attention(nnx.Module):
         self.attention_impl = attention_impl
         self.interpret = interpret
 
-    def __call__(self, x_DT, layer: int, cos_TH2, sin_TH2, k_cache, v_cache,
+    def __call__(self, x_DT, cos_TH2, sin_TH2, k_pages_PLKH, v_pages_PLKH,
                  md: AttentionMetadata, num_decode_rows: int, max_q_len: int):
         cfg = self.cfg
         T = x_DT.shape[1]
@@ -136,27 +136,27 @@ class Attention(nnx.Module):
         k_TKH = apply_rope(_linear(self.k_proj.value, x_DT).T.reshape(T, K, H), cos_TH2, sin_TH2)
         v_TKH = _linear(self.v_proj.value, x_DT).T.reshape(T, K, H)
         # Write this step's K/V first; padding tokens target page P (dropped).
-        k_cache, v_cache = rpa_kernel.write_kv(k_cache, v_cache, layer, k_TKH, v_TKH,
+        k_pages, v_pages = rpa_kernel.write_kv(k_pages_PLKH, v_pages_PLKH, k_TKH, v_TKH,
                                                md.slot_pages, md.slot_offsets)
         scale = H ** -0.5
         if self.attention_impl == "pallas":
             o_TNH = rpa_kernel.ragged_paged_attention(
-                q_TNH, k_cache[layer], v_cache[layer], md.kv_lens, md.page_indices,
+                q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices,
                 md.cu_q_lens, md.num_seqs, sm_scale=scale, interpret=self.interpret)
-            return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_cache, v_cache
+            return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_pages, v_pages
         Bd = num_decode_rows  # leading rows: one query token per sequence
         parts = []
         if Bd:
             parts.append(rpa.paged_decode_attention(
-                q_TNH[:Bd], k_cache[layer], v_cache[layer], md.kv_lens[:Bd],
+                q_TNH[:Bd], k_pages, v_pages, md.kv_lens[:Bd],
                 md.page_indices[:Bd], sm_scale=scale))
         if Bd < T:
             parts.append(rpa.ragged_paged_attention(
-                q_TNH[Bd:], k_cache[layer], v_cache[layer], md.kv_lens[Bd:],
+                q_TNH[Bd:], k_pages, v_pages, md.kv_lens[Bd:],
                 md.page_indices[Bd:], md.cu_q_lens[Bd:] - Bd, md.num_seqs - Bd,
                 max_q_len=max_q_len, sm_scale=scale))
         o_TNH = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_cache, v_cache
+        return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -207,28 +207,30 @@ class LlamaForCausalLM(nnx.Module):
         """Forward one step.
 
         Args:
-          k_cache, v_cache: [layers, P, L, K, H] paged cache.
+          k_cache, v_cache: tuples of one [P, L, K, H] paged cache per layer
+            (separate buffers, so a kernel gets its layer without a copy).
           md: the step's ``AttentionMetadata``.
           num_decode_rows: static count of leading decode rows (== T for a
             pure decode step, 0 for a pure prefill step).
           max_q_len: static bound on a prefill sequence's query length.
 
         Returns:
-          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache).
+          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as tuples).
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
         cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
+        k_caches, v_caches = list(k_cache), list(v_cache)
         for i, layer in enumerate(self.layers):
-            h_DT, k_cache, v_cache = layer.self_attn(
-                layer.input_layernorm(x_DT), i, cos, sin, k_cache, v_cache, md,
+            h_DT, k_caches[i], v_caches[i] = layer.self_attn(
+                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md,
                 num_decode_rows, max_q_len)
             x_DT = x_DT + h_DT
             x_DT = x_DT + layer.mlp(layer.post_attention_layernorm(x_DT))
         x_DS = self.norm(x_DT[:, md.logits_indices])
         head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
         logits_VS = jnp.einsum("vd,ds->vs", head_VD, x_DS, preferred_element_type=jnp.float32)
-        return logits_VS.T, k_cache, v_cache
+        return logits_VS.T, tuple(k_caches), tuple(v_caches)
 
 
 def load_params(model: LlamaForCausalLM, params: dict) -> None:

@@ -68,23 +68,22 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     return ragged_paged_attention_gpu(*args, interpret=bool(interpret), **kw)
 
 
-def write_kv(k_cache, v_cache, layer: int, k_TKH, v_TKH, slot_pages_T, slot_offsets_T):
+def write_kv(k_pages_PLKH, v_pages_PLKH, k_TKH, v_TKH, slot_pages_T, slot_offsets_T):
     """Write a step's new K and V into their pages, in place when the caches
     are donated (XLA turns the scatter into an in-place update).
 
     Args:
-      k_cache, v_cache: [layers, P, L, K, H] the whole cache.
-      layer: static layer index.
+      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache.
       k_TKH, v_TKH: [T, K, H] this step's keys and values (cast to the cache dtype).
       slot_pages_T: i32[T] page of each token; P (out of range) for padding,
         whose writes are dropped.
       slot_offsets_T: i32[T] offset of each token inside its page.
 
     Returns:
-      (k_cache, v_cache) updated.
+      (k_pages, v_pages) updated.
     """
-    k_cache = k_cache.at[layer, slot_pages_T, slot_offsets_T].set(
-        k_TKH.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, slot_pages_T, slot_offsets_T].set(
-        v_TKH.astype(v_cache.dtype), mode="drop")
-    return k_cache, v_cache
+    k_pages_PLKH = k_pages_PLKH.at[slot_pages_T, slot_offsets_T].set(
+        k_TKH.astype(k_pages_PLKH.dtype), mode="drop")
+    v_pages_PLKH = v_pages_PLKH.at[slot_pages_T, slot_offsets_T].set(
+        v_TKH.astype(v_pages_PLKH.dtype), mode="drop")
+    return k_pages_PLKH, v_pages_PLKH
