@@ -1,0 +1,171 @@
+"""Kernel benchmark: ``python -m pallas_kernels.bench``.
+
+On a GPU it times our ragged paged attention kernel (``kernel.py``)
+
+* decode: one query token per sequence, batch 1, 8, 64 x context 1k, 8k, 32k,
+  against JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention``;
+* prefill: 4 sequences each with a chunk of 512 or 2,048 new tokens on top of
+  as many cached ones;
+
+and prints the achieved bandwidth (decode: K and V bytes read / time) against
+the device's copy ceiling (a large on-device copy), and the achieved TFLOP/s
+(prefill: 4 * heads * head_dim * visible (q, kv) pairs / time) against its
+matmul ceiling (a large bf16 matmul). Shapes are Llama-3-8B-like: 32 query
+heads, 8 kv heads, head dim 128, page size 16, bf16. Each figure is the median
+of ``--iters`` timed calls after two warm-up calls. It takes a few minutes on
+one H200.
+
+On CPU, ``--smoke`` runs tiny shapes with ``interpret=True`` (to check the
+script, not to measure anything); without it the script says there is no GPU
+and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention import kernel, reference
+
+
+def _time(fn, *args, iters: int) -> float:
+    """Median wall time of ``fn(*args)`` in seconds (device-synchronised)."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_ceiling_gbs(nbytes: int, iters: int) -> float:
+    """Read + write bandwidth of a plain on-device copy, GB/s."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1 + 0)
+    return 2 * nbytes / _time(f, x, iters=iters) / 1e9
+
+
+def matmul_ceiling_tflops(n: int, iters: int) -> float:
+    """bf16 matmul throughput (f32 accumulation), TFLOP/s."""
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / _time(f, a, a, iters=iters) / 1e12
+
+
+def _case(rng, num_seqs, q_len, kv_len, *, N, K, H, L, dtype):
+    """Random q, pages and metadata for ``num_seqs`` sequences of the same shape."""
+    pages_per_seq = -(-kv_len // L)
+    P = num_seqs * pages_per_seq
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    kq, kk, kv = jax.random.split(key, 3)
+    T = num_seqs * q_len
+    q = jax.random.normal(kq, (T, N, H), jnp.float32).astype(dtype)
+    k_pages = jax.random.normal(kk, (P, L, K, H), jnp.float32).astype(dtype)
+    v_pages = jax.random.normal(kv, (P, L, K, H), jnp.float32).astype(dtype)
+    page_indices = jnp.asarray(rng.permutation(P).reshape(num_seqs, pages_per_seq), jnp.int32)
+    kv_lens = jnp.full((num_seqs,), kv_len, jnp.int32)
+    cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_len
+    num_seqs_1 = jnp.array([num_seqs], jnp.int32)
+    return q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs_1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.smoke:
+        print(f"no GPU (backend {jax.default_backend()!r}); run on a GPU, or --smoke for a "
+              "tiny interpret-mode check of this script")
+        return 1
+    rng = np.random.default_rng(0)
+    interpret = not on_gpu
+    if args.smoke:
+        N, K, H, L, dtype = 4, 2, 64, 16, jnp.float32
+        decode_cases = [(b, c) for b in (1, 4) for c in (64, 256)]
+        prefill_cases = [(2, 32)]
+        iters = 1
+    else:
+        N, K, H, L, dtype = 32, 8, 128, 16, jnp.bfloat16
+        decode_cases = [(b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)]
+        prefill_cases = [(4, 512), (4, 2048)]
+        iters = args.iters
+    sm_scale = H ** -0.5
+    itemsize = jnp.dtype(dtype).itemsize
+    if on_gpu:
+        bw = copy_ceiling_gbs(4 << 30, iters)
+        mm = matmul_ceiling_tflops(8192, iters)
+    else:
+        bw, mm = float("nan"), float("nan")
+    print(f"device: {jax.devices()[0].device_kind}; copy ceiling {bw:.0f} GB/s, "
+          f"bf16 matmul ceiling {mm:.0f} TFLOP/s; heads {N}/{K}, head dim {H}, page {L}, "
+          f"{jnp.dtype(dtype).name}")
+
+    ours = jax.jit(lambda *a: kernel.ragged_paged_attention(*a, sm_scale=sm_scale,
+                                                            interpret=interpret))
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+
+    def theirs_fn(q, k_pages, v_pages, kv_lens, page_indices):
+        # JAX's kernel wants [K, P, L, H] pages (transposed once, outside the
+        # timing) and pages per sequence divisible by k_splits (its defaults:
+        # 16 splits, 8 pages per compute block).
+        pages = page_indices.shape[1]
+        k_splits = min(16, pages)
+        q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)  # it applies no softmax scale
+        return jax_pa.paged_attention(q, k_pages, v_pages, page_indices, kv_lens,
+                                      interpret=interpret, k_splits=k_splits,
+                                      pages_per_compute_block=min(8, pages // k_splits))
+    theirs = jax.jit(theirs_fn)
+
+    print(f"\n{'decode':<10} {'batch':>5} {'ctx':>6} {'ours ms':>9} {'GB/s':>7} {'of copy':>8} "
+          f"{'jax ms':>9} {'ours/jax':>8} {'max|diff|':>10}")
+    for batch, ctx in decode_cases:
+        q, kp, vp, kv_lens, pi, cu, ns = _case(rng, batch, 1, ctx, N=N, K=K, H=H, L=L,
+                                               dtype=dtype)
+        t_ours = _time(ours, q, kp, vp, kv_lens, pi, cu, ns, iters=iters)
+        kp_t, vp_t = jnp.transpose(kp, (2, 0, 1, 3)), jnp.transpose(vp, (2, 0, 1, 3))
+        try:
+            t_jax = _time(theirs, q, kp_t, vp_t, kv_lens, pi, iters=iters)
+            diff = float(jnp.max(jnp.abs(ours(q, kp, vp, kv_lens, pi, cu, ns).astype(jnp.float32)
+                                         - theirs(q, kp_t, vp_t, kv_lens, pi).astype(jnp.float32))))
+        except Exception as e:  # JAX's kernel rejects some shapes (e.g. in interpret mode)
+            print(f"  (jax paged_attention failed: {type(e).__name__}: {str(e)[:80]})")
+            t_jax, diff = float("nan"), float("nan")
+        nbytes = 2 * batch * ctx * K * H * itemsize
+        gbs = nbytes / t_ours / 1e9
+        print(f"{'':<10} {batch:>5} {ctx:>6} {t_ours * 1e3:>9.3f} {gbs:>7.0f} {gbs / bw:>8.1%} "
+              f"{t_jax * 1e3:>9.3f} {t_ours / t_jax:>8.2f} {diff:>10.2e}")
+
+    print(f"\n{'prefill':<10} {'seqs':>5} {'chunk':>6} {'ours ms':>9} {'TFLOP/s':>8} "
+          f"{'of mm':>7} {'max|diff| vs ref':>17}")
+    for seqs, chunk in prefill_cases:
+        kv_len = 2 * chunk
+        q, kp, vp, kv_lens, pi, cu, ns = _case(rng, seqs, chunk, kv_len, N=N, K=K, H=H, L=L,
+                                               dtype=dtype)
+        t_ours = _time(ours, q, kp, vp, kv_lens, pi, cu, ns, iters=iters)
+        pairs = seqs * (chunk * (kv_len - chunk) + chunk * (chunk + 1) // 2)
+        tflops = 4 * N * H * pairs / t_ours / 1e12
+        # The dense reference on the last 32 query rows of sequence 0 (as a
+        # 32-token chunk with the same kv_len, so positions are unchanged).
+        tail = min(32, chunk)
+        ref = reference.ref_ragged_paged_attention(
+            q[chunk - tail:chunk], kp, vp, kv_lens[:1], pi[:1], jnp.array([0, tail], jnp.int32),
+            jnp.array([1], jnp.int32), sm_scale=sm_scale)
+        diff = float(jnp.max(jnp.abs(ours(q, kp, vp, kv_lens, pi, cu, ns)[chunk - tail:chunk]
+                                     .astype(jnp.float32) - ref.astype(jnp.float32))))
+        print(f"{'':<10} {seqs:>5} {chunk:>6} {t_ours * 1e3:>9.3f} {tflops:>8.1f} "
+              f"{tflops / mm:>7.1%} {diff:>17.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
