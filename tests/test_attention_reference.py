@@ -9,15 +9,20 @@ from hypothesis import example, given, settings, strategies as st
 from pallas_kernels.ragged_paged_attention import reference as rpa
 
 
-def dense_attention(q_NH, k_SKH, v_SKH, q_pos, scale):
-    """Causal GQA attention of queries at positions q_pos over k/v [S, K, H]."""
+def dense_attention(q_NH, k_SKH, v_SKH, q_pos, scale, window=None, cap=None):
+    """Causal GQA attention of queries at positions q_pos over unpaged k/v
+    [S, K, H], in float64: a query at position p sees kv positions
+    max(0, p - window + 1) .. p; scores are soft-capped as cap * tanh(s / cap)."""
     N, K = q_NH.shape[1], k_SKH.shape[1]
     G = N // K
     out = np.zeros_like(q_NH, dtype=np.float64)
     for t, pos in enumerate(q_pos):
+        lo = 0 if window is None else max(0, pos - window + 1)
         for n in range(N):
-            k, v = k_SKH[:pos + 1, n // G].astype(np.float64), v_SKH[:pos + 1, n // G]
+            k, v = k_SKH[lo:pos + 1, n // G].astype(np.float64), v_SKH[lo:pos + 1, n // G]
             s = k @ q_NH[t, n].astype(np.float64) * scale
+            if cap is not None:
+                s = cap * np.tanh(s / cap)
             p = np.exp(s - s.max())
             out[t, n] = (p / p.sum()) @ v
     return out
@@ -111,3 +116,58 @@ def test_paged_decode_matches_dense(seed, ctx, page_size, gqa):
         k, v = dense[b]
         ref = dense_attention(q[b:b + 1], k, v, [kv_lens[b] - 1], H ** -0.5)
         np.testing.assert_allclose(out[b:b + 1], ref, atol=2e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1),
+       q_lens=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+       ctx=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+       page_size=st.sampled_from([1, 4, 8]),
+       gqa=st.sampled_from([(4, 4), (4, 2), (8, 2), (4, 1)]),
+       window=st.sampled_from([None, 1, 5, 17]),
+       cap=st.sampled_from([None, 0.5, 30.0]))
+# A sequence with no new tokens (q_len 0) between two that have some.
+@example(seed=3, q_lens=[5, 0, 1], ctx=[9, 30, 40, 0], page_size=4, gqa=(8, 2),
+         window=5, cap=0.5)
+def test_reference_matches_dense_unpaged(seed, q_lens, ctx, page_size, gqa, window, cap):
+    """``ref_ragged_paged_attention`` (the definition the Pallas kernels are
+    tested against) and the engine's XLA path both equal dense causal
+    attention computed from each sequence's unpaged K/V, with sliding windows
+    and soft caps; unused pages hold NaN and padded rows come back 0."""
+    rng = np.random.default_rng(seed)
+    N, K = gqa
+    H = 8
+    # 1 <= kv_len <= the page table's width.
+    ctx = [min(max(c, 1 - q), WIDTH * page_size - q) for c, q in zip(ctx, q_lens)]
+    k_pages, v_pages, kv_lens, page_indices, dense = make_batch(
+        rng, q_lens, ctx, page_size, K, H)
+    T = T_PAD
+    q = rng.standard_normal((T, N, H)).astype(np.float32)
+    cu = np.zeros(MAX_SEQS + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    kv = np.zeros(MAX_SEQS, np.int32)
+    kv[:len(q_lens)] = kv_lens
+    pi = np.zeros((MAX_SEQS, page_indices.shape[1]), np.int32)
+    pi[:len(q_lens)] = page_indices
+    args = (jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv),
+            jnp.asarray(pi), jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32))
+    opts = dict(sm_scale=H ** -0.5, sliding_window=window, soft_cap=cap)
+    ref = np.asarray(rpa.ref_ragged_paged_attention(*args, **opts))
+    xla = np.asarray(rpa.ragged_paged_attention(*args, max_q_len=MAX_Q, **opts))
+    assert np.isfinite(ref).all() and np.isfinite(xla).all()
+    for i, ql in enumerate(q_lens):
+        k, v = dense[i]
+        q_pos = np.arange(kv_lens[i] - ql, kv_lens[i])
+        want = dense_attention(q[cu[i]:cu[i + 1]], k, v, q_pos, H ** -0.5, window, cap)
+        np.testing.assert_allclose(ref[cu[i]:cu[i + 1]], want, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(xla[cu[i]:cu[i + 1]], want, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(ref[cu[len(q_lens)]:], 0.0)
+    np.testing.assert_array_equal(xla[cu[len(q_lens)]:], 0.0)
+    # Decode rows (q_len 1) through the XLA decode path, same window/cap.
+    rows = [i for i, ql in enumerate(q_lens) if ql == 1]
+    if rows:
+        dec = np.asarray(rpa.paged_decode_attention(
+            jnp.asarray(q[cu[rows]]), jnp.asarray(k_pages), jnp.asarray(v_pages),
+            jnp.asarray(kv_lens[rows]), jnp.asarray(page_indices[rows]), **opts))
+        np.testing.assert_allclose(dec, ref[cu[rows]], atol=2e-5, rtol=1e-5)
