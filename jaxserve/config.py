@@ -165,3 +165,51 @@ class EngineConfig:
         if self.attention_impl not in ("auto", "pallas", "xla"):
             raise ValueError(f"attention_impl must be auto, pallas or xla, "
                              f"got {self.attention_impl!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC server (``jaxserve.server``).
+
+    Attributes:
+      host: address to bind; loopback unless told otherwise.
+      port: gRPC port; 0 picks a free one (printed at start-up).
+      metrics_port: Prometheus ``/metrics`` HTTP port on ``host``; 0 picks a
+        free one, None turns the endpoint off.
+      max_waiting_requests: requests allowed to wait for their first step;
+        beyond it ``Generate`` answers RESOURCE_EXHAUSTED.
+      max_prompt_len: longest prompt accepted, tokens (None: max_model_len - 1).
+      max_message_bytes: largest gRPC message received or sent, bytes.
+      grace_period_s: on SIGTERM, seconds running requests get to finish
+        before they are aborted; the process exits within it.
+      tls_cert, tls_key: PEM file paths; both or neither (TLS off).
+      auth_token: bearer token every call must carry in ``authorization:
+        Bearer <token>`` metadata; None turns the check off.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = 8000
+    max_waiting_requests: int = 256
+    max_prompt_len: int | None = None
+    max_message_bytes: int = 16 << 20
+    grace_period_s: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+
+    def __post_init__(self):
+        for name in ("port", "metrics_port"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v < 65536):
+                raise ValueError(f"{name} must be in [0, 65536), got {v!r}")
+        _positive("max_waiting_requests", self.max_waiting_requests)
+        _positive("max_prompt_len", self.max_prompt_len, allow_none=True)
+        _positive("max_message_bytes", self.max_message_bytes)
+        if not self.grace_period_s > 0:
+            raise ValueError(f"grace_period_s must be > 0, got {self.grace_period_s!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r} "
+                             f"and tls_key={self.tls_key!r}")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token must be None or a non-empty string, got ''")

@@ -8,6 +8,9 @@ Modes:
     with a cached 1,000-token system prompt against cold
     (``jaxserve.bench.prefix_cache``).
 
+  serve: the gRPC server (``jaxserve.server``): ``--host``, ``--port``,
+    ``--metrics_port``, TLS, bearer token, queue bound, grace period.
+
 Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
 input (unknown model, empty prompt, out-of-range sampling values) prints
 ``error: ...`` on stderr and exits with status 2.
@@ -23,7 +26,7 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "generate", ["generate", "bench"], "What to run.")
+flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve"], "What to run.")
 flags.DEFINE_string("model", "smollm2-135m", "Model alias or path to a .gguf file.")
 flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
@@ -49,6 +52,22 @@ flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"]
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
 flags.DEFINE_integer("bench_input_len", 120, "bench: prompt tokens (+-10%).")
 flags.DEFINE_integer("bench_output_len", 128, "bench: output tokens (EOS ignored).")
+
+flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind (loopback by default).")
+flags.DEFINE_integer("port", 50051, "serve: gRPC port; 0 picks a free one (printed).")
+flags.DEFINE_integer("metrics_port", 8000,
+                     "serve: Prometheus /metrics port; 0 picks a free one, -1 turns it off.")
+flags.DEFINE_integer("max_waiting_requests", 256,
+                     "serve: sequences allowed to wait; beyond it RESOURCE_EXHAUSTED.")
+flags.DEFINE_integer("max_prompt_len", None, "serve: longest prompt, tokens "
+                     "(default max_model_len - 1).")
+flags.DEFINE_integer("max_message_mib", 16, "serve: largest gRPC message, MiB.")
+flags.DEFINE_float("grace_period_s", 30.0, "serve: on SIGTERM, seconds running requests get "
+                   "to finish before they are aborted.")
+flags.DEFINE_string("tls_cert", None, "serve: PEM certificate chain (TLS with --tls_key).")
+flags.DEFINE_string("tls_key", None, "serve: PEM private key.")
+flags.DEFINE_string("auth_token_file", None, "serve: file holding the bearer token every call "
+                    "must carry (or set JAXSERVE_AUTH_TOKEN).")
 
 _CHAT = "chat"
 # (prompt, chat?, max_tokens): short chats, a long prompt with a short answer,
@@ -178,9 +197,40 @@ def _bench(llm) -> None:
     print(f"  new compilations in timed run: {warm.num_compilations - cold.num_compilations}")
 
 
+def _serve() -> None:
+    from jaxserve.config import ServerConfig
+    from jaxserve.server.serve import serve
+    token = os.environ.get("JAXSERVE_AUTH_TOKEN") or None
+    if FLAGS.auth_token_file:
+        try:
+            with open(FLAGS.auth_token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --auth_token_file {FLAGS.auth_token_file!r}: "
+                             f"{e.strerror}") from None
+    config = ServerConfig(
+        host=FLAGS.host, port=FLAGS.port,
+        metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
+        max_waiting_requests=FLAGS.max_waiting_requests, max_prompt_len=FLAGS.max_prompt_len,
+        max_message_bytes=FLAGS.max_message_mib << 20, grace_period_s=FLAGS.grace_period_s,
+        tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, auth_token=token)
+
+    def load_engine():
+        from jaxserve import LLM
+        return LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args()).engine
+    serve(config, load_engine, FLAGS.model)
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.mode == "serve":
+        try:
+            _serve()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
     from jaxserve import LLM, SamplingParams
     try:
         # Check sampling flags before the (slow) model load.

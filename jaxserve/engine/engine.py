@@ -184,8 +184,13 @@ class Engine:
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None) -> str:
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
         """Queue a request (its ``params.n`` choices); returns its id.
+
+        ``arrival_time`` (``time.monotonic()`` seconds, default now) is where
+        queue time, TTFT and E2E start: a server passes the time the request
+        reached it.
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that leaves no
@@ -219,7 +224,8 @@ class Engine:
             raise ValueError(f"min_tokens supports at most {MAX_BANNED} stop and EOS ids, "
                              f"got {len(params.stop_token_ids) + len(self.eos_token_ids)}")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
-        metrics = RequestMetrics(arrival_time=time.monotonic())
+        metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         text = prompt if isinstance(prompt, str) else None
         seqs: list[Request] = []
         for i in range(params.n):

@@ -1,0 +1,306 @@
+"""The engine loop behind the gRPC server: one thread steps the engine,
+asyncio coroutines submit requests and read their outputs.
+
+Threads and queues (JetStream's orchestrator, reduced to one loop):
+
+  asyncio thread (gRPC handlers)            engine thread (owns the Engine)
+  ------------------------------            -------------------------------
+  submit(): validate, put ("add", ...) ───▶ drains the command queue before
+  on the command queue, await the add's       every step: add_request (its
+  future (ValueError comes back here)         ValueError goes back through the
+  abort(): put ("abort", id, step)  ──────▶   future) and abort
+  stream: async-iterate an asyncio.Queue ◀── step(); each RequestOutput is
+                                              handed to its request's asyncio
+                                              queue with call_soon_threadsafe
+
+No other thread touches the ``Engine``. An abort queued while a step runs is
+applied before the next step starts, so a cancelled request stops within one
+step (``jaxserve_abort_delay_steps`` records the gap). Engine request ids are
+internal (``s<counter>``), so a client may reuse its own id at once.
+
+If ``step()`` raises, every in-flight request is aborted and its stream ends
+with ``EngineError``; the loop goes on serving new requests (the failure
+counter records it). Requests arrive in the engine only through
+``add_request``, whose checks raise ``ValueError`` for anything bad, so a
+request cannot stop the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.request import RequestOutput, SamplingParams
+from jaxserve.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds ``max_waiting_requests`` already."""
+
+
+class EngineError(Exception):
+    """The engine failed while running this request."""
+
+
+class ShuttingDownError(Exception):
+    """The server stopped accepting requests."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    """The asyncio side of one request."""
+
+    engine_id: str
+    outputs: asyncio.Queue
+    cancel_step: int | None = None
+    done: bool = False
+    first_token_seen: bool = False
+    last_token_time: dict = dataclasses.field(default_factory=dict)  # choice -> monotonic s
+
+
+class AsyncEngine:
+    """Serve an ``Engine`` to asyncio code.
+
+    Args:
+      engine: the engine; from ``start`` on, only the engine thread uses it.
+      metrics: where to record; a fresh ``ServingMetrics`` by default.
+      max_waiting_requests: bound on sequences waiting for their first step
+        (submitted and not yet in the engine included); ``submit`` raises
+        ``QueueFullError`` beyond it.
+    """
+
+    def __init__(self, engine: Engine, *, metrics: ServingMetrics | None = None,
+                 max_waiting_requests: int = 256):
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # engine id -> stream (engine thread's view)
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._accepting = True
+        # Counters shared across threads; each has one writer.
+        self._submitted = 0        # asyncio thread: sequences put on the command queue
+        self._drained = 0          # engine thread: sequences taken off it
+        self._engine_waiting = 0   # engine thread: scheduler.waiting after the last step
+        self.num_steps = 0         # engine thread: steps run
+        self.num_in_flight = 0     # asyncio thread: streams not yet finished
+
+    # ---- asyncio side -------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will submit."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._submitted - self._drained + self._engine_waiting
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       arrival_time: float | None = None) -> "RequestStream":
+        """Queue a request and return a ``RequestStream`` of its outputs; the
+        last one has ``finished`` True. The caller must ``aclose()`` it
+        (in a ``finally``): closing it before the end aborts the request.
+
+        Args:
+          prompt_ids: the prompt's token ids.
+          params: sampling parameters.
+          arrival_time: ``time.monotonic()`` when the request arrived (the
+            gRPC handler's start), so queue time and TTFT include the wait for
+            the engine thread; default now.
+
+        Raises (before any output):
+          ValueError: from ``Engine.add_request``'s checks.
+          QueueFullError: too many requests waiting.
+          ShuttingDownError: after ``stop_accepting``.
+        """
+        if not self._accepting:
+            raise ShuttingDownError("the server is shutting down")
+        if self.num_waiting + params.n > self.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting} sequences are waiting "
+                                 f"(max_waiting_requests={self.max_waiting_requests})")
+        engine_id = f"s{next(self._ids)}"
+        stream = _Stream(engine_id, asyncio.Queue())
+        added = self._loop.create_future()
+        self._submitted += params.n
+        self._commands.put(("add", engine_id, prompt_ids, params, stream, added,
+                            arrival_time if arrival_time is not None else time.monotonic()))
+        try:
+                await added  # raises ValueError from add_request
+        except asyncio.CancelledError:
+            self.abort(stream)  # applied after the add: commands run in order
+            raise
+        self.num_in_flight += 1
+        return RequestStream(self, stream)
+
+    def abort(self, stream: _Stream) -> None:
+        """Abort a stream's request in the engine before its next step
+        (thread-safe; a finished request is left alone)."""
+        stream.cancel_step = self.num_steps
+        self._commands.put(("abort", stream))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (shutdown after the grace period)."""
+        self._commands.put(("abort_all",))
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop the engine thread after its current step; returns False if it
+        is still running after ``timeout_s`` seconds."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is None:
+            return True
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._thread.is_alive() and (t_end is None or time.monotonic() < t_end):
+            await asyncio.sleep(0.02)
+        return not self._thread.is_alive()
+
+    # ---- engine thread ------------------------------------------------------
+
+    def _post(self, stream: _Stream, item) -> None:
+        self._loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd) -> None:
+        kind = cmd[0]
+        engine = self.engine
+        if kind == "add":
+            _, engine_id, prompt_ids, params, stream, added, arrival_time = cmd
+            self._drained += params.n
+            try:
+                engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival_time)
+            except ValueError as e:
+                self._loop.call_soon_threadsafe(_set_exception, added, e)
+                return
+            self._streams[engine_id] = stream
+            self._loop.call_soon_threadsafe(_set_result, added, None)
+        elif kind == "abort":
+            stream = cmd[1]
+            if stream.engine_id in self._streams:
+                engine.abort(stream.engine_id)
+                self.metrics.abort_delay.observe(max(0, self.num_steps - stream.cancel_step))
+        elif kind == "abort_all":
+            engine.abort(list(self._streams))
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain(block=not engine.has_unfinished_requests())
+            if self._stop.is_set():
+                break
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outs = engine.step()
+            except Exception as e:  # noqa: BLE001 - the loop must survive a failed step
+                log.exception("engine step failed; aborting %d requests", len(self._streams))
+                self._fail_all(e)
+                continue
+            self.num_steps += 1
+            now = time.monotonic()
+            for out in outs:
+                self._dispatch(out, now)
+            self._engine_waiting = len(engine.scheduler.waiting)
+            self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
+
+    def _dispatch(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        m = self.metrics
+        for c in out.outputs:
+            if c.delta_token_ids:
+                last = stream.last_token_time.get(c.index)
+                if last is not None:
+                    m.itl.observe(now - last)
+                stream.last_token_time[c.index] = now
+        if not stream.first_token_seen and out.metrics.ttft_ms is not None:
+            stream.first_token_seen = True
+            m.ttft.observe(out.metrics.ttft_ms / 1e3)
+        if out.finished:
+            del self._streams[out.request_id]
+            m.observe_finished(out)
+        self._post(stream, out)
+
+    def _fail_all(self, error: Exception) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        try:
+            self.engine.abort([s.engine_id for s in streams])
+            self.engine.step()  # collects the abort outputs; frees nothing more
+        except Exception:  # noqa: BLE001
+            log.exception("aborting after a failed step failed too")
+        for s in streams:
+            self.metrics.failed.inc()
+            self._post(s, EngineError(f"engine step failed: {type(error).__name__}: {error}"))
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestOutput``s (from
+    ``AsyncEngine.generate``). ``aclose()`` ends it and aborts the request
+    if it has not finished; it is idempotent.
+
+    Raises (from iteration):
+      EngineError: the engine failed while running the request.
+    """
+
+    def __init__(self, engine: AsyncEngine, stream: _Stream):
+        self._engine = engine
+        self._stream = stream
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._stream.done or self._closed:
+            raise StopAsyncIteration
+        item = await self._stream.outputs.get()
+        if isinstance(item, BaseException):
+            self._stream.done = True  # the engine dropped it already
+            raise item
+        if item.finished:
+            self._stream.done = True
+        return item
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.num_in_flight -= 1
+        if not self._stream.done:
+            self._engine.abort(self._stream)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
