@@ -19,34 +19,50 @@ class ServerProcess:
       args: extra ``jaxserve.main`` flags (``--model``, engine flags, ...).
       env: extra environment variables.
       timeout_s: how long start-up (weights and the "serving" line) may take.
+      wait_serving: return only once the model has loaded (else as soon as
+        the port is bound; call ``wait_serving`` later).
 
     Raises:
       RuntimeError: the process exited or did not report serving in time
         (the message holds its stderr).
     """
 
-    def __init__(self, args: list[str], env: dict | None = None, timeout_s: float = 300.0):
+    def __init__(self, args: list[str], env: dict | None = None, timeout_s: float = 300.0,
+                 wait_serving: bool = True):
         cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
                "--metrics_port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self._serving = threading.Event()
+        self._bound = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        t_end = time.monotonic() + timeout_s
-        while not self._serving.wait(0.1):
-            if self.proc.poll() is not None or time.monotonic() > t_end:
-                self.kill()
-                raise RuntimeError("server did not start:\n" + "".join(self.lines[-40:]))
+        self.timeout_s = timeout_s
+        self.wait(self._bound)
         text = "".join(self.lines)
         self.port = int(re.search(r"gRPC on [\d.]+:(\d+)", text).group(1))
         m = re.search(r"metrics on http://[\d.]+:(\d+)/metrics", text)
         self.metrics_port = int(m.group(1)) if m else None
         self.target = f"127.0.0.1:{self.port}"
+        if wait_serving:
+            self.wait_serving()
+
+    def wait(self, event: threading.Event) -> None:
+        t_end = time.monotonic() + self.timeout_s
+        while not event.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > t_end:
+                self.kill()
+                raise RuntimeError("server did not start:\n" + "".join(self.lines[-40:]))
+
+    def wait_serving(self) -> None:
+        """Block until the server logs that the model is loaded and serving."""
+        self.wait(self._serving)
 
     def _read(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line)
+            if line.startswith("jaxserve: gRPC on"):
+                self._bound.set()
             if line.startswith("jaxserve: serving"):
                 self._serving.set()
 

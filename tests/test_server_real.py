@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from jaxserve import SamplingParams
@@ -21,9 +22,34 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    s = ServerProcess(["--max_num_seqs", "8"])  # the default model: smollm2-135m
+    # The default model (smollm2-135m). While its weights load, health says
+    # NOT_SERVING and Generate UNAVAILABLE; reflection already answers.
+    s = ServerProcess(["--max_num_seqs", "8"], wait_serving=False)
+    try:
+        with Client(s.target) as c:
+            assert c.health() == "NOT_SERVING"
+            assert c.health("jaxserve.v1.Generation") == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as err:
+                c.complete("hi", max_tokens=1)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "jaxserve.v1.Generation" in _reflected_services(s.target)
+        s.wait_serving()
+        with Client(s.target) as c:
+            assert c.health() == "SERVING"
+    except BaseException:
+        s.kill()
+        raise
     yield s
     assert s.terminate() == 0
+
+
+def _reflected_services(target: str) -> list[str]:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    with grpc.insecure_channel(target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(stub.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    return [s.name for s in resp.list_services_response.service]
 
 
 def test_streamed_generate_equals_llm_generate(server, smollm2_llm):
