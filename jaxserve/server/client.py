@@ -115,7 +115,7 @@ class _Gather:
                       last.usage if fin else None, last.timing if fin else None, self.n)
 
 
-def _channel_args(target, token, root_certificates, max_message_bytes, aio):
+def _channel(target, root_certificates, max_message_bytes, aio):
     opts = [("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes)]
     mod = grpc.aio if aio else grpc
@@ -123,6 +123,15 @@ def _channel_args(target, token, root_certificates, max_message_bytes, aio):
         return mod.insecure_channel(target, options=opts)
     return mod.secure_channel(target, grpc.ssl_channel_credentials(root_certificates),
                               options=opts)
+
+
+def _tokenize_request(text, messages, add_special_tokens) -> pb.TokenizeRequest:
+    req = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
+    if messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+    else:
+        req.text = text
+    return req
 
 
 class Client:
@@ -136,9 +145,11 @@ class Client:
       max_message_bytes: largest message sent or received.
     """
 
+    _aio = False
+
     def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
                  root_certificates: bytes | None = None, max_message_bytes: int = 16 << 20):
-        self.channel = _channel_args(target, token, root_certificates, max_message_bytes, False)
+        self.channel = _channel(target, root_certificates, max_message_bytes, self._aio)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -173,11 +184,7 @@ class Client:
 
     def tokenize(self, text: str | None = None, *, messages=None,
                  add_special_tokens: bool = False) -> list[int]:
-        req = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
-        else:
-            req.text = text
+        req = _tokenize_request(text, messages, add_special_tokens)
         return list(self.stub.Tokenize(req, metadata=self.metadata).token_ids)
 
     def detokenize(self, token_ids, skip_special_tokens: bool = False) -> str:
@@ -199,12 +206,8 @@ class AsyncClient:
     """``Client`` over ``grpc.aio``: ``async for r in c.generate(...)``,
     ``await c.complete(...)``; same arguments."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
-                 root_certificates: bytes | None = None, max_message_bytes: int = 16 << 20):
-        self.channel = _channel_args(target, token, root_certificates, max_message_bytes, True)
-        self.stub = pb_grpc.GenerationStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+    _aio = True
+    __init__ = Client.__init__
 
     async def __aenter__(self):
         return self
@@ -230,11 +233,7 @@ class AsyncClient:
 
     async def tokenize(self, text: str | None = None, *, messages=None,
                        add_special_tokens: bool = False) -> list[int]:
-        req = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
-        else:
-            req.text = text
+        req = _tokenize_request(text, messages, add_special_tokens)
         return list((await self.stub.Tokenize(req, metadata=self.metadata)).token_ids)
 
     async def detokenize(self, token_ids, skip_special_tokens: bool = False) -> str:
