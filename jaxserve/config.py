@@ -20,9 +20,11 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral).
+    """Architecture of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3)
+    or of a mixture-of-experts one built on it (Mixtral, Qwen3-MoE).
 
-    Built from GGUF metadata by ``checkpoints.gguf_loader.model_config_from_gguf``
+    Built from GGUF metadata by ``checkpoints.gguf_loader.model_config_from_gguf``,
+    from an HF ``config.json`` by ``checkpoints.hf_loader.model_config_from_hf``,
     or written by hand for tiny random test models.
 
     Attributes:
@@ -39,6 +41,23 @@ class ModelConfig:
       max_position_embeddings: context length the model was trained for, tokens.
       tie_word_embeddings: the LM head reuses the token embedding matrix.
       bos_token_id / eos_token_ids: special ids from the tokenizer metadata.
+      attention_bias: q_proj, k_proj and v_proj add a bias (Qwen2; HF
+        ``attention_bias`` of Llama and Qwen3).
+      attention_out_bias: o_proj adds a bias (HF ``attention_bias`` of Llama and Qwen3).
+      qk_norm: RMSNorm over H of each query and key head before RoPE (Qwen3).
+      sliding_window: None, or W: every layer's query at position i sees only kv
+        positions (i - W, i], tokens (Mistral ``sliding_window``).
+      num_experts: E, routed SwiGLU experts per MoE layer; 0 for a dense model
+        (``jaxserve.models.moe``: Mixtral, Qwen3-MoE).
+      num_experts_per_tok: k, experts each token is routed to (1 <= k <= E).
+      moe_intermediate_size: SwiGLU width of one expert (Mixtral: its
+        ``intermediate_size``; Qwen3-MoE: ``moe_intermediate_size``).
+      norm_topk_prob: the k routing weights sum to 1 (softmax over the top-k
+        router logits; Mixtral, Qwen3-MoE ``norm_topk_prob=true``); else they
+        are the top-k of the softmax over all E experts.
+      mlp_only_layers: layers of an MoE model that have a dense SwiGLU of
+        ``intermediate_size`` instead of experts (Qwen3-MoE ``mlp_only_layers``
+        and ``decoder_sparse_step``, resolved), sorted.
     """
 
     architecture: str = "llama"
@@ -55,17 +74,52 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             _positive(name, getattr(self, name))
+        _positive("sliding_window", self.sliding_window, allow_none=True)
+        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        self._check_moe()
+
+    def _check_moe(self):
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"num_experts must be an integer >= 0, got {self.num_experts!r}")
+        if self.num_experts == 0:
+            if self.num_experts_per_tok or self.mlp_only_layers:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok!r}) and "
+                                 f"mlp_only_layers ({self.mlp_only_layers!r}) need num_experts > 0")
+            return
+        _positive("num_experts_per_tok", self.num_experts_per_tok)
+        _positive("moe_intermediate_size", self.moe_intermediate_size)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                             f"num_experts ({self.num_experts})")
+        layers = self.mlp_only_layers
+        if not isinstance(layers, tuple) or list(layers) != sorted(set(layers)) or any(
+                not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers):
+            raise ValueError(f"mlp_only_layers must be a sorted tuple of distinct layer indices "
+                             f"in [0, {self.num_layers}), got {layers!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +178,48 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh shape. Only a single device is used until tensor parallelism lands."""
+    """The device mesh: sizes of its ``(dp, tp, ep)`` axes.
+
+    ``sharding.mesh.parse_mesh_spec`` reads them from a ``"tp=2,ep=2"``
+    string (``--mesh``, ``LLM(mesh=...)``); ``from_mesh_shape`` builds this
+    from its dict. The all-ones default runs on one device (the first);
+    any other shape runs on exactly as many devices as its product (all of
+    ``jax.devices()`` unless the engine is given ``devices``).
+
+    Attributes:
+      tensor_parallel_size: tp; the weights' heads, MLP width and vocab and the
+        KV cache's kv heads are split over it where tp divides them
+        (``sharding.rules.ShardingRules.for_model``).
+      data_parallel_size: dp; nothing is split over it yet (replicated).
+      expert_parallel_size: ep; an MoE model's experts are split over it
+        (``jaxserve.models.moe``); everything else is replicated along it.
+    """
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self):
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
+        _positive("expert_parallel_size", self.expert_parallel_size)
+
+    @classmethod
+    def from_mesh_shape(cls, shape: dict[str, int]) -> ParallelConfig:
+        """From ``{"dp": .., "tp": .., "ep": ..}`` (missing axes are 1)."""
+        return cls(tensor_parallel_size=shape.get("tp", 1),
+                   data_parallel_size=shape.get("dp", 1),
+                   expert_parallel_size=shape.get("ep", 1))
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """``{"dp": .., "tp": .., "ep": ..}``, the mesh axes in order."""
+        return {"dp": self.data_parallel_size, "tp": self.tensor_parallel_size,
+                "ep": self.expert_parallel_size}
+
+    @property
+    def num_devices(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size * self.expert_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +227,8 @@ class EngineConfig:
     """Everything the engine needs.
 
     Attributes:
-      model: alias (``"smollm2-135m"``) or path to a ``.gguf`` file.
+      model: alias (``"smollm2-135m"``), path to a ``.gguf`` file, or an HF model
+        folder (``config.json`` + safetensors; ``checkpoints.loader``).
       dtype: parameter and activation dtype name (``"float32"`` on CPU,
         ``"bfloat16"`` on GPU/TPU).
       seed: seed for requests that give none.
@@ -147,6 +236,7 @@ class EngineConfig:
       attention_impl: "auto" (Pallas on GPU/TPU, XLA on CPU), "pallas" or "xla".
       attention_interpret: run the Pallas kernel in the Pallas interpreter
         (lets ``attention_impl="pallas"`` run on CPU; slow, for tests).
+      parallel: the device mesh (``ParallelConfig``); default one device.
     """
 
     model: str = "smollm2-135m"

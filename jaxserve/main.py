@@ -47,6 +47,9 @@ flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shar
 flags.DEFINE_bool("enable_chunked_prefill", True,
                   "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
+flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
+                    "ep; missing ones are 1; the product must equal the number of devices). "
+                    "Default: one device.")
 flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"],
                   "bench: which benchmark.")
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
@@ -94,7 +97,7 @@ def _engine_args() -> dict:
     return dict(dtype=FLAGS.dtype, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                 kv_cache_memory_bytes=FLAGS.kv_cache_mib << 20, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-                max_model_len=FLAGS.max_model_len,
+                max_model_len=FLAGS.max_model_len, mesh=FLAGS.mesh,
                 enable_prefix_caching=FLAGS.enable_prefix_caching,
                 enable_chunked_prefill=FLAGS.enable_chunked_prefill,
                 compilation_cache_dir=os.path.join(

@@ -8,8 +8,10 @@ jax-llm-examples ``ShardingRules`` and MaxText's ``logical_axis_rules``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
-from jax.sharding import PartitionSpec
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Mesh axis names.
 DP, TP, EP = "dp", "tp", "ep"
@@ -17,7 +19,11 @@ DP, TP, EP = "dp", "tp", "ep"
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """Logical axis name -> mesh axis name (or None for replicated)."""
+    """Logical axis name -> mesh axis name (or None for replicated).
+
+    The defaults are the ideal table; ``for_model`` turns off the ``tp`` split
+    of any axis whose size ``tp`` does not divide.
+    """
 
     batch: str | None = DP
     vocab: str | None = TP
@@ -49,5 +55,104 @@ class ShardingRules:
                 f"logical axes {logical_axes} map two dims onto one mesh axis: {mesh_axes}")
         return PartitionSpec(*mesh_axes)
 
+    @classmethod
+    def for_model(cls, mesh_shape: Mapping[str, int], cfg) -> ShardingRules:
+        """The rules of one model on one mesh: the one place that decides,
+        per logical axis, whether it is split over ``tp`` or replicated.
+
+        * ``mlp`` (SwiGLU width F): always split (column-parallel gate/up,
+          row-parallel down; XLA all-reduces the down projection's output).
+          ``tp`` must divide F, else tensor parallelism would split almost
+          nothing, so it is an error.
+        * ``q_heads`` (N): split when ``tp`` divides N (whole heads per
+          device; row-parallel ``o_proj``), else replicated: attention then
+          runs whole on every device (SmolLM2's 9 heads with tp = 2, 4, 8).
+        * ``kv_heads`` (K): split when ``tp`` divides K, else replicated (the
+          K/V projections and the KV cache are then full copies on every
+          device, as in vLLM when tp > K). ``tp | K`` implies ``tp | N``.
+        * ``vocab`` (V): split when ``tp`` divides V (embedding rows and LM
+          head rows), else replicated; never padded, so logits keep shape V.
+        * ``embed``, ``head_dim``, ``norm``: replicated. ``batch`` (dp) and
+          ``experts`` (ep) keep their mesh axes; no dense-model tensor names them.
+        * MoE models (``cfg.num_experts`` > 0): ``experts`` (E) is split over
+          ``ep`` and each expert's width (``moe_intermediate_size``, logical
+          ``mlp``) over ``tp``; both must divide, else it is an error.
+
+        Args:
+          mesh_shape: ``{axis: size}``; a missing axis has size 1.
+          cfg: a ``ModelConfig`` (read by attribute: ``num_heads``,
+            ``num_kv_heads``, ``intermediate_size``, ``vocab_size``, and
+            ``num_experts``, ``moe_intermediate_size`` when present).
+
+        Raises:
+          ValueError: ``tp`` does not divide ``intermediate_size`` (or an
+            MoE model's ``moe_intermediate_size``), or ``ep`` does not divide
+            its ``num_experts``.
+        """
+        tp = mesh_shape.get(TP, 1)
+        if cfg.intermediate_size % tp:
+            raise ValueError(
+                f"tp={tp} does not divide the model's MLP width (intermediate_size="
+                f"{cfg.intermediate_size}); pick a tp that divides it")
+        num_experts, ep = getattr(cfg, "num_experts", 0), mesh_shape.get(EP, 1)
+        if num_experts and num_experts % ep:
+            raise ValueError(f"ep={ep} does not divide the model's num_experts={num_experts}; "
+                             f"pick an ep that divides it")
+        if num_experts and cfg.moe_intermediate_size % tp:
+            raise ValueError(
+                f"tp={tp} does not divide the model's expert width (moe_intermediate_size="
+                f"{cfg.moe_intermediate_size}); pick a tp that divides it")
+
+        def split(n: int) -> str | None:
+            return TP if n % tp == 0 else None
+        return cls(vocab=split(cfg.vocab_size), q_heads=split(cfg.num_heads),
+                   kv_heads=split(cfg.num_kv_heads), mlp=TP)
+
 
 DEFAULT_RULES = ShardingRules()
+
+
+def named_sharding(mesh: Mesh, rules: ShardingRules,
+                   logical_axes: tuple[str | None, ...]) -> NamedSharding:
+    """``NamedSharding`` of a tensor whose dims carry ``logical_axes``."""
+    return NamedSharding(mesh, rules.spec(tuple(logical_axes)))
+
+
+def _logical_axes(variable) -> tuple[str | None, ...] | None:
+    """Axis names of an NNX variable: metadata ``out_sharding`` (flax >= 0.12)
+    or ``sharding_names`` / ``sharding`` (older names of the same field)."""
+    meta = variable.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if meta.get(key) is not None:
+            return tuple(meta[key])
+    return None
+
+
+def param_shardings(state: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+    """The ``NamedSharding`` of every variable of an NNX state, from the
+    logical axis names it was created with (``nnx.Param(..., sharding_names=...)``).
+
+    Returns a pytree prefix of ``state`` (one sharding per variable), usable
+    as ``jax.device_put``'s target and as ``jit``'s ``in_shardings``.
+    Variables without names, and bare arrays, are replicated.
+
+    Raises:
+      ValueError: a variable's names do not match its rank, or a split dim is
+        not divisible by its mesh axis (the path is in the message).
+    """
+    def one(path, v):
+        is_var = hasattr(v, "get_metadata")
+        axes = _logical_axes(v) if is_var else None
+        shape = tuple((v.value if is_var else v).shape)
+        where = jax.tree_util.keystr(path)
+        if axes is None:
+            return NamedSharding(mesh, PartitionSpec())
+        if len(axes) != len(shape):
+            raise ValueError(f"{where}: logical axes {axes} do not match shape {shape}")
+        spec = rules.spec(axes)
+        for dim, axis in zip(shape, spec):
+            if axis is not None and dim % mesh.shape[axis]:
+                raise ValueError(f"{where}: dim {dim} (logical axes {axes}) is not divisible "
+                                 f"by mesh axis {axis}={mesh.shape[axis]}")
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: hasattr(x, "get_metadata"))

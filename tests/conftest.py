@@ -1,9 +1,17 @@
 """Shared fixtures: a tiny random Llama (HF reference + jaxserve copy) and the
-real SmolLM2-135M GGUF (fetched once into the cache)."""
+real SmolLM2-135M GGUF (fetched once into the cache).
+
+The CPU backend is given 8 devices (before jax is imported) so sharding tests
+can build meshes; everything else runs on the first device as before.
+"""
 
 from __future__ import annotations
 
 import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
 import numpy as np
 import pytest

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig)
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
@@ -30,7 +31,8 @@ from jaxserve.engine.request import (CompletionOutput, Logprob, Request, Request
 from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
-from jaxserve.models import MODEL_CLASSES, llama
+from jaxserve.models import MODEL_CLASSES, llama, moe
+from sharding.mesh import make_mesh, parse_mesh_spec, validate_mesh_for_model
 
 
 @dataclasses.dataclass
@@ -87,28 +89,36 @@ class Engine:
       model_config, params, tokenizer, chat_template: give these to bypass
         loading ``config.model`` (tests use tiny random models this way);
         ``params=None`` with a ``model_config`` means random initialisation.
+      devices: the devices of the mesh ``config.parallel``; default all of
+        ``jax.devices()`` (the first one alone for the one-device default).
 
     Raises:
-      ValueError: unknown model alias, missing file, bad config.
+      ValueError: unknown model alias, missing file, bad config, a mesh whose
+        size differs from the number of devices (before any weights are read)
+        or that cannot split the model (before the weights reach the devices).
     """
 
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
-                 params: dict | None = None, tokenizer=None, chat_template: str | None = None):
+                 params: dict | None = None, tokenizer=None, chat_template: str | None = None,
+                 devices: Sequence[jax.Device] | None = None):
         self.config = config
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if devices is None and config.parallel.num_devices == 1:
+            devices = jax.devices()[:1]
+        self.mesh = make_mesh(config.parallel.mesh_shape, devices)
         dtype = jnp.dtype(config.dtype)
         if model_config is None:
-            from checkpoints.fetch import resolve_model
-            from checkpoints.gguf_loader import load_gguf
-            ckpt = load_gguf(resolve_model(config.model), dtype=np.dtype(
+            from checkpoints.loader import load_checkpoint  # alias, .gguf or HF folder
+            ckpt = load_checkpoint(config.model, dtype=np.dtype(
                 "float32" if config.dtype != "float16" else "float16"))
             model_config, params = ckpt.config, ckpt.params
             tokenizer, chat_template = ckpt.tokenizer, ckpt.chat_template
         if model_config.architecture not in MODEL_CLASSES:
             raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
                              f"supported: {sorted(MODEL_CLASSES)}")
+        sharding_rules = validate_mesh_for_model(self.mesh.shape, model_config)
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -124,7 +134,7 @@ class Engine:
             model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if params is None else None,
             attention_impl=impl, interpret=config.attention_interpret)
         if params is not None:
-            llama.load_params(model, params)
+            (moe if isinstance(model, moe.MoEForCausalLM) else llama).load_params(model, params)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         cache: CacheConfig = config.cache
         kv_dtype = jnp.dtype(cache.dtype or config.dtype)
@@ -134,7 +144,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
-                                  max_model_len=self.max_model_len, kv_dtype=kv_dtype)
+                                  max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+                                  mesh=self.mesh, rules=sharding_rules)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset([tokenizer.eos_token_id]) if tokenizer is not None
             and tokenizer.eos_token_id is not None else frozenset())
@@ -410,7 +421,12 @@ class LLM:
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
       enable_chunked_prefill, compilation_cache_dir, attention_impl,
       attention_interpret: engine args (see ``jaxserve.config``).
-      model_config, params, tokenizer, chat_template: see ``Engine``.
+      mesh: device mesh spec such as ``"tp=2"`` or ``"dp=1,tp=4,ep=2"``
+        (``sharding.mesh.parse_mesh_spec``); None means one device.
+      model_config, params, tokenizer, chat_template, devices: see ``Engine``.
+
+    Raises:
+      ValueError: a bad engine arg or mesh spec (before any weights are read).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", seed: int = 0,
@@ -419,7 +435,9 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
-                 attention_interpret: bool = False, **parts):
+                 attention_interpret: bool = False, mesh: str | None = None, **parts):
+        parallel = ParallelConfig() if mesh is None else \
+            ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
             model=model, dtype=dtype, seed=seed,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -430,7 +448,7 @@ class LLM:
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
-            attention_interpret=attention_interpret)
+            attention_interpret=attention_interpret, parallel=parallel)
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):

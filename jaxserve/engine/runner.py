@@ -21,6 +21,17 @@ Every dimension that varies with the batch is padded to a bucket:
 
 so the number of compilations is bounded by the product of bucket counts, not
 by the number of requests. ``num_compilations`` counts traces of all jits.
+
+Sharding: every jit runs over the runner's mesh (axes dp, tp, ep; one device
+by default). Params carry the ``NamedSharding`` their logical axis names get
+from ``sharding.rules.ShardingRules.for_model``; each layer's K and V cache
+is split over kv heads on ``tp`` (replicated when tp does not divide them);
+the metadata, sampling tensors and logits are replicated. The caches keep
+their sharding through ``out_shardings``, so donation still updates them in
+place; XLA inserts the all-reduces of the row-parallel projections. The
+model is traced under the mesh's abstract mesh, which an MoE block's
+``shard_map`` over ep reads; an MoE model's steps also return its expert load
+(``last_expert_load``, ``StepResult.expert_load``).
 """
 
 from __future__ import annotations
@@ -31,12 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import make_sampling_tensors, prompt_logprobs, sample
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2, page_bucket
 from jaxserve.models.llama import AttentionMetadata
+from sharding.mesh import make_mesh, validate_mesh_for_model
+from sharding.rules import ShardingRules, named_sharding, param_shardings
 
 
 @dataclasses.dataclass
@@ -52,6 +66,8 @@ class StepResult:
         target ranks i32[m], top ids i32[m, 20], top logprobs f32[m, 20]])
         for prompt positions lo..hi-1 (m = hi - lo).
       logits: f32[n, V] last-token logits when asked, else None.
+      expert_load: i32[num_layers, E] real tokens routed to each expert in
+        this step (an MoE model's; None for dense models).
     """
 
     token_ids: np.ndarray
@@ -61,6 +77,7 @@ class StepResult:
     top_logprobs: np.ndarray
     prompt_logprobs: dict
     logits: np.ndarray | None = None
+    expert_load: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -71,28 +88,52 @@ class ModelRunner:
       num_pages: pages P of the cache; page_size L tokens each.
       max_model_len: longest sequence, tokens (caps the page bucket).
       kv_dtype: cache dtype.
+      mesh: the device mesh (axes dp, tp, ep; ``sharding.mesh.make_mesh``);
+        None means the first device alone.
+      rules: sharding rules of this model on ``mesh``; None means
+        ``validate_mesh_for_model(mesh.shape, model.cfg)``.
+
+    Raises:
+      ValueError: the mesh cannot run the model (see ``ShardingRules.for_model``).
     """
 
     def __init__(self, model: nnx.Module, *, num_pages: int, page_size: int,
-                 max_model_len: int, kv_dtype):
+                 max_model_len: int, kv_dtype, mesh: jax.sharding.Mesh | None = None,
+                 rules: ShardingRules | None = None):
         cfg = model.cfg
         self.model_config = cfg
-        self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh if mesh is not None else make_mesh("tp=1", jax.devices()[:1])
+        self.rules = rules if rules is not None else validate_mesh_for_model(self.mesh.shape, cfg)
+        self.graphdef, state = nnx.split(model)
+        self.param_shardings = param_shardings(state, self.mesh, self.rules)
+        self.state = jax.device_put(state, self.param_shardings)
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         # One [P, L, K, H] buffer per layer (a tuple, donated as a pytree): a
         # kernel then reads its layer's pages without a slice copy.
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = tuple(jnp.zeros(shape, kv_dtype) for _ in range(cfg.num_layers))
-        self.v_cache = tuple(jnp.zeros(shape, kv_dtype) for _ in range(cfg.num_layers))
+        self.kv_sharding = named_sharding(self.mesh, self.rules, (None, None, "kv_heads", None))
+        self.k_cache = tuple(jnp.zeros(shape, kv_dtype, device=self.kv_sharding)
+                             for _ in range(cfg.num_layers))
+        self.v_cache = tuple(jnp.zeros(shape, kv_dtype, device=self.kv_sharding)
+                             for _ in range(cfg.num_layers))
+        caches = (self.kv_sharding,) * cfg.num_layers
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        # An MoE model also returns its expert load (jaxserve.models.moe).
+        self.has_expert_load = getattr(model, "has_expert_load", False)
+        self.last_expert_load: np.ndarray | None = None  # i32[num_layers, E], last step
+        outs = (replicated, caches, caches) + ((replicated,) if self.has_expert_load else ())
+        step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated),
+                              out_shardings=outs, donate_argnums=(1, 2))
         self.num_compilations = 0
-        self.prefill_step = jax.jit(self._step, static_argnames=("num_decode_rows", "max_q_len"),
-                                    donate_argnums=(1, 2))
-        self.decode_step = jax.jit(self._decode, donate_argnums=(1, 2))
+        # Static args are positional: jit takes no kwargs once in_shardings is given.
+        self.prefill_step = jax.jit(self._step, static_argnums=(4, 5), **step_shardings)
+        self.decode_step = jax.jit(self._decode, **step_shardings)
         # Sampling is its own jit: its compilations depend only on the row
         # buckets, so they are shared by every prefill/decode shape.
-        self._postprocess = jax.jit(self._postprocess_fn, static_argnames=("rows", "num_top"))
+        self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(3, 4),
+                                    in_shardings=replicated, out_shardings=replicated)
 
     @staticmethod
     def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
@@ -100,16 +141,17 @@ class ModelRunner:
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * \
             jnp.dtype(dtype).itemsize
 
-    def _step(self, state, k_cache, v_cache, md, *, num_decode_rows, max_q_len):
+    def _step(self, state, k_cache, v_cache, md, num_decode_rows, max_q_len):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation
         model = nnx.merge(self.graphdef, state)
-        return model(k_cache, v_cache, md, num_decode_rows=num_decode_rows, max_q_len=max_q_len)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # MoE's shard_map reads it
+            return model(k_cache, v_cache, md, num_decode_rows=num_decode_rows,
+                         max_q_len=max_q_len)
 
     def _decode(self, state, k_cache, v_cache, md):
-        return self._step(state, k_cache, v_cache, md,
-                          num_decode_rows=md.input_ids.shape[0], max_q_len=1)
+        return self._step(state, k_cache, v_cache, md, md.input_ids.shape[0], 1)
 
-    def _postprocess_fn(self, logits_RV, st, targets_E, *, rows, num_top):
+    def _postprocess_fn(self, logits_RV, st, targets_E, rows, num_top):
         self.num_compilations += 1
         out = sample(logits_RV[:rows], st, num_top)
         plp = prompt_logprobs(logits_RV[rows:], targets_E, num_top) if targets_E.shape[0] else None
@@ -195,13 +237,13 @@ class ModelRunner:
         if batch.decode:
             out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
         else:
-            out = self.prefill_step(self.state, self.k_cache, self.v_cache, md,
-                                    num_decode_rows=Bd,
-                                    max_q_len=next_pow2(max(q_lens[nd:]), 1))
-        logits, self.k_cache, self.v_cache = out
+            out = self.prefill_step(self.state, self.k_cache, self.v_cache, md, Bd,
+                                    next_pow2(max(q_lens[nd:]), 1))
+        logits, self.k_cache, self.v_cache, *load = out
+        self.last_expert_load = np.asarray(load[0]) if load else None
         wants_top = any(r.params.logprobs or r.params.prompt_logprobs for r in reqs)
-        so, plp = self._postprocess(logits, st, targets, rows=rows,
-                                    num_top=MAX_LOGPROBS if wants_top else 0)
+        so, plp = self._postprocess(logits, st, targets, rows,
+                                    MAX_LOGPROBS if wants_top else 0)
         so = jax.tree.map(lambda a: np.asarray(a)[:n], so)
         plp = None if plp is None else [np.asarray(a) for a in plp]
         return StepResult(
@@ -209,4 +251,5 @@ class ModelRunner:
             top_logprobs=so.top_logprobs,
             prompt_logprobs={k: (lo, hi, [a[i:i + hi - lo] for a in plp])
                              for k, (i, lo, hi) in plp_spans.items()},
-            logits=np.asarray(logits)[:n] if return_logits else None)
+            logits=np.asarray(logits)[:n] if return_logits else None,
+            expert_load=self.last_expert_load)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM2, Qwen2-style GQA) in Flax NNX.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) in Flax NNX.
 
 Dimension letters: T tokens, D model dim, N query heads, K kv heads, H head dim,
 F SwiGLU width, V vocab, P pages, L page size, S sequences of a step.
@@ -13,8 +13,13 @@ projection is ``W_FD @ x_DT``: XLA:CPU runs that form 1.3-1.6x faster than
 dev machine: 61 vs 38 GFLOP/s for a 32x576x3072 matmul) and as fast at prefill
 sizes. Attention sees token-major ``q_TNH`` (a small transpose per layer).
 
+The variants differ only by ``ModelConfig`` flags: ``attention_bias`` (q/k/v
+biases, Qwen2), ``attention_out_bias`` (o_proj bias), ``qk_norm`` (per-head
+RMSNorm of q and k before RoPE, Qwen3) and ``sliding_window`` (Mistral).
+
 References: HF transformers ``modeling_llama.py`` (RoPE with ``rotate_half``,
-RMSNorm in f32, SwiGLU); Touvron et al. 2023 (Llama); Ainslie et al. 2023 (GQA).
+RMSNorm in f32, SwiGLU), ``modeling_qwen2.py``, ``modeling_qwen3.py``,
+``modeling_mistral.py``; Touvron et al. 2023 (Llama); Ainslie et al. 2023 (GQA).
 """
 
 from __future__ import annotations
@@ -88,6 +93,13 @@ class RMSNorm(nnx.Module):
         return (self.weight.value.astype(jnp.float32)[:, None] * x32).astype(x_DT.dtype)
 
 
+def rms_norm_heads(x_TNH, w_H, eps: float):
+    """RMSNorm over the last axis H of [T, heads, H] in f32 (Qwen3 ``q_norm``/``k_norm``)."""
+    x32 = x_TNH.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (w_H.astype(jnp.float32) * x32).astype(x_TNH.dtype)
+
+
 def rope_cos_sin(positions_T, head_dim: int, theta: float):
     """cos, sin of shape [T, H/2] in f32 (HF ``LlamaRotaryEmbedding``, no scaling)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -103,9 +115,15 @@ def apply_rope(x_TNH, cos_TH2, sin_TH2):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNH.dtype)
 
 
-def _linear(w_FD, x_DT):
-    """``W x`` for feature-major activations: [F, D] @ [D, T] -> [F, T]."""
-    return jnp.einsum("fd,dt->ft", w_FD, x_DT)
+def _linear(w_FD, x_DT, b_F=None):
+    """``W x (+ b)`` for feature-major activations: [F, D] @ [D, T] (+ [F]) -> [F, T]."""
+    y_FT = jnp.einsum("fd,dt->ft", w_FD, x_DT)
+    return y_FT if b_F is None else y_FT + b_F[:, None]
+
+
+def _value(p: nnx.Param | None):
+    """The array of an optional parameter (None stays None)."""
+    return None if p is None else p.value
 
 
 class Attention(nnx.Module):
@@ -114,6 +132,9 @@ class Attention(nnx.Module):
     ``attention_impl``: "xla" (the reference kernels: decode rows and prefill
     rows attended separately) or "pallas" (one ragged Pallas kernel for the
     whole mixed batch; ``interpret`` as in ``rpa_kernel.ragged_paged_attention``).
+
+    Optional parameters (None when the config turns them off): ``q_bias``
+    [N*H], ``k_bias`` / ``v_bias`` [K*H], ``o_bias`` [D], ``q_norm`` / ``k_norm`` [H].
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, attention_impl: str = "xla",
@@ -123,6 +144,13 @@ class Attention(nnx.Module):
         self.k_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
         self.v_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
         self.o_proj = _param((D, N * H), ("embed", "q_heads"), dtype, rngs)
+        bias = cfg.attention_bias
+        self.q_bias = _param((N * H,), ("q_heads",), dtype, rngs) if bias else None
+        self.k_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
+        self.v_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
+        self.o_bias = _param((D,), ("embed",), dtype, rngs) if cfg.attention_out_bias else None
+        self.q_norm = _param((H,), ("head_dim",), dtype, None, ones=True) if cfg.qk_norm else None
+        self.k_norm = _param((H,), ("head_dim",), dtype, None, ones=True) if cfg.qk_norm else None
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret
@@ -132,31 +160,38 @@ class Attention(nnx.Module):
         cfg = self.cfg
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_TNH = apply_rope(_linear(self.q_proj.value, x_DT).T.reshape(T, N, H), cos_TH2, sin_TH2)
-        k_TKH = apply_rope(_linear(self.k_proj.value, x_DT).T.reshape(T, K, H), cos_TH2, sin_TH2)
-        v_TKH = _linear(self.v_proj.value, x_DT).T.reshape(T, K, H)
+        q_TNH = _linear(self.q_proj.value, x_DT, _value(self.q_bias)).T.reshape(T, N, H)
+        k_TKH = _linear(self.k_proj.value, x_DT, _value(self.k_bias)).T.reshape(T, K, H)
+        v_TKH = _linear(self.v_proj.value, x_DT, _value(self.v_bias)).T.reshape(T, K, H)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm, before RoPE
+            q_TNH = rms_norm_heads(q_TNH, self.q_norm.value, cfg.rms_norm_eps)
+            k_TKH = rms_norm_heads(k_TKH, self.k_norm.value, cfg.rms_norm_eps)
+        q_TNH = apply_rope(q_TNH, cos_TH2, sin_TH2)
+        k_TKH = apply_rope(k_TKH, cos_TH2, sin_TH2)
         # Write this step's K/V first; padding tokens target page P (dropped).
         k_pages, v_pages = rpa_kernel.write_kv(k_pages_PLKH, v_pages_PLKH, k_TKH, v_TKH,
                                                md.slot_pages, md.slot_offsets)
-        scale = H ** -0.5
+        kw = dict(sm_scale=H ** -0.5, sliding_window=cfg.sliding_window)
         if self.attention_impl == "pallas":
             o_TNH = rpa_kernel.ragged_paged_attention(
                 q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices,
-                md.cu_q_lens, md.num_seqs, sm_scale=scale, interpret=self.interpret)
-            return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_pages, v_pages
+                md.cu_q_lens, md.num_seqs, interpret=self.interpret, **kw)
+            return (_linear(self.o_proj.value, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
+                    k_pages, v_pages)
         Bd = num_decode_rows  # leading rows: one query token per sequence
         parts = []
         if Bd:
             parts.append(rpa.paged_decode_attention(
                 q_TNH[:Bd], k_pages, v_pages, md.kv_lens[:Bd],
-                md.page_indices[:Bd], sm_scale=scale))
+                md.page_indices[:Bd], **kw))
         if Bd < T:
             parts.append(rpa.ragged_paged_attention(
                 q_TNH[Bd:], k_pages, v_pages, md.kv_lens[Bd:],
                 md.page_indices[Bd:], md.cu_q_lens[Bd:] - Bd, md.num_seqs - Bd,
-                max_q_len=max_q_len, sm_scale=scale))
+                max_q_len=max_q_len, **kw))
         o_TNH = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        return _linear(self.o_proj.value, o_TNH.reshape(T, N * H).T), k_pages, v_pages
+        return (_linear(self.o_proj.value, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
+                k_pages, v_pages)
 
 
 class MLP(nnx.Module):
@@ -236,6 +271,10 @@ class LlamaForCausalLM(nnx.Module):
 def load_params(model: LlamaForCausalLM, params: dict) -> None:
     """Copy an HF-named dict of numpy arrays into ``model`` in place.
 
+    Names as in ``checkpoints.gguf_loader``'s docstring, plus, when the config
+    asks for them, ``model.layers.{i}.self_attn.{q,k,v,o}_proj.bias`` and
+    ``model.layers.{i}.self_attn.{q,k}_norm.weight`` [H].
+
     Raises:
       ValueError: a tensor is missing or has the wrong shape.
     """
@@ -255,7 +294,14 @@ def load_params(model: LlamaForCausalLM, params: dict) -> None:
         pre = f"model.layers.{i}."
         put(layer.input_layernorm.weight, pre + "input_layernorm.weight")
         put(layer.post_attention_layernorm.weight, pre + "post_attention_layernorm.weight")
+        attn = layer.self_attn
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(getattr(layer.self_attn, n), pre + f"self_attn.{n}.weight")
+            put(getattr(attn, n), pre + f"self_attn.{n}.weight")
+            bias = getattr(attn, n[0] + "_bias")
+            if bias is not None:
+                put(bias, pre + f"self_attn.{n}.bias")
+        for n in ("q_norm", "k_norm"):
+            if getattr(attn, n) is not None:
+                put(getattr(attn, n), pre + f"self_attn.{n}.weight")
         for n in ("gate_proj", "up_proj", "down_proj"):
             put(getattr(layer.mlp, n), pre + f"mlp.{n}.weight")

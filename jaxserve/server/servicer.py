@@ -263,8 +263,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ModelInfoResponse(
             name=self.model_name, architecture=e.model_config.architecture,
             max_model_len=e.max_model_len, dtype=cfg.dtype,
-            kv_cache_dtype=str(e.runner.k_cache[0].dtype), mesh={"tp": 1}, backend=jax.default_backend(),
-            num_devices=1, vocab_size=e.model_config.vocab_size,
+            kv_cache_dtype=str(e.runner.k_cache[0].dtype), mesh=dict(e.mesh.shape),
+            backend=jax.default_backend(), num_devices=e.mesh.size,
+            vocab_size=e.model_config.vocab_size,
             page_size=e.allocator.page_size, num_pages=e.allocator.num_pages,
             attention_impl=e.attention_impl, max_prompt_len=self.max_prompt_len)
 

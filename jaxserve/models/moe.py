@@ -1,0 +1,343 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE) in Flax NNX.
+
+Dimension letters as in ``llama.py`` (T tokens, D model dim, F SwiGLU width,
+V vocab), plus E experts, X the top-k slots of a token
+(``num_experts_per_tok``) and A = T * X token-expert assignments.
+
+Everything but the feed-forward is ``llama.py``'s: embedding, RMSNorm,
+RoPE, the paged GQA attention (with Qwen3's per-head q/k norm through
+``ModelConfig.qk_norm``) and the LM head. Each decoder block's SwiGLU is
+replaced by a sparse MoE block (``MoEBlock``): a router ``[E, D]`` gives
+logits per token, each token goes to its top-k experts, and their SwiGLU
+outputs are summed with the routing weights. The two families differ only in
+how the weights are normalised (``ModelConfig.norm_topk_prob``):
+
+* Mixtral: softmax over the k selected router logits (always; HF computes the
+  same numbers as a softmax over all E, top-k, renormalised);
+* Qwen3-MoE: softmax over all E experts, then top-k; renormalised to sum 1
+  iff ``norm_topk_prob``. Layers listed in ``mlp_only_layers`` (HF
+  ``mlp_only_layers`` and ``decoder_sparse_step``, resolved by the loader)
+  keep a dense SwiGLU of ``intermediate_size``.
+
+Neither family has shared experts; Qwen2-MoE and DeepSeek (shared experts,
+grouped routing) are not covered.
+
+Compute: the A assignments are sorted by expert, so each expert's tokens form
+one contiguous segment, and the three expert projections are grouped matmuls
+(``jax.lax.ragged_dot_general`` over the stacked weights ``[E, F, D]`` /
+``[E, D, F]``, HF's ``[out, in]`` layout, no transpose); the outputs are
+unsorted and summed per token with the routing weights. Padding tokens of
+the step's bucket (those whose K/V slot is the dropped page P) are routed
+nowhere. XLA:CPU lowers ``ragged_dot`` to a masked dense matmul (E times the
+FLOPs of the real work); GPU and TPU have grouped kernels.
+
+Expert load: every forward also returns ``expert_load`` i32[num_layers, E],
+the real tokens routed to each expert in each layer (zeros for dense layers;
+each MoE row sums to tokens * k). The runner keeps the last step's as
+``ModelRunner.last_expert_load``.
+
+Expert parallelism: a ``shard_map`` over the whole mesh. The expert weights
+are split over E on the mesh axis of logical axis ``"experts"`` (ep) and over
+F on that of ``"mlp"`` (tp) (``sharding.rules``). Routing runs replicated,
+before the ``shard_map``, so every device sees every token and its top-k ids;
+each device then sorts the assignments to its own E/ep experts to the front
+(the rest, and padding, last, outside every group), runs the grouped matmuls
+on its F/tp slice, and the partial [T, D] outputs are summed with one
+``psum`` over ep and tp. This is the simplest correct EP (no all-to-all
+dispatch: tokens are not moved, attention stays replicated over ep); each
+device still pays ragged_dot's cost for all A rows on CPU. The mesh comes
+from the abstract mesh the runner traces under
+(``jax.sharding.use_abstract_mesh``); without one, or on a one-device mesh,
+the same local function runs directly.
+
+References: HF transformers ``modeling_mixtral.py`` (``MixtralTopKRouter``,
+``MixtralExperts``), ``modeling_qwen3_moe.py`` (``Qwen3MoeTopKRouter``,
+``Qwen3MoeDecoderLayer``); Jiang et al. 2024 (Mixtral of Experts); Shazeer
+et al. 2017 (sparsely-gated MoE); Gale et al. 2023 (MegaBlocks: grouped
+matmuls over sorted tokens).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.llama import MLP, Attention, AttentionMetadata, RMSNorm, _param, rope_cos_sin
+from sharding.rules import ShardingRules
+
+# ragged_dot_general: lhs [A, in] with A ragged (grouped), rhs [E, out, in]
+# grouped on E, contracting ``in`` (lhs dim 1 with rhs dim 2): HF's [out, in].
+_GROUPED_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+# HF checkpoint names of one MoE layer's tensors after "model.layers.{i}.":
+# router, then gate / up / down of expert {e}. ``checkpoints.hf_loader``
+# lists the same names in ``expected_tensors``.
+HF_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                  "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+}
+
+
+def route(logits_TE, top_k: int, norm_topk_prob: bool):
+    """Top-k routing.
+
+    Args:
+      logits_TE: f32[T, E] router logits.
+      top_k: k, experts per token.
+      norm_topk_prob: True: softmax over the k largest logits (Mixtral; equal
+        to renormalising the top-k of the full softmax). False: the top-k
+        probabilities of the softmax over all E (Qwen3-MoE default).
+
+    Returns:
+      (ids_TX i32[T, k] expert ids, largest weight first; weights_TX f32[T, k]).
+    """
+    if norm_topk_prob:
+        top_TX, ids_TX = jax.lax.top_k(logits_TE, top_k)
+        return ids_TX, jax.nn.softmax(top_TX, axis=-1)
+    weights_TX, ids_TX = jax.lax.top_k(jax.nn.softmax(logits_TE, axis=-1), top_k)
+    return ids_TX, weights_TX
+
+
+def expert_ffn(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF, first_expert):
+    """The SwiGLU experts ``[first_expert, first_expert + E)`` applied to
+    their share of the assignments, weighted and summed per token.
+
+    Assignments to other experts (ids outside that range, e.g. the padding
+    id ``num_experts``) contribute zero. Used whole on one device, and per
+    device (its local experts and F slice) inside the EP ``shard_map``.
+
+    Args:
+      x_TD: [T, D] token activations.
+      ids_TX: i32[T, k] global expert ids.
+      weights_TX: f32[T, k] routing weights.
+      gate_EFD, up_EFD: [E, F, D] local experts' gate and up projections.
+      down_EDF: [E, D, F] local experts' down projections.
+      first_expert: global id of local expert 0 (int or i32 scalar).
+
+    Returns:
+      f32[T, D]: sum over k of weight * down(silu(gate x) * up x).
+    """
+    T, X = ids_TX.shape
+    E = gate_EFD.shape[0]
+    local_A = ids_TX.reshape(-1) - first_expert
+    local_A = jnp.where((local_A >= 0) & (local_A < E), local_A, E)  # E: not here, sorts last
+    order_A = jnp.argsort(local_A, stable=True)
+    sizes_E = jnp.zeros(E, jnp.int32).at[local_A].add(1, mode="drop")
+    x_AD = x_TD[order_A // X]
+    gate_AF = jax.lax.ragged_dot_general(x_AD, gate_EFD, sizes_E, _GROUPED_OUT_IN)
+    up_AF = jax.lax.ragged_dot_general(x_AD, up_EFD, sizes_E, _GROUPED_OUT_IN)
+    h_AF = jax.nn.silu(gate_AF) * up_AF
+    y_AD = jax.lax.ragged_dot_general(h_AF, down_EDF, sizes_E, _GROUPED_OUT_IN,
+                                      preferred_element_type=jnp.float32)
+    # Rows outside every group are unspecified on some backends: zero them.
+    y_AD = jnp.where((local_A[order_A] < E)[:, None], y_AD, 0.0)
+    unsort_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(T * X, dtype=order_A.dtype))
+    y_TXD = y_AD[unsort_A].reshape(T, X, -1)
+    return jnp.einsum("txd,tx->td", y_TXD, weights_TX.astype(jnp.float32))
+
+
+class MoEBlock(nnx.Module):
+    """Sparse MoE feed-forward: router, top-k, E SwiGLU experts (no shared expert).
+
+    Parameters (HF ``[out, in]`` layout, stacked over experts):
+      router [E, D] (replicated), gate_proj / up_proj [E, F, D] (``experts``,
+      ``mlp``, ``embed``), down_proj [E, D, F] (``experts``, ``embed``, ``mlp``);
+      F = ``moe_intermediate_size``.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.router = _param((E, D), (None, "embed"), dtype, rngs)
+        self.gate_proj = _param((E, F, D), ("experts", "mlp", "embed"), dtype, rngs)
+        self.up_proj = _param((E, F, D), ("experts", "mlp", "embed"), dtype, rngs)
+        self.down_proj = _param((E, D, F), ("experts", "embed", "mlp"), dtype, rngs)
+        self.cfg = cfg
+
+    def __call__(self, x_DT, valid_T):
+        """Apply the block.
+
+        Args:
+          x_DT: [D, T] feature-major activations (after the post-attention norm).
+          valid_T: bool[T], False for the step's padding tokens (routed nowhere).
+
+        Returns:
+          (y_DT [D, T] in x's dtype, load_E i32[E] real tokens per expert).
+        """
+        cfg = self.cfg
+        E = cfg.num_experts
+        logits_TE = jnp.einsum("ed,dt->te", self.router.value, x_DT,
+                               preferred_element_type=jnp.float32)
+        ids_TX, weights_TX = route(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        ids_TX = jnp.where(valid_T[:, None], ids_TX, E)  # padding: expert E, i.e. none
+        load_E = jnp.zeros(E, jnp.int32).at[ids_TX.reshape(-1)].add(1, mode="drop")
+        args = (x_DT.T, ids_TX, weights_TX, self.gate_proj.value, self.up_proj.value,
+                self.down_proj.value)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1:
+            y_TD = expert_ffn(*args, 0)
+        else:
+            y_TD = _expert_parallel_ffn(mesh, cfg, *args)
+        return y_TD.astype(x_DT.dtype).T, load_E
+
+
+def _expert_parallel_ffn(mesh, cfg: ModelConfig, x_TD, ids_TX, weights_TX,
+                         gate_EFD, up_EFD, down_EDF):
+    """``expert_ffn`` over a mesh: experts split on the ``experts`` mesh axis
+    (ep), F on the ``mlp`` one (tp); tokens and routing replicated; partial
+    outputs summed by one psum. Shapes as ``expert_ffn``, weights global.
+    """
+    rules = ShardingRules.for_model(dict(mesh.shape), cfg)
+    gate_spec = rules.spec(("experts", "mlp", "embed"))
+    down_spec = rules.spec(("experts", "embed", "mlp"))
+    expert_axis = rules.experts
+    summed = tuple(a for a in (rules.experts, rules.mlp) if a is not None)
+
+    def local(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF):
+        first = 0 if expert_axis is None else jax.lax.axis_index(expert_axis) * gate_EFD.shape[0]
+        y_TD = expert_ffn(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF, first)
+        return jax.lax.psum(y_TD, summed) if summed else y_TD
+
+    rep = PartitionSpec()
+    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, gate_spec, gate_spec, down_spec),
+                         out_specs=rep)(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF)
+
+
+class MoEDecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)), where ffn is
+    an ``MoEBlock`` or, for ``mlp_only_layers``, llama's dense ``MLP``."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs, sparse: bool, **attn):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs, **attn)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MoEBlock(cfg, dtype, rngs) if sparse else MLP(cfg, dtype, rngs)
+
+
+class MoEForCausalLM(nnx.Module):
+    """Mixtral / Qwen3-MoE decoder with an LM head.
+
+    Same interface as ``LlamaForCausalLM`` except that ``__call__`` also
+    returns the step's expert load (``has_expert_load`` tells the runner).
+
+    Raises:
+      ValueError: ``cfg.num_experts`` is 0 (a dense config).
+    """
+
+    has_expert_load = True
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 attention_impl: str = "xla", interpret=False):
+        if cfg.num_experts < 1:
+            raise ValueError(f"architecture {cfg.architecture!r} needs num_experts >= 1, "
+                             f"got {cfg.num_experts}")
+        self.cfg = cfg
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
+        self.layers = nnx.List([
+            MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers,
+                            attention_impl=attention_impl, interpret=interpret)
+            for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"),
+                                                                   dtype, rngs)
+
+    def __call__(self, k_cache, v_cache, md: AttentionMetadata, *,
+                 num_decode_rows: int, max_q_len: int = 1):
+        """Forward one step (arguments as ``LlamaForCausalLM.__call__``).
+
+        Returns:
+          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as
+          tuples, expert_load i32[num_layers, E]: real tokens routed to each
+          expert per layer, zeros for dense layers).
+        """
+        cfg = self.cfg
+        x_DT = self.embed_tokens.value[md.input_ids].T
+        cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
+        valid_T = md.slot_pages < k_cache[0].shape[0]  # padding writes to page P
+        k_caches, v_caches = list(k_cache), list(v_cache)
+        loads = []
+        for i, layer in enumerate(self.layers):
+            h_DT, k_caches[i], v_caches[i] = layer.self_attn(
+                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md,
+                num_decode_rows, max_q_len)
+            x_DT = x_DT + h_DT
+            h_DT = layer.post_attention_layernorm(x_DT)
+            if isinstance(layer.mlp, MoEBlock):
+                h_DT, load_E = layer.mlp(h_DT, valid_T)
+            else:
+                h_DT, load_E = layer.mlp(h_DT), jnp.zeros(cfg.num_experts, jnp.int32)
+            x_DT = x_DT + h_DT
+            loads.append(load_E)
+        x_DS = self.norm(x_DT[:, md.logits_indices])
+        head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
+        logits_VS = jnp.einsum("vd,ds->vs", head_VD, x_DS, preferred_element_type=jnp.float32)
+        return logits_VS.T, tuple(k_caches), tuple(v_caches), jnp.stack(loads)
+
+
+def load_params(model: MoEForCausalLM, params: dict) -> None:
+    """Copy an HF-named dict of numpy arrays into ``model`` in place.
+
+    Names as ``checkpoints.hf_loader.expected_tensors``: llama's (embedding,
+    norms, attention with optional biases and q/k norms, lm_head, and
+    ``mlp.{gate,up,down}_proj.weight`` of dense layers), plus per MoE layer
+    the router and each expert's gate [F, D], up [F, D] and down [D, F] under
+    the family's names (``HF_MOE_NAMES``: Mixtral ``block_sparse_moe.gate``,
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``; Qwen3-MoE ``mlp.gate``,
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), stacked over e here.
+
+    Raises:
+      ValueError: a tensor is missing, has the wrong shape, or the
+        architecture has no MoE names.
+    """
+    cfg = model.cfg
+    if cfg.architecture not in HF_MOE_NAMES:
+        raise ValueError(f"no MoE tensor names for architecture {cfg.architecture!r}; "
+                         f"known: {sorted(HF_MOE_NAMES)}")
+
+    def get(name: str):
+        if name not in params:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return params[name]
+
+    def put(p: nnx.Param, name: str, arr=None):
+        arr = get(name) if arr is None else arr
+        if tuple(arr.shape) != tuple(p.value.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(arr.shape)} != model "
+                             f"{tuple(p.value.shape)}")
+        p.value = jnp.asarray(arr, dtype=p.value.dtype)
+
+    put(model.embed_tokens, "model.embed_tokens.weight")
+    put(model.norm.weight, "model.norm.weight")
+    if model.lm_head is not None:
+        put(model.lm_head, "lm_head.weight")
+    router_name, *expert_names = HF_MOE_NAMES[cfg.architecture]
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        put(layer.input_layernorm.weight, pre + "input_layernorm.weight")
+        put(layer.post_attention_layernorm.weight, pre + "post_attention_layernorm.weight")
+        attn = layer.self_attn
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            put(getattr(attn, n), pre + f"self_attn.{n}.weight")
+            bias = getattr(attn, n[0] + "_bias")
+            if bias is not None:
+                put(bias, pre + f"self_attn.{n}.bias")
+        for n in ("q_norm", "k_norm"):
+            if getattr(attn, n) is not None:
+                put(getattr(attn, n), pre + f"self_attn.{n}.weight")
+        if not isinstance(layer.mlp, MoEBlock):
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                put(getattr(layer.mlp, n), pre + f"mlp.{n}.weight")
+            continue
+        put(layer.mlp.router, pre + router_name)
+        for p, fmt in zip((layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj),
+                          expert_names):
+            names = [pre + fmt.format(e=e) for e in range(cfg.num_experts)]
+            put(p, pre + fmt, np.stack([np.asarray(get(n)) for n in names]))
