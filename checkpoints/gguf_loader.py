@@ -199,6 +199,17 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
+def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF file from its metadata alone (the file is
+    memory-mapped; no tensor is dequantized).
+
+    Raises:
+      ValueError: unsupported architecture or missing metadata.
+    """
+    reader = gguf.GGUFReader(os.fspath(path))
+    return model_config_from_gguf(read_fields(reader), {t.name for t in reader.tensors})
+
+
 def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
               show_progress: bool = True) -> GGUFCheckpoint:
     """Load a llama-architecture GGUF file.

@@ -452,6 +452,27 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> tuple[Tokenizer | None, str 
 
 # ---- the folder ---------------------------------------------------------------
 
+def _folder_config(folder: pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a folder")
+    config_path = folder / "config.json"
+    hf = _read_json(config_path, required=True)
+    try:
+        return model_config_from_hf(hf, _read_json(folder / "generation_config.json")), hf
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` of an HF folder from its ``config.json`` alone (no
+    tensor is read), so a mesh can be checked before any weights load.
+
+    Raises:
+      ValueError: not a folder, or a missing or unsupported ``config.json``.
+    """
+    return _folder_config(pathlib.Path(path).expanduser())[0]
+
+
 def load_hf(path: str | os.PathLike, dtype: Any = np.float32,
             show_progress: bool = False) -> HFCheckpoint:
     """Load an HF model folder (``save_pretrained(..., safe_serialization=True)`` layout).
@@ -471,14 +492,7 @@ def load_hf(path: str | os.PathLike, dtype: Any = np.float32,
       ValueError: see the module docstring; every message names the file.
     """
     folder = pathlib.Path(path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"{folder}: not a folder")
-    config_path = folder / "config.json"
-    hf = _read_json(config_path, required=True)
-    try:
-        config = model_config_from_hf(hf, _read_json(folder / "generation_config.json"))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{config_path}: {e}") from None
+    config, hf = _folder_config(folder)
     wanted = expected_tensors(config)
     where = _tensor_files(folder)
     missing = [name for name in wanted if name not in where]

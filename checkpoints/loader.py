@@ -16,8 +16,24 @@ from typing import Any
 import numpy as np
 
 from checkpoints.fetch import resolve_model
-from checkpoints.gguf_loader import GGUFCheckpoint, load_gguf
-from checkpoints.hf_loader import HFCheckpoint, load_hf
+from checkpoints.gguf_loader import GGUFCheckpoint, load_gguf, load_gguf_config
+from checkpoints.hf_loader import HFCheckpoint, load_hf, load_hf_config
+from jaxserve.config import ModelConfig
+
+
+def load_model_config(model: str | os.PathLike) -> ModelConfig:
+    """``model``'s ``ModelConfig`` without reading its weights (``config.json``
+    of an HF folder, or a GGUF file's metadata), for checks that must fail
+    before any weights load (the mesh).
+
+    Raises:
+      ValueError: as ``load_checkpoint``.
+      RuntimeError: downloading an alias failed.
+    """
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return load_hf_config(path)
+    return load_gguf_config(resolve_model(os.fspath(model)))
 
 
 def load_checkpoint(model: str | os.PathLike, dtype: Any = np.float32,
@@ -40,4 +56,4 @@ def load_checkpoint(model: str | os.PathLike, dtype: Any = np.float32,
     return load_gguf(resolve_model(os.fspath(model)), dtype=dtype, show_progress=show_progress)
 
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "load_model_config"]

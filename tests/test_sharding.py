@@ -276,3 +276,18 @@ def test_smollm2_tp_matches_one_device(smollm2_ckpt):
             assert tokens == ref_tokens
         del llm, engine, gate, q
         gc.collect()
+
+
+def test_mesh_checked_against_file_config_before_any_tensor_is_read(tmp_path, monkeypatch):
+    """A GGUF file whose MLP width (128) tp=3 does not divide: the error comes
+    from its metadata alone, before ``load_checkpoint`` reads a tensor."""
+    import checkpoints.loader
+    from checkpoints.tiny_gguf import write_tiny_gguf
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, ModelConfig(vocab_size=320, intermediate_size=128))
+
+    def fail(*a, **k):
+        raise AssertionError("tensors were read before the mesh check")
+    monkeypatch.setattr(checkpoints.loader, "load_checkpoint", fail)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide .*intermediate_size=128"):
+        LLM(str(path), mesh="tp=3", devices=devices(3))

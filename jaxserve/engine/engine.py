@@ -110,8 +110,10 @@ class Engine:
         self.mesh = make_mesh(config.parallel.mesh_shape, devices)
         dtype = jnp.dtype(config.dtype)
         if model_config is None:
-            from checkpoints.loader import load_checkpoint  # alias, .gguf or HF folder
-            ckpt = load_checkpoint(config.model, dtype=np.dtype(
+            from checkpoints.loader import load_checkpoint, load_model_config
+            # The mesh is checked against the model's config before any weights load.
+            validate_mesh_for_model(self.mesh.shape, load_model_config(config.model))
+            ckpt = load_checkpoint(config.model, dtype=np.dtype(  # alias, .gguf or HF folder
                 "float32" if config.dtype != "float16" else "float16"))
             model_config, params = ckpt.config, ckpt.params
             tokenizer, chat_template = ckpt.tokenizer, ckpt.chat_template
