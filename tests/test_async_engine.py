@@ -79,3 +79,49 @@ def test_waiting_queue_is_bounded(make_tiny_llm):
     for outs in done:
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
     assert llm.engine.allocator.num_free_pages == llm.engine.allocator.num_pages
+
+
+def test_abort_all_ends_streams_while_a_step_is_stuck(make_tiny_llm):
+    """Shutdown's abort reaches clients at once even when the engine thread
+    is inside a long step; the engine frees the requests afterwards."""
+    import time
+
+    from jaxserve.server.async_engine import StreamAborted
+    llm = make_tiny_llm()
+    engine = llm.engine
+    real_execute = engine.runner.execute
+    slow = {"on": False}
+
+    def execute(*a, **kw):
+        if slow["on"]:
+            time.sleep(3.0)  # a long compile or step
+        return real_execute(*a, **kw)
+
+    async def run():
+        ae = AsyncEngine(engine)
+        ae.start()
+        engine.runner.execute = execute
+        try:
+            stream = await ae.generate([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+            await stream.__anext__()
+            slow["on"] = True
+            await asyncio.sleep(0.2)  # the engine thread is now inside a slow step
+            t0 = time.monotonic()
+            ae.abort_all()
+            with pytest.raises(StreamAborted):
+                async for _ in stream:
+                    pass
+            waited = time.monotonic() - t0
+            await stream.aclose()
+            slow["on"] = False
+            assert await ae.stop(timeout_s=30)
+            return waited
+        finally:
+            engine.runner.execute = real_execute
+
+    waited = asyncio.run(asyncio.wait_for(run(), 120))
+    assert waited < 1.0, waited
+    # The engine applied the abort after its slow step; nothing leaked.
+    engine.step()
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert not engine.has_unfinished_requests()

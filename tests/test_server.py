@@ -366,24 +366,19 @@ def test_backpressure_and_sigterm_during_load(tiny_gguf):
     finally:
         s.kill()
     assert rc == 0
-    assert elapsed < grace + 1.0, (elapsed, "".join(s.lines[-8:]))
+    assert elapsed < grace, (elapsed, "".join(s.lines[-8:]))  # SIGTERM to process exit
     codes = [code for code, _ in results]
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
-    # Admitted streams end with a final message (finished or aborted), or,
-    # if the engine was too busy to deliver the abort in time, with CANCELLED
-    # when the server closes at the end of the grace period.
-    admitted = [(code, got) for code, got in results
-                if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED)]
+    # Every admitted stream ends with a final message, finished or aborted
+    # (the abort is sent at once, even while the engine is inside a step).
+    admitted = [got for code, got in results if code == grpc.StatusCode.OK]
+    assert len(admitted) + codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 10, codes
     assert len(admitted) >= 4, (codes, "".join(s.lines[-6:]))
     reasons = []
-    for code, got in admitted:
-        if code == grpc.StatusCode.OK:
-            assert got and got[-1].finished
-            reasons.append(got[-1].completions[0].finish_reason)
-        else:
-            reasons.append("cancelled")
-    assert set(reasons) <= {"length", "abort", "cancelled"}, reasons
-    assert {"abort", "cancelled"} & set(reasons), reasons  # 480-token streams were cut
+    for got in admitted:
+        assert got and got[-1].finished and got[-1].HasField("usage")
+        reasons.append(got[-1].completions[0].finish_reason)
+    assert set(reasons) <= {"length", "abort"} and "abort" in reasons, reasons
     assert late[0] == grpc.StatusCode.UNAVAILABLE
     assert "jaxserve: stopped" in "".join(s.lines)
 

@@ -53,6 +53,11 @@ class ShuttingDownError(Exception):
     """The server stopped accepting requests."""
 
 
+class StreamAborted(Exception):
+    """``abort_all`` ended this stream (shutdown); the engine frees the
+    request before its next step."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Stream:
     """The asyncio side of one request."""
@@ -94,6 +99,7 @@ class AsyncEngine:
         self._engine_waiting = 0   # engine thread: scheduler.waiting after the last step
         self.num_steps = 0         # engine thread: steps run
         self.num_in_flight = 0     # asyncio thread: streams not yet finished
+        self._open: set[_Stream] = set()  # asyncio thread: those streams
 
     # ---- asyncio side -------------------------------------------------------
 
@@ -142,6 +148,7 @@ class AsyncEngine:
             self.abort(stream)  # applied after the add: commands run in order
             raise
         self.num_in_flight += 1
+        self._open.add(stream)
         return RequestStream(self, stream)
 
     def abort(self, stream: _Stream) -> None:
@@ -151,8 +158,15 @@ class AsyncEngine:
         self._commands.put(("abort", stream))
 
     def abort_all(self) -> None:
-        """Abort every request in flight (shutdown after the grace period)."""
+        """Abort every request in flight (shutdown after the grace period).
+
+        Each open stream ends at once with ``StreamAborted`` (even while the
+        engine thread is inside a long step); the engine frees the requests
+        before its next step. Call from the event loop's thread."""
         self._commands.put(("abort_all",))
+        for stream in self._open:
+            if not stream.done:
+                stream.outputs.put_nowait(StreamAborted("aborted: the server is shutting down"))
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -208,6 +222,12 @@ class AsyncEngine:
             engine.abort(list(self._streams))
 
     def _run(self) -> None:
+        try:
+            self._loop_until_stopped()
+        finally:
+            self._drain(block=False)  # aborts queued at shutdown still free their pages
+
+    def _loop_until_stopped(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             self._drain(block=not engine.has_unfinished_requests())
@@ -266,6 +286,7 @@ class RequestStream:
 
     Raises (from iteration):
       EngineError: the engine failed while running the request.
+      StreamAborted: ``abort_all`` ended it (shutdown).
     """
 
     def __init__(self, engine: AsyncEngine, stream: _Stream):
@@ -281,7 +302,7 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._stream.outputs.get()
         if isinstance(item, BaseException):
-            self._stream.done = True  # the engine dropped it already
+            self._stream.done = True  # the engine dropped it (or abort_all will)
             raise item
         if item.finished:
             self._stream.done = True
@@ -292,6 +313,7 @@ class RequestStream:
             return
         self._closed = True
         self._engine.num_in_flight -= 1
+        self._engine._open.discard(self._stream)
         if not self._stream.done:
             self._engine.abort(self._stream)
 

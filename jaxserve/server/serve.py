@@ -6,10 +6,12 @@ while the weights load in a worker thread; then the engine thread starts and
 health turns SERVING. ``Generate`` before that answers UNAVAILABLE.
 
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and new calls are
-refused (UNAVAILABLE); running requests get ``grace_period_s`` minus a
-margin to finish, then every one still running is aborted, so each stream
-ends with a final message (``finish_reason`` "abort") and status OK; the
-server stops and the process exits 0 within the grace period.
+refused (UNAVAILABLE); running requests get ``grace_period_s`` minus 1.5 s
+to finish, then every one still running is aborted: its stream ends at once
+with a final message (``finish_reason`` "abort", usage and timing so far)
+and status OK, even while the engine thread is inside a long step. The
+server stops and the process exits 0 (``os._exit``, skipping the slow
+interpreter teardown) within the grace period.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # jaxserv
 # Abort what still runs this long before the grace period ends, so the
 # abort outputs reach the clients and the process exits in time.
 _ABORT_MARGIN_S = 1.0
+# Time kept for the process exit itself (flush, os._exit) after the shutdown.
+_EXIT_MARGIN_S = 0.5
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -180,7 +184,8 @@ class Server:
         the engine thread was still busy (e.g. compiling) at the deadline:
         the caller then exits without waiting for it."""
         t0 = time.monotonic()
-        deadline = t0 + self.config.grace_period_s
+        # Leave time for the process to exit inside the grace period.
+        deadline = t0 + max(0.5, self.config.grace_period_s - _EXIT_MARGIN_S)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         ae = self.async_engine
         if ae is not None:
@@ -245,8 +250,10 @@ def serve(config: ServerConfig, load_engine: Callable, model_name: str) -> None:
     Raises:
       ValueError: bad TLS files, an unbindable port, or a bad model.
     """
-    clean = asyncio.run(Server(config, load_engine, model_name).run())
-    if not clean:  # the engine thread is inside a step: do not wait for it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    asyncio.run(Server(config, load_engine, model_name).run())
+    # Exit at once: interpreter teardown (JAX, XLA, threads) takes about a
+    # second, and the engine thread may still be inside a step. Everything a
+    # client needs has been sent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -19,7 +19,7 @@ from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.async_engine import (AsyncEngine, EngineError, QueueFullError,
-                                          ShuttingDownError)
+                                          ShuttingDownError, StreamAborted)
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +176,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kind = request.output_kind
             reported_finish: set[int] = set()
             first = True
+            last = None
             try:
                 # Initial metadata tells the client the request is in the engine.
                 await context.send_initial_metadata((("x-request-id", rid),))
                 async for out in outputs:
+                    last = out
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
                     yield self._response(rid, out, kind, first, reported_finish)
                     first = False
+            except StreamAborted:
+                yield self._aborted_response(rid, len(ids), last, arrival_time, kind,
+                                             reported_finish)
             except EngineError as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             finally:
@@ -222,6 +227,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 cached_tokens=m.num_cached_tokens))
             resp.timing.CopyFrom(pb.Timing(queue_ms=m.queue_ms or 0.0, ttft_ms=m.ttft_ms or 0.0,
                                            tpot_ms=m.tpot_ms or 0.0, e2e_ms=m.e2e_ms or 0.0))
+        return resp
+
+    def _aborted_response(self, rid: str, prompt_len: int, last: RequestOutput | None,
+                          arrival_time: float, kind: int,
+                          reported_finish: set[int]) -> pb.GenerateResponse:
+        """The final message of a stream cut by shutdown: every unfinished
+        choice gets finish_reason "abort"; usage and timing from what ran."""
+        resp = pb.GenerateResponse(request_id=rid, finished=True)
+        outs = last.outputs if last is not None else []
+        for c in outs:
+            if c.index in reported_finish:
+                continue
+            comp = pb.Completion(index=c.index, finish_reason="abort",
+                                 cumulative_logprob=c.cumulative_logprob)
+            if kind != pb.OUTPUT_KIND_DELTA:
+                comp.text, comp.token_ids[:] = c.text, c.token_ids
+            resp.completions.append(comp)
+        if not outs:
+            resp.completions.append(pb.Completion(index=0, finish_reason="abort"))
+        m = last.metrics if last is not None else None
+        resp.usage.CopyFrom(pb.Usage(
+            prompt_tokens=prompt_len, completion_tokens=sum(len(c.token_ids) for c in outs),
+            cached_tokens=m.num_cached_tokens if m else 0))
+        resp.timing.CopyFrom(pb.Timing(
+            queue_ms=(m.queue_ms or 0.0) if m else 0.0, ttft_ms=(m.ttft_ms or 0.0) if m else 0.0,
+            e2e_ms=(time.monotonic() - arrival_time) * 1e3))
         return resp
 
     # ---- unary methods ------------------------------------------------------
