@@ -302,7 +302,9 @@ def test_metrics_page_lists_and_moves(server):
              "jaxserve_kv_cache_pages_used", "jaxserve_kv_cache_pages_free",
              "jaxserve_prompt_tokens_total", "jaxserve_generation_tokens_total",
              "jaxserve_cached_prompt_tokens_total", "jaxserve_num_preemptions_total",
-             "jaxserve_request_aborted_total", "jaxserve_request_failure_total"]
+             "jaxserve_request_aborted_total", "jaxserve_request_failure_total",
+             "jaxserve_kv_cache_pages_total", "jaxserve_abort_delay_steps_count",
+             "jaxserve_request_received_total", "jaxserve_engine_steps_total"]
     before = _wait_idle(server)
     for n in names:
         assert n in before, n
