@@ -27,7 +27,9 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve"], "What to run.")
-flags.DEFINE_string("model", "smollm2-135m", "Model alias or path to a .gguf file.")
+flags.DEFINE_string("model", "smollm2-135m",
+                    "Model alias, path to a .gguf file, or an HF model folder (config.json + "
+                    "safetensors [+ tokenizer.json]).")
 flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
 flags.DEFINE_integer("max_tokens", None, "Most output tokens per request (demo: per prompt).")
@@ -47,6 +49,8 @@ flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shar
 flags.DEFINE_bool("enable_chunked_prefill", True,
                   "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
+flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all when --mesh "
+                     "is given, else one); the --mesh product must equal it.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
                     "ep; missing ones are 1; the product must equal the number of devices). "
                     "Default: one device.")
@@ -94,7 +98,14 @@ DEMO_PROMPTS = [
 
 
 def _engine_args() -> dict:
-    return dict(dtype=FLAGS.dtype, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+    extra = {}
+    if FLAGS.num_devices is not None:
+        import jax
+        if not 1 <= FLAGS.num_devices <= len(jax.devices()):
+            raise ValueError(f"--num_devices must be in [1, {len(jax.devices())}] (the devices "
+                             f"present), got {FLAGS.num_devices}")
+        extra["devices"] = jax.devices()[:FLAGS.num_devices]
+    return dict(**extra, dtype=FLAGS.dtype, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                 kv_cache_memory_bytes=FLAGS.kv_cache_mib << 20, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_model_len=FLAGS.max_model_len, mesh=FLAGS.mesh,

@@ -88,7 +88,8 @@ def make_mesh(spec: str | Mapping[str, int],
     if size != len(devices):
         raise ValueError(f"mesh {mesh_spec_str(shape)} has {size} devices, but {len(devices)} "
                          f"devices are available; the product of the axis sizes must equal "
-                         f"the number of devices (pass devices= to use a subset)")
+                         f"the number of devices (to use a subset: --num_devices N on the "
+                         f"command line, devices=... in Python)")
     grid = np.empty(len(devices), dtype=object)
     grid[:] = devices
     return jax.sharding.Mesh(grid.reshape(tuple(shape[a] for a in MESH_AXES)), MESH_AXES)
