@@ -291,3 +291,18 @@ def test_mesh_checked_against_file_config_before_any_tensor_is_read(tmp_path, mo
     monkeypatch.setattr(checkpoints.loader, "load_checkpoint", fail)
     with pytest.raises(ValueError, match=r"tp=3 does not divide .*intermediate_size=128"):
         LLM(str(path), mesh="tp=3", devices=devices(3))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "tp=3"], "has 3 devices, but 8 devices are available; .*--num_devices"),
+    (["--mesh", "tp=2", "--num_devices", "9"], r"--num_devices must be in \[1, 8\]"),
+    (["--mesh", "tp=2,xp=4"], "unknown axis 'xp'"),
+])
+def test_cli_mesh_errors_exit_2_before_loading(args, message):
+    import re
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "jaxserve.main", "--model", "no-such-model",
+                          "--prompt", "hi", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert re.search(message, out.stderr), out.stderr
