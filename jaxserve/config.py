@@ -227,8 +227,9 @@ class EngineConfig:
     """Everything the engine needs.
 
     Attributes:
-      model: alias (``"smollm2-135m"``), path to a ``.gguf`` file, or an HF model
-        folder (``config.json`` + safetensors; ``checkpoints.loader``).
+      model: alias (``"smollm2-135m"``), path to a ``.gguf`` file, an HF model
+        folder (``config.json`` + safetensors) or an Orbax checkpoint folder
+        (``model_config.json`` + ``params/``); see ``checkpoints.loader``.
       dtype: parameter and activation dtype name (``"float32"`` on CPU,
         ``"bfloat16"`` on GPU/TPU).
       seed: seed for requests that give none.

@@ -10,6 +10,10 @@ Modes:
 
   serve: the gRPC server (``jaxserve.server``): ``--host``, ``--port``,
     ``--metrics_port``, TLS, bearer token, queue bound, grace period.
+  convert: load ``--model`` (alias, .gguf, HF folder) and write it as an Orbax
+    checkpoint folder in ``--output`` (``checkpoints.orbax_ckpt``), tensors in
+    ``--dtype``; prints the paths written. ``--model <that folder>`` then
+    restores it straight into the mesh's shardings.
 
 Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
 input (unknown model, empty prompt, out-of-range sampling values) prints
@@ -26,10 +30,12 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve"], "What to run.")
+flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve", "convert"], "What to run.")
 flags.DEFINE_string("model", "smollm2-135m",
-                    "Model alias, path to a .gguf file, or an HF model folder (config.json + "
-                    "safetensors [+ tokenizer.json]).")
+                    "Model alias, path to a .gguf file, an HF model folder (config.json + "
+                    "safetensors [+ tokenizer.json]) or an Orbax folder (--mode convert).")
+flags.DEFINE_string("output", None, "convert: the Orbax checkpoint folder to write (must not "
+                    "exist or be empty).")
 flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
 flags.DEFINE_integer("max_tokens", None, "Most output tokens per request (demo: per prompt).")
@@ -235,9 +241,29 @@ def _serve() -> None:
     serve(config, load_engine, FLAGS.model)
 
 
+def _convert() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from checkpoints.loader import convert_to_orbax
+    if not FLAGS.output:
+        raise ValueError("--mode convert needs --output (the Orbax folder to write)")
+    written = convert_to_orbax(FLAGS.model, FLAGS.output, dtype=np.dtype(jnp.dtype(FLAGS.dtype)))
+    print(f"converted {FLAGS.model} ({FLAGS.dtype}) to an Orbax checkpoint:")
+    for path in written:
+        print(f"  {path}")
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.mode == "convert":
+        try:
+            _convert()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
     if FLAGS.mode == "serve":
         try:
             _serve()

@@ -156,3 +156,29 @@ def param_shardings(state: Any, mesh: Mesh, rules: ShardingRules) -> Any:
                                  f"by mesh axis {axis}={mesh.shape[axis]}")
         return NamedSharding(mesh, spec)
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: hasattr(x, "get_metadata"))
+
+
+def hf_shardings(named_params: Mapping[str, tuple[Any, int | None]], mesh: Mesh,
+                 rules: ShardingRules) -> dict[str, NamedSharding]:
+    """The sharding of every checkpoint tensor, by its HF name, so a
+    checkpoint (``checkpoints.orbax_ckpt.restore_orbax``) can be read
+    straight into the layout ``param_shardings`` gives the model.
+
+    Args:
+      named_params: HF name -> (NNX variable it fills, expert index or None),
+        as ``jaxserve.models.llama.hf_params`` / ``moe.hf_params`` return. A
+        tensor with an expert index is one slice of a stacked ``[E, ...]``
+        variable: it gets that variable's spec without the experts dim
+        (replicated over ``ep``; the stacked param is resharded after).
+      mesh, rules: as ``param_shardings``.
+
+    Raises:
+      ValueError: as ``param_shardings``.
+    """
+    out = {}
+    for name, (var, expert) in named_params.items():
+        spec = param_shardings(var, mesh, rules).spec
+        if expert is not None:
+            spec = PartitionSpec(*tuple(spec)[1:])
+        out[name] = NamedSharding(mesh, spec)
+    return out

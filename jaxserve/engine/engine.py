@@ -33,6 +33,7 @@ from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 from jaxserve.models import MODEL_CLASSES, llama, moe
 from sharding.mesh import make_mesh, parse_mesh_spec, validate_mesh_for_model
+from sharding.rules import hf_shardings
 
 
 @dataclasses.dataclass
@@ -109,12 +110,18 @@ class Engine:
             devices = jax.devices()[:1]
         self.mesh = make_mesh(config.parallel.mesh_shape, devices)
         dtype = jnp.dtype(config.dtype)
+        orbax_dir = None
         if model_config is None:
             from checkpoints.loader import load_checkpoint, load_model_config
+            from checkpoints.orbax_ckpt import is_orbax_checkpoint, load_orbax
             # The mesh is checked against the model's config before any weights load.
             validate_mesh_for_model(self.mesh.shape, load_model_config(config.model))
-            ckpt = load_checkpoint(config.model, dtype=np.dtype(  # alias, .gguf or HF folder
-                "float32" if config.dtype != "float16" else "float16"))
+            if is_orbax_checkpoint(config.model):  # params restored below, into their shardings
+                orbax_dir = config.model
+                ckpt = load_orbax(orbax_dir, with_params=False)
+            else:
+                ckpt = load_checkpoint(config.model, dtype=np.dtype(  # alias, .gguf or HF folder
+                    "float32" if config.dtype != "float16" else "float16"))
             model_config, params = ckpt.config, ckpt.params
             tokenizer, chat_template = ckpt.tokenizer, ckpt.chat_template
         if model_config.architecture not in MODEL_CLASSES:
@@ -132,11 +139,17 @@ class Engine:
             raise ValueError(f"attention_impl='pallas' has no lowering on "
                              f"{jax.default_backend()!r}; set attention_interpret=True")
         self.attention_impl = impl
+        random_init = params is None and orbax_dir is None
         model = MODEL_CLASSES[model_config.architecture](
-            model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if params is None else None,
+            model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if random_init else None,
             attention_impl=impl, interpret=config.attention_interpret)
+        family = moe if isinstance(model, moe.MoEForCausalLM) else llama
+        if orbax_dir is not None:
+            from checkpoints.orbax_ckpt import restore_orbax
+            params = restore_orbax(orbax_dir, hf_shardings(
+                family.hf_params(model), self.mesh, sharding_rules), dtype=dtype)
         if params is not None:
-            (moe if isinstance(model, moe.MoEForCausalLM) else llama).load_params(model, params)
+            family.load_params(model, params)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         cache: CacheConfig = config.cache
         kv_dtype = jnp.dtype(cache.dtype or config.dtype)
@@ -418,7 +431,9 @@ class LLM:
     """vLLM-style offline facade: ``LLM(model=...).generate(prompts, params)``.
 
     Args:
-      model: alias (``"smollm2-135m"``) or a ``.gguf`` path.
+      model: alias (``"smollm2-135m"``), a ``.gguf`` path, an HF folder or an
+        Orbax folder (``checkpoints.orbax_ckpt``; restored straight into the
+        params' shardings on the mesh).
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
       enable_chunked_prefill, compilation_cache_dir, attention_impl,

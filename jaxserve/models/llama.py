@@ -268,40 +268,67 @@ class LlamaForCausalLM(nnx.Module):
         return logits_VS.T, tuple(k_caches), tuple(v_caches)
 
 
+def attention_hf_params(layer, pre: str) -> dict[str, nnx.Param]:
+    """HF name -> param of one decoder layer's norms and attention (``pre`` is
+    ``"model.layers.{i}."``); shared with ``moe.hf_params``."""
+    out = {pre + "input_layernorm.weight": layer.input_layernorm.weight,
+           pre + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+    attn = layer.self_attn
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        out[pre + f"self_attn.{n}.weight"] = getattr(attn, n)
+        bias = getattr(attn, n[0] + "_bias")
+        if bias is not None:
+            out[pre + f"self_attn.{n}.bias"] = bias
+    for n in ("q_norm", "k_norm"):
+        if getattr(attn, n) is not None:
+            out[pre + f"self_attn.{n}.weight"] = getattr(attn, n)
+    return out
+
+
+def hf_params(model: LlamaForCausalLM) -> dict[str, tuple[nnx.Param, int | None]]:
+    """HF tensor name -> (the ``nnx.Param`` it fills, None), in load order.
+
+    The None is the expert index of ``moe.hf_params`` (dense models have none);
+    ``sharding.rules.hf_shardings`` turns this into one sharding per HF name.
+    """
+    out = {"model.embed_tokens.weight": model.embed_tokens, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        out |= attention_hf_params(layer, pre)
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out[pre + f"mlp.{n}.weight"] = getattr(layer.mlp, n)
+    return {name: (p, None) for name, p in out.items()}
+
+
 def load_params(model: LlamaForCausalLM, params: dict) -> None:
-    """Copy an HF-named dict of numpy arrays into ``model`` in place.
+    """Copy an HF-named dict of arrays into ``model`` in place.
 
     Names as in ``checkpoints.gguf_loader``'s docstring, plus, when the config
     asks for them, ``model.layers.{i}.self_attn.{q,k,v,o}_proj.bias`` and
-    ``model.layers.{i}.self_attn.{q,k}_norm.weight`` [H].
+    ``model.layers.{i}.self_attn.{q,k}_norm.weight`` [H] (``hf_params``).
+    Values are numpy arrays, or ``jax.Array``s (e.g. restored by Orbax straight
+    into their sharding), which are kept as they are when the dtype matches.
 
     Raises:
       ValueError: a tensor is missing or has the wrong shape.
     """
-    def put(p: nnx.Param, name: str):
+    for name, (p, _) in hf_params(model).items():
+        put_param(p, name, params)
+
+
+def put_param(p: nnx.Param, name: str, params: dict, arr=None) -> None:
+    """``p.value = params[name]`` (or ``arr``) in ``p``'s dtype.
+
+    Raises:
+      ValueError: ``name`` missing from ``params``, or a shape that differs from ``p``'s.
+    """
+    if arr is None:
         if name not in params:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
         arr = params[name]
-        if tuple(arr.shape) != tuple(p.value.shape):
-            raise ValueError(f"{name}: checkpoint shape {arr.shape} != model {p.value.shape}")
-        p.value = jnp.asarray(arr, dtype=p.value.dtype)
-
-    put(model.embed_tokens, "model.embed_tokens.weight")
-    put(model.norm.weight, "model.norm.weight")
-    if model.lm_head is not None:
-        put(model.lm_head, "lm_head.weight")
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        put(layer.input_layernorm.weight, pre + "input_layernorm.weight")
-        put(layer.post_attention_layernorm.weight, pre + "post_attention_layernorm.weight")
-        attn = layer.self_attn
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(getattr(attn, n), pre + f"self_attn.{n}.weight")
-            bias = getattr(attn, n[0] + "_bias")
-            if bias is not None:
-                put(bias, pre + f"self_attn.{n}.bias")
-        for n in ("q_norm", "k_norm"):
-            if getattr(attn, n) is not None:
-                put(getattr(attn, n), pre + f"self_attn.{n}.weight")
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            put(getattr(layer.mlp, n), pre + f"mlp.{n}.weight")
+    if tuple(arr.shape) != tuple(p.value.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(arr.shape)} != model "
+                         f"{tuple(p.value.shape)}")
+    p.value = jnp.asarray(arr, dtype=p.value.dtype)

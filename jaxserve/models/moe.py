@@ -66,7 +66,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import MLP, Attention, AttentionMetadata, RMSNorm, _param, rope_cos_sin
+from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, RMSNorm, _param,
+                                   attention_hf_params, put_param, rope_cos_sin)
 from sharding.rules import ShardingRules
 
 # ragged_dot_general: lhs [A, in] with A ragged (grouped), rhs [E, out, in]
@@ -282,8 +283,8 @@ class MoEForCausalLM(nnx.Module):
         return logits_VS.T, tuple(k_caches), tuple(v_caches), jnp.stack(loads)
 
 
-def load_params(model: MoEForCausalLM, params: dict) -> None:
-    """Copy an HF-named dict of numpy arrays into ``model`` in place.
+def hf_params(model: MoEForCausalLM) -> dict[str, tuple[nnx.Param, int | None]]:
+    """HF tensor name -> (the ``nnx.Param`` it fills, expert index e or None).
 
     Names as ``checkpoints.hf_loader.expected_tensors``: llama's (embedding,
     norms, attention with optional biases and q/k norms, lm_head, and
@@ -291,53 +292,52 @@ def load_params(model: MoEForCausalLM, params: dict) -> None:
     the router and each expert's gate [F, D], up [F, D] and down [D, F] under
     the family's names (``HF_MOE_NAMES``: Mixtral ``block_sparse_moe.gate``,
     ``block_sparse_moe.experts.{e}.w1/w3/w2``; Qwen3-MoE ``mlp.gate``,
-    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), stacked over e here.
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``); expert e's tensor is
+    slice e of the stacked ``[E, ...]`` param.
 
     Raises:
-      ValueError: a tensor is missing, has the wrong shape, or the
-        architecture has no MoE names.
+      ValueError: the architecture has no MoE names.
     """
     cfg = model.cfg
     if cfg.architecture not in HF_MOE_NAMES:
         raise ValueError(f"no MoE tensor names for architecture {cfg.architecture!r}; "
                          f"known: {sorted(HF_MOE_NAMES)}")
-
-    def get(name: str):
-        if name not in params:
-            raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return params[name]
-
-    def put(p: nnx.Param, name: str, arr=None):
-        arr = get(name) if arr is None else arr
-        if tuple(arr.shape) != tuple(p.value.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(arr.shape)} != model "
-                             f"{tuple(p.value.shape)}")
-        p.value = jnp.asarray(arr, dtype=p.value.dtype)
-
-    put(model.embed_tokens, "model.embed_tokens.weight")
-    put(model.norm.weight, "model.norm.weight")
+    out = {"model.embed_tokens.weight": (model.embed_tokens, None),
+           "model.norm.weight": (model.norm.weight, None)}
     if model.lm_head is not None:
-        put(model.lm_head, "lm_head.weight")
+        out["lm_head.weight"] = (model.lm_head, None)
     router_name, *expert_names = HF_MOE_NAMES[cfg.architecture]
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
-        put(layer.input_layernorm.weight, pre + "input_layernorm.weight")
-        put(layer.post_attention_layernorm.weight, pre + "post_attention_layernorm.weight")
-        attn = layer.self_attn
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(getattr(attn, n), pre + f"self_attn.{n}.weight")
-            bias = getattr(attn, n[0] + "_bias")
-            if bias is not None:
-                put(bias, pre + f"self_attn.{n}.bias")
-        for n in ("q_norm", "k_norm"):
-            if getattr(attn, n) is not None:
-                put(getattr(attn, n), pre + f"self_attn.{n}.weight")
+        out |= {n: (p, None) for n, p in attention_hf_params(layer, pre).items()}
         if not isinstance(layer.mlp, MoEBlock):
             for n in ("gate_proj", "up_proj", "down_proj"):
-                put(getattr(layer.mlp, n), pre + f"mlp.{n}.weight")
+                out[pre + f"mlp.{n}.weight"] = (getattr(layer.mlp, n), None)
             continue
-        put(layer.mlp.router, pre + router_name)
+        out[pre + router_name] = (layer.mlp.router, None)
         for p, fmt in zip((layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj),
                           expert_names):
-            names = [pre + fmt.format(e=e) for e in range(cfg.num_experts)]
-            put(p, pre + fmt, np.stack([np.asarray(get(n)) for n in names]))
+            out |= {pre + fmt.format(e=e): (p, e) for e in range(cfg.num_experts)}
+    return out
+
+
+def load_params(model: MoEForCausalLM, params: dict) -> None:
+    """Copy an HF-named dict of arrays (numpy, or ``jax.Array``s already in
+    their sharding) into ``model`` in place; names as ``hf_params``, the
+    experts' tensors stacked over e here.
+
+    Raises:
+      ValueError: a tensor is missing, has the wrong shape, or the
+        architecture has no MoE names.
+    """
+    stacks: dict[int, tuple[nnx.Param, str, list]] = {}
+    for name, (p, e) in hf_params(model).items():
+        if e is None:
+            put_param(p, name, params)
+            continue
+        if name not in params:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        stacks.setdefault(id(p), (p, name, []))[2].append(params[name])
+    for p, name, arrs in stacks.values():
+        stack = jnp.stack if isinstance(arrs[0], jax.Array) else np.stack
+        put_param(p, f"{name} (stacked over experts)", params, stack(arrs))

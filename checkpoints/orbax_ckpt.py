@@ -1,0 +1,278 @@
+"""Orbax checkpoints: any loaded checkpoint saved once, restored straight into a sharding.
+
+Layout of a checkpoint folder written by ``save_orbax``::
+
+    <dir>/model_config.json   jaxserve.config.ModelConfig fields (dataclasses.asdict)
+    <dir>/params/             Orbax PyTree checkpoint: HF tensor name -> array, as
+                              ``checkpoints.loader.load_checkpoint`` returns them
+    <dir>/tokenizer.json      the ``tokenizers`` pipeline (only if the source had one)
+    <dir>/tokenizer_meta.json bos/eos/unk/pad ids and the chat template
+    <dir>/jaxserve_orbax.json format version, source, the source's scalar
+                              metadata, and the size of every file under params/
+
+``restore_orbax(dir, shardings)`` gives each tensor an
+``ArrayRestoreArgs(sharding=...)``, so Orbax (tensorstore) reads into each
+device only the chunks of its shard and no full host copy is made; without
+shardings it returns numpy arrays. Before reading, every file under
+``params/`` is checked against the sizes recorded at save time, so a deleted
+or truncated file is reported by name (``ValueError``) instead of as a
+tensorstore error deep in the restore; any other read failure is re-raised as
+a ``ValueError`` naming the params folder and the tensors being read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Mapping
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+
+FORMAT_VERSION = 1
+_INFO, _CONFIG, _PARAMS = "jaxserve_orbax.json", "model_config.json", "params"
+_TOKENIZER, _TOKENIZER_META = "tokenizer.json", "tokenizer_meta.json"
+_GROUP_BYTES = 1 << 30  # tensors restored per Orbax call (and per progress-bar update)
+
+
+@dataclasses.dataclass
+class OrbaxCheckpoint:
+    """An Orbax checkpoint folder, loaded (same fields as ``GGUFCheckpoint``).
+
+    Attributes:
+      config: from ``model_config.json``.
+      params: HF name -> array (numpy without shardings, else ``jax.Array``
+        in its sharding); None when loaded with ``with_params=False``.
+      tokenizer: ``checkpoints.tokenizer.Tokenizer``, or None if none was saved.
+      chat_template: Jinja source or None.
+      metadata: the source checkpoint's scalar metadata, plus ``"source"``.
+    """
+
+    config: ModelConfig
+    params: dict[str, Any] | None
+    tokenizer: Any
+    chat_template: str | None
+    metadata: dict[str, Any]
+
+
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a folder with ``model_config.json`` and ``params/``."""
+    path = pathlib.Path(path).expanduser()
+    return (path / _CONFIG).is_file() and (path / _PARAMS).is_dir()
+
+
+def _json_safe(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metadata.items()
+            if isinstance(v, (str, int, float, bool, type(None), dict))}
+
+
+def _file_sizes(folder: pathlib.Path) -> dict[str, int]:
+    return {os.fspath(p.relative_to(folder)): p.stat().st_size
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "") -> list[pathlib.Path]:
+    """Write ``checkpoint`` (what ``checkpoints.loader.load_checkpoint`` returns)
+    as an Orbax checkpoint folder (layout in the module docstring).
+
+    Args:
+      output_dir: folder to create; it must not exist or be empty.
+      checkpoint: has ``config`` (``ModelConfig``), ``params`` (HF name ->
+        numpy array), ``tokenizer`` (or None), ``chat_template``, ``metadata``.
+      source: what it was loaded from (recorded in ``jaxserve_orbax.json``).
+
+    Returns:
+      The files and folders written, ``params/`` first.
+
+    Raises:
+      ValueError: ``output_dir`` exists and is not an empty folder.
+    """
+    import orbax.checkpoint as ocp  # local: loading GGUF/HF never needs Orbax
+
+    out = pathlib.Path(output_dir).expanduser().absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: output folder exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    params = {name: np.asarray(a) for name, a in checkpoint.params.items()}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(out / _PARAMS, args=ocp.args.PyTreeSave(params))
+    written = [out / _PARAMS, out / _CONFIG]
+    (out / _CONFIG).write_text(json.dumps(dataclasses.asdict(checkpoint.config), indent=1))
+    tok = checkpoint.tokenizer
+    if tok is not None:
+        tok.backend.save(os.fspath(out / _TOKENIZER))
+        meta = {"special_ids": {"bos": tok.bos_token_id, "eos": tok.eos_token_id,
+                                "unk": tok.unk_token_id, "pad": tok.pad_token_id},
+                "chat_template": checkpoint.chat_template}
+        (out / _TOKENIZER_META).write_text(json.dumps(meta, indent=1))
+        written += [out / _TOKENIZER, out / _TOKENIZER_META]
+    info = {"format_version": FORMAT_VERSION, "source": source,
+            "metadata": _json_safe(checkpoint.metadata or {}),
+            "params_files": _file_sizes(out / _PARAMS)}
+    (out / _INFO).write_text(json.dumps(info, indent=1, default=str))
+    return written + [out / _INFO]
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing; not a jaxserve Orbax checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read: {e}") from None
+
+
+def load_orbax_config(path: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` of an Orbax checkpoint folder from
+    ``model_config.json`` alone (no tensor is read).
+
+    Raises:
+      ValueError: the file is missing, not JSON, or not a valid ``ModelConfig``.
+    """
+    file = pathlib.Path(path).expanduser() / _CONFIG
+    fields = _read_json(file)
+    try:
+        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                              for k, v in fields.items()})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
+def check_params_files(path: str | os.PathLike) -> None:
+    """Check every file under ``<path>/params`` against the sizes recorded at save time.
+
+    Raises:
+      ValueError: ``params/`` is missing, or a recorded file is missing or has
+        another size (truncated or overwritten); the message names the file.
+    """
+    folder = pathlib.Path(path).expanduser()
+    params = folder / _PARAMS
+    if not params.is_dir():
+        raise ValueError(f"{params}: missing; not an Orbax checkpoint folder")
+    info = folder / _INFO
+    if not info.is_file():  # written by another tool: Orbax's own errors will have to do
+        return
+    for rel, size in _read_json(info).get("params_files", {}).items():
+        file = params / rel
+        if not file.is_file():
+            raise ValueError(f"{file}: missing from the Orbax checkpoint")
+        if file.stat().st_size != size:
+            raise ValueError(f"{file}: {file.stat().st_size} bytes, {size} when saved "
+                             f"(truncated or corrupted)")
+
+
+def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None = None,
+                  dtype: Any = None, show_progress: bool = True) -> dict[str, Any]:
+    """Restore the params of an Orbax checkpoint folder.
+
+    Args:
+      path: the folder (``save_orbax``'s ``output_dir``).
+      shardings: HF name -> ``jax.sharding.Sharding`` of each tensor to restore
+        (``sharding.rules.hf_shardings``; tensors of the checkpoint not named
+        are skipped): each array is restored straight into its sharding, every
+        process reading only its shards. None: every tensor, as numpy arrays
+        on the host.
+      dtype: dtype of the restored arrays (numpy or jnp dtype); None keeps the
+        saved dtype (float32 for GGUF and HF sources).
+      show_progress: draw a tqdm bar over the tensors.
+
+    Returns:
+      HF name -> ``jax.Array`` (with ``shardings``) or ``np.ndarray``.
+
+    Raises:
+      ValueError: missing folder or file, a truncated file (names it), a
+        tensor in ``shardings`` that the checkpoint lacks, or a read error
+        (names the tensors).
+    """
+    import orbax.checkpoint as ocp
+
+    folder = pathlib.Path(path).expanduser().absolute()
+    check_params_files(folder)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        try:
+            tree = ckptr.metadata(folder / _PARAMS).item_metadata.tree
+        except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
+            raise ValueError(f"{folder / _PARAMS}: cannot read the Orbax metadata: {e}") from None
+        if shardings is not None:
+            missing = [name for name in shardings if name not in tree]
+            if missing:
+                raise ValueError(f"{folder / _PARAMS}: the checkpoint lacks tensor "
+                                 f"{missing[0]!r} ({len(missing)} missing)")
+            tree = {name: tree[name] for name in shardings}
+
+        def args(name):
+            if shardings is None:
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+            return ocp.ArrayRestoreArgs(sharding=shardings[name], dtype=dtype)
+
+        groups, size = [[]], 0
+        for name, meta in tree.items():
+            nbytes = int(np.prod(meta.shape)) * np.dtype(meta.dtype).itemsize
+            if groups[-1] and size + nbytes > _GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(name)
+            size += nbytes
+        params: dict[str, Any] = {}
+        with tqdm(total=len(tree), desc="restoring Orbax tensors",
+                  disable=not show_progress) as bar:
+            for names in groups:
+                restore = ocp.args.PyTreeRestore(
+                    item={n: tree[n] for n in names}, restore_args={n: args(n) for n in names},
+                    partial_restore=True)
+                try:
+                    params |= ckptr.restore(folder / _PARAMS, args=restore)
+                except Exception as e:  # noqa: BLE001
+                    raise ValueError(f"{folder / _PARAMS}: cannot restore tensors {names[0]!r}.."
+                                     f"{names[-1]!r}: {e}") from None
+                bar.update(len(names))
+    return params
+
+
+def load_orbax_tokenizer(path: str | os.PathLike):
+    """(``Tokenizer``, chat template) saved in the folder; (None, None) if none.
+
+    Raises:
+      ValueError: a corrupt ``tokenizer.json`` or ``tokenizer_meta.json``.
+    """
+    import tokenizers
+
+    from checkpoints.tokenizer import Tokenizer
+
+    folder = pathlib.Path(path).expanduser()
+    if not (folder / _TOKENIZER).is_file():
+        return None, None
+    try:
+        backend = tokenizers.Tokenizer.from_file(os.fspath(folder / _TOKENIZER))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise ValueError(f"{folder / _TOKENIZER}: cannot load tokenizer: {e}") from None
+    meta = _read_json(folder / _TOKENIZER_META)
+    template = meta.get("chat_template")
+    return Tokenizer(backend, meta.get("special_ids", {}), template), template
+
+
+def load_orbax(path: str | os.PathLike, dtype: Any = np.float32,
+               shardings: Mapping[str, Any] | None = None, show_progress: bool = True,
+               with_params: bool = True) -> OrbaxCheckpoint:
+    """Load an Orbax checkpoint folder: config, tokenizer and (unless
+    ``with_params=False``) params via ``restore_orbax(path, shardings, dtype)``.
+
+    Raises:
+      ValueError: see ``load_orbax_config``, ``restore_orbax``, ``load_orbax_tokenizer``.
+    """
+    folder = pathlib.Path(path).expanduser()
+    config = load_orbax_config(folder)
+    info = _read_json(folder / _INFO) if (folder / _INFO).is_file() else {}
+    tokenizer, template = load_orbax_tokenizer(folder)
+    params = restore_orbax(folder, shardings, dtype, show_progress) if with_params else None
+    return OrbaxCheckpoint(config=config, params=params, tokenizer=tokenizer,
+                           chat_template=template,
+                           metadata={**info.get("metadata", {}), "source": info.get("source", "")})
+
+
+__all__ = ["OrbaxCheckpoint", "check_params_files", "is_orbax_checkpoint", "load_orbax",
+           "load_orbax_config", "load_orbax_tokenizer", "restore_orbax", "save_orbax"]
