@@ -60,6 +60,16 @@ flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
                     "ep; missing ones are 1; the product must equal the number of devices). "
                     "Default: one device.")
+flags.DEFINE_bool("multihost", False, "Join a multi-process job (jax.distributed.initialize): "
+                  "process 0 schedules and serves, the others run its steps. Implied on a "
+                  "multi-host TPU slice. Needs --mesh over every device of the job.")
+flags.DEFINE_string("coordinator_address", None, "multihost: host:port of process 0 (default: "
+                    "$JAX_COORDINATOR_ADDRESS or auto-detected on TPU/SLURM/Open MPI).")
+flags.DEFINE_integer("num_processes", None, "multihost: processes in the job (with "
+                     "--process_id; default auto-detected).")
+flags.DEFINE_integer("process_id", None, "multihost: this process, 0..num_processes-1.")
+flags.DEFINE_integer("heartbeat_timeout_s", 100, "multihost: seconds without a heartbeat "
+                     "before the job declares a process dead and stops every process.")
 flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"],
                   "bench: which benchmark.")
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
@@ -238,7 +248,42 @@ def _serve() -> None:
     def load_engine():
         from jaxserve import LLM
         return LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args()).engine
+    if not _is_leader():
+        _follow(load_engine())  # does not return
     serve(config, load_engine, FLAGS.model)
+
+
+def _init_multihost() -> None:
+    """Join the job when asked (or on a multi-host TPU slice)."""
+    from jaxserve.engine import multihost
+    if FLAGS.multihost or multihost.pod_environment():
+        multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                             heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
+
+
+def _is_leader() -> bool:
+    import jax
+    return jax.process_index() == 0
+
+
+def _follow(engine) -> None:
+    """Processes other than 0: run process 0's steps until it stops; exit 0,
+    or 1 with the job's error."""
+    import jax
+
+    from jaxserve.engine import multihost
+    print(f"jaxserve: process {jax.process_index()} of {jax.process_count()} following "
+          f"process 0", file=sys.stderr, flush=True)
+    try:
+        steps = engine.follow()
+    except multihost.MultihostError as e:
+        multihost.exit_on_fatal(e)
+    print(f"jaxserve: process {jax.process_index()} done after {steps} steps", file=sys.stderr,
+          flush=True)
+    multihost.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _convert() -> None:
@@ -264,6 +309,12 @@ def main(argv) -> None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         return
+    if FLAGS.mode != "convert":
+        try:
+            _init_multihost()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     if FLAGS.mode == "serve":
         try:
             _serve()
@@ -272,6 +323,7 @@ def main(argv) -> None:
             sys.exit(2)
         return
     from jaxserve import LLM, SamplingParams
+    from jaxserve.engine.multihost import MultihostError, exit_on_fatal, shutdown
     try:
         # Check sampling flags before the (slow) model load.
         SamplingParams(max_tokens=1 if FLAGS.max_tokens is None else FLAGS.max_tokens,
@@ -280,13 +332,21 @@ def main(argv) -> None:
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
         llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
-        if FLAGS.mode == "bench":
-            _bench(llm)
-        else:
-            _generate(llm, SamplingParams)
+        if not _is_leader():
+            _follow(llm.engine)  # does not return
+        try:
+            if FLAGS.mode == "bench":
+                _bench(llm)
+            else:
+                _generate(llm, SamplingParams)
+        finally:
+            llm.engine.stop_followers()  # multi-host: release the other processes
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except MultihostError as e:
+        exit_on_fatal(e)
+    shutdown()
 
 
 def run() -> None:

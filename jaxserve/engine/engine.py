@@ -302,6 +302,36 @@ class Engine:
             num_preemptions=s.num_preemptions, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens, num_steps=self._num_steps)
 
+    # ---- multi-host ---------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True on process 0 of a multi-host job (and in a one-process run):
+        the process that schedules, tokenizes and serves."""
+        return jax.process_index() == 0
+
+    def follow(self) -> int:
+        """Processes other than 0 of a multi-host job: run the steps process 0
+        broadcasts until it calls ``stop_followers``; returns the steps run.
+
+        Raises:
+          ValueError: called on process 0 or in a one-process run.
+          MultihostError: the job failed (a process died or a step failed).
+        """
+        if self.is_leader or self.runner.channel is None:
+            raise ValueError(f"follow() runs on processes other than 0 of a multi-host job; "
+                             f"this is process {jax.process_index()} of {jax.process_count()}")
+        return self.runner.follow()
+
+    def stop_followers(self) -> None:
+        """Process 0 of a multi-host job: release the other processes from
+        ``follow`` (call once, when done serving). A no-op otherwise.
+
+        Raises:
+          MultihostError: the broadcast failed (a process died).
+        """
+        self.runner.stop_followers()
+
     # ---- the loop -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

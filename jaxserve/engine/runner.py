@@ -44,9 +44,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.engine import multihost
 from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.request import MAX_LOGPROBS
-from jaxserve.engine.sampling import make_sampling_tensors, prompt_logprobs, sample
+from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
+                                      sample)
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2, page_bucket
 from jaxserve.models.llama import AttentionMetadata
 from sharding.mesh import make_mesh, validate_mesh_for_model
@@ -78,6 +80,51 @@ class StepResult:
     prompt_logprobs: dict
     logits: np.ndarray | None = None
     expert_load: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step as the host prepares it: everything the jitted functions take
+    besides the params and caches. In a multi-host job process 0 broadcasts
+    ``statics()`` and ``leaves()``; the others rebuild it with ``from_wire``.
+
+    Attributes:
+      decode: every row has one new token (``decode_step``), else
+        ``prefill_step``.
+      num_decode_rows: Bd, the padded decode rows leading a mixed step.
+      max_q_len: the per-sequence query window (pow2 >= the longest chunk).
+      rows: R, padded sampled rows.
+      num_top: top-N logprobs to compute (0 or ``MAX_LOGPROBS``).
+      md: ``AttentionMetadata`` of numpy i32 arrays (shapes in its docstring).
+      sampling: ``SamplingTensors`` of numpy arrays, R rows.
+      targets: i32[E] prompt-logprob target ids (E = 0 when none).
+      num_requests: n real requests (host only, process 0).
+      plp_spans: request row -> (first logits row, lo, hi) of its prompt
+        logprobs (host only, process 0).
+    """
+
+    decode: bool
+    num_decode_rows: int
+    max_q_len: int
+    rows: int
+    num_top: int
+    md: AttentionMetadata
+    sampling: SamplingTensors
+    targets: np.ndarray
+    num_requests: int = 0
+    plp_spans: dict = dataclasses.field(default_factory=dict)
+
+    def statics(self) -> list[int]:
+        return [int(self.decode), self.num_decode_rows, self.max_q_len, self.rows, self.num_top]
+
+    def leaves(self) -> list[np.ndarray]:
+        return jax.tree.leaves((self.md, self.sampling, self.targets))
+
+    @classmethod
+    def from_wire(cls, statics, leaves, treedef) -> "StepPlan":
+        md, st, targets = jax.tree.unflatten(treedef, leaves)
+        decode, bd, max_q_len, rows, num_top = statics[:5]
+        return cls(bool(decode), bd, max_q_len, rows, num_top, md, st, targets)
 
 
 class ModelRunner:
@@ -134,6 +181,17 @@ class ModelRunner:
         # buckets, so they are shared by every prefill/decode shape.
         self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(3, 4),
                                     in_shardings=replicated, out_shardings=replicated)
+        # Multi-host: process 0 broadcasts each plan, the others ``follow``.
+        self.channel: multihost.StepChannel | None = None
+        if jax.process_count() > 1:
+            if self.mesh.devices.size != jax.device_count():
+                raise ValueError(f"a multi-host mesh must span every device of the job: the mesh "
+                                 f"has {self.mesh.devices.size}, the job {jax.device_count()} "
+                                 f"({jax.process_count()} processes)")
+            self.channel = multihost.StepChannel()
+        empty_md = AttentionMetadata(*([np.zeros(1, np.int32)] * 9))
+        empty_st = make_sampling_tensors([], 1)
+        self._plan_treedef = jax.tree.structure((empty_md, empty_st, np.zeros(0, np.int32)))
 
     @staticmethod
     def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
@@ -168,11 +226,84 @@ class ModelRunner:
 
         Row k of the results belongs to ``batch.requests[k]``. Prompt-logprob
         rows are collected for requests with ``wants_prompt_logprobs`` whose
-        step covers prompt positions they have no logprob for yet.
+        step covers prompt positions they have no logprob for yet. In a
+        multi-host job (``self.channel`` set, process 0) the plan is first
+        broadcast to the other processes, which run the same step
+        (``follow``).
 
         Returns:
           a ``StepResult`` of numpy arrays.
+
+        Raises:
+          MultihostError: a multi-host step failed after its plan was sent
+            (fatal: the processes can no longer agree).
         """
+        plan = self.prepare(batch)
+        if self.channel is None:
+            return self._finish(plan, self.run(plan), return_logits)
+        try:
+            self.channel.send(multihost.OP_STEP, plan.statics(), plan.leaves())
+            return self._finish(plan, self.run(plan), return_logits)
+        except Exception as e:  # noqa: BLE001 - the processes are out of step: fatal
+            raise self.channel.fail(e) from e
+
+    def follow(self) -> int:
+        """A multi-host job's other processes: run every step process 0
+        broadcasts, until it sends STOP; returns the number of steps run.
+
+        Raises:
+          MultihostError: a step or the broadcast failed (the reason of the
+            process that failed first is in the message).
+        """
+        steps = 0
+        while True:
+            op, statics, leaves = self.channel.recv()
+            if op == multihost.OP_STOP:
+                return steps
+            try:
+                plan = StepPlan.from_wire(statics, leaves, self._plan_treedef)
+                jax.block_until_ready(self.run(plan))
+            except Exception as e:  # noqa: BLE001
+                raise self.channel.fail(e) from e
+            steps += 1
+
+    def stop_followers(self) -> None:
+        """Process 0 of a multi-host job: tell the other processes to return
+        from ``follow`` (once; a no-op without a channel or once broken)."""
+        if self.channel is not None and not self.channel.stopped and self.channel.broken is None:
+            self.channel.send(multihost.OP_STOP)
+
+    def run(self, plan: "StepPlan"):
+        """Launch a plan's jitted step and sampling; returns device arrays
+        ``(logits f32[R, V], SampleOutput, prompt logprobs or None,
+        expert load or None)``. Every process of a job calls it with the same
+        plan."""
+        md = plan.md
+        if plan.decode:
+            out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
+        else:
+            out = self.prefill_step(self.state, self.k_cache, self.v_cache, md, plan.num_decode_rows,
+                                    plan.max_q_len)
+        logits, self.k_cache, self.v_cache, *load = out
+        so, plp = self._postprocess(logits, plan.sampling, plan.targets, plan.rows, plan.num_top)
+        return logits, so, plp, (load[0] if load else None)
+
+    def _finish(self, plan: "StepPlan", outs, return_logits: bool) -> StepResult:
+        logits, so, plp, load = outs
+        n = plan.num_requests
+        self.last_expert_load = None if load is None else np.asarray(load)
+        so = jax.tree.map(lambda a: np.asarray(a)[:n], so)
+        plp = None if plp is None else [np.asarray(a) for a in plp]
+        return StepResult(
+            token_ids=so.token_ids, logprobs=so.logprobs, ranks=so.ranks, top_ids=so.top_ids,
+            top_logprobs=so.top_logprobs,
+            prompt_logprobs={k: (lo, hi, [a[i:i + hi - lo] for a in plp])
+                             for k, (i, lo, hi) in plan.plp_spans.items()},
+            logits=np.asarray(logits)[:n] if return_logits else None,
+            expert_load=self.last_expert_load)
+
+    def prepare(self, batch: ScheduledBatch) -> "StepPlan":
+        """Build a step's host arrays (padded to the buckets) from the batch."""
         reqs, q_lens = batch.requests, batch.q_lens
         n, nd = len(reqs), batch.num_decode
         L = self.page_size
@@ -234,22 +365,8 @@ class ModelRunner:
                                page_indices, cu_q_lens, np.array([s], np.int32),
                                logits_indices)
         st = make_sampling_tensors(reqs, rows)
-        if batch.decode:
-            out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
-        else:
-            out = self.prefill_step(self.state, self.k_cache, self.v_cache, md, Bd,
-                                    next_pow2(max(q_lens[nd:]), 1))
-        logits, self.k_cache, self.v_cache, *load = out
-        self.last_expert_load = np.asarray(load[0]) if load else None
         wants_top = any(r.params.logprobs or r.params.prompt_logprobs for r in reqs)
-        so, plp = self._postprocess(logits, st, targets, rows,
-                                    MAX_LOGPROBS if wants_top else 0)
-        so = jax.tree.map(lambda a: np.asarray(a)[:n], so)
-        plp = None if plp is None else [np.asarray(a) for a in plp]
-        return StepResult(
-            token_ids=so.token_ids, logprobs=so.logprobs, ranks=so.ranks, top_ids=so.top_ids,
-            top_logprobs=so.top_logprobs,
-            prompt_logprobs={k: (lo, hi, [a[i:i + hi - lo] for a in plp])
-                             for k, (i, lo, hi) in plp_spans.items()},
-            logits=np.asarray(logits)[:n] if return_logits else None,
-            expert_load=self.last_expert_load)
+        return StepPlan(decode=batch.decode, num_decode_rows=Bd,
+                        max_q_len=1 if batch.decode else next_pow2(max(q_lens[nd:]), 1),
+                        rows=rows, num_top=MAX_LOGPROBS if wants_top else 0, md=md, sampling=st,
+                        targets=targets, num_requests=n, plp_spans=plp_spans)

@@ -34,7 +34,10 @@ import logging
 import queue
 import threading
 import time
+from typing import Callable
+
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.multihost import MultihostError
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.metrics import ServingMetrics
 
@@ -79,11 +82,19 @@ class AsyncEngine:
       max_waiting_requests: bound on sequences waiting for their first step
         (submitted and not yet in the engine included); ``submit`` raises
         ``QueueFullError`` beyond it.
+      on_fatal: called (from the engine thread) with the ``MultihostError``
+        of a multi-host job that can no longer step; the engine thread has
+        then ended every stream with ``EngineError`` and stopped, and
+        ``fatal_error`` holds the error. (A failed step of a one-process
+        engine is not fatal: its requests fail, the loop goes on.)
     """
 
     def __init__(self, engine: Engine, *, metrics: ServingMetrics | None = None,
-                 max_waiting_requests: int = 256):
+                 max_waiting_requests: int = 256,
+                 on_fatal: Callable[[Exception], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal_error: Exception | None = None
         self.metrics = metrics if metrics is not None else ServingMetrics()
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
@@ -206,6 +217,10 @@ class AsyncEngine:
         if kind == "add":
             _, engine_id, prompt_ids, params, stream, added, arrival_time = cmd
             self._drained += params.n
+            if self.fatal_error is not None:  # the engine thread has stopped for good
+                self._loop.call_soon_threadsafe(_set_exception, added, ShuttingDownError(
+                    f"the engine stopped: {self.fatal_error}"))
+                return
             try:
                 engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival_time)
             except ValueError as e:
@@ -237,6 +252,18 @@ class AsyncEngine:
                 continue
             try:
                 outs = engine.step()
+            except MultihostError as e:  # the processes cannot agree any more: stop serving
+                log.error("multi-host step failed; failing %d requests and stopping: %s",
+                          len(self._streams), e)
+                self._accepting = False
+                self.fatal_error = e
+                streams, self._streams = list(self._streams.values()), {}
+                for s in streams:
+                    self.metrics.failed.inc()
+                    self._post(s, EngineError(f"engine step failed: {e}"))
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
+                return
             except Exception as e:  # noqa: BLE001 - the loop must survive a failed step
                 log.exception("engine step failed; aborting %d requests", len(self._streams))
                 self._fail_all(e)

@@ -12,6 +12,11 @@ with a final message (``finish_reason`` "abort", usage and timing so far)
 and status OK, even while the engine thread is inside a long step. The
 server stops and the process exits 0 (``os._exit``, skipping the slow
 interpreter teardown) within the grace period.
+
+Multi-host (``--multihost``, process 0): the engine broadcasts every step to
+the other processes (``jaxserve.engine.multihost``). At shutdown process 0
+sends them STOP and leaves the job; when a step fails because a process died,
+every open stream ends with INTERNAL, the server stops, and the process exits 1.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class Server:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
         self.async_engine: AsyncEngine | None = None
+        self.exit_code = 0  # 1 after a fatal multi-host error
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._stopping: asyncio.Event | None = None
@@ -164,14 +170,22 @@ class Server:
         """Load the engine in a worker thread, then serve (health SERVING)."""
         t0 = time.monotonic()
         engine = await _in_daemon_thread(self.load_engine)
-        self.async_engine = AsyncEngine(engine, metrics=self.metrics,
-                                        max_waiting_requests=self.config.max_waiting_requests)
+        loop = asyncio.get_running_loop()
+        self.async_engine = AsyncEngine(
+            engine, metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
+            on_fatal=lambda e: loop.call_soon_threadsafe(self._on_fatal, e))
         self.async_engine.start()
         self.metrics.observe_stats(engine.stats())
         self.servicer.set_engine(self.async_engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         print(f"jaxserve: serving {self.servicer.model_name} "
               f"(loaded in {time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def _on_fatal(self, error: Exception) -> None:
+        """The multi-host job failed: stop serving, exit non-zero."""
+        print(f"jaxserve: error: {error}; stopping", file=sys.stderr, flush=True)
+        self.exit_code = 1
+        self.request_stop()
 
     def request_stop(self) -> None:
         """Begin a graceful shutdown (signal handlers call this)."""
@@ -250,10 +264,20 @@ def serve(config: ServerConfig, load_engine: Callable, model_name: str) -> None:
     Raises:
       ValueError: bad TLS files, an unbindable port, or a bad model.
     """
-    asyncio.run(Server(config, load_engine, model_name).run())
+    server = Server(config, load_engine, model_name)
+    clean = asyncio.run(server.run())
+    ae = server.async_engine
+    if ae is not None and clean and server.exit_code == 0 and ae.engine.runner.channel is not None:
+        from jaxserve.engine import multihost
+        try:  # release the other processes of a multi-host job, then leave it
+            ae.engine.stop_followers()
+            multihost.shutdown()
+        except multihost.MultihostError as e:
+            print(f"jaxserve: error: {e}", file=sys.stderr, flush=True)
+            server.exit_code = 1
     # Exit at once: interpreter teardown (JAX, XLA, threads) takes about a
     # second, and the engine thread may still be inside a step. Everything a
     # client needs has been sent.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(server.exit_code)
