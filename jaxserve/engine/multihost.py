@@ -30,7 +30,10 @@ Failure (all processes stop, none hangs):
   fail and report that reason;
 * a process killed while the others are idle is noticed by the coordination
   service's heartbeats, which terminate every process after
-  ``heartbeat_timeout_s`` (JAX's own fatal error).
+  ``heartbeat_timeout_s`` (JAX's own fatal error, "Terminating process
+  because the JAX distributed service detected fatal errors"); when process
+  0, which hosts the coordination service, dies, the others get that error
+  at once, sometimes before their own collective reports the failure.
 """
 
 from __future__ import annotations
@@ -174,6 +177,10 @@ class StepChannel:
         if isinstance(error, MultihostError):
             self.broken = error
             return error
+        # Say it before touching the coordination service: when process 0 died,
+        # JAX's error polling may terminate this process any moment now.
+        print(f"jaxserve: process {self.process_index}: multi-host step {self.num_sent} failed: "
+              f"{type(error).__name__}: {str(error)[:500]}", file=sys.stderr, flush=True)
         record_failure(f"process {self.process_index}: {type(error).__name__}: {error}")
         reasons = {p: m for p, m in failure_reasons().items() if p != self.process_index}
         cause = "; ".join(m for _, m in sorted(reasons.items())) or \
