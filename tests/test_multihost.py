@@ -12,6 +12,8 @@ and broadcasts every step; process 1 follows. Checks:
 * ``--mode serve``: 16 concurrent gRPC requests of mixed shape (text, ids,
   chat; greedy and seeded sampling; n = 2) sent to process 0 equal
   ``LLM.generate`` in one process; SIGTERM to process 0 stops both, exit 0;
+* processes started with different engine flags stop at once (exit 2)
+  naming the differing fields, instead of compiling different steps;
 * killing process 1 in the middle of a request ends the stream with INTERNAL
   naming the multi-host failure and process 0 exits 1; killing process 0
   mid-request makes process 1 stop with a clear error (jaxserve's, or JAX's
@@ -58,7 +60,8 @@ class Job:
     ``close`` kills whatever still runs.
     """
 
-    def __init__(self, mode: str, args: list[str], tmp, heartbeat_timeout_s: int = 10):
+    def __init__(self, mode: str, args: list[str], tmp, heartbeat_timeout_s: int = 10,
+                 extra: tuple[list[str], list[str]] = ([], [])):
         port = _free_port()
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                "JAXSERVE_CACHE": os.path.dirname(XLA_CACHE)}
@@ -68,7 +71,7 @@ class Job:
             cmd = [sys.executable, "-m", "jaxserve.main", "--mode", mode, "--multihost",
                    "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
                    "--process_id", str(i), "--heartbeat_timeout_s", str(heartbeat_timeout_s),
-                   *args]
+                   *args, *extra[i]]
             with open(tmp / f"p{i}.out", "w") as out, open(tmp / f"p{i}.err", "w") as err:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
 
@@ -110,8 +113,8 @@ class Job:
 def job_factory(tmp_path):
     jobs = []
 
-    def make(mode, args):
-        job = Job(mode, args, tmp_path / f"job{len(jobs)}")
+    def make(mode, args, **kw):
+        job = Job(mode, args, tmp_path / f"job{len(jobs)}", **kw)
         jobs.append(job)
         return job
     for i in range(8):
@@ -264,3 +267,15 @@ def test_killed_leader_fails_the_follower(job_factory, tiny_gguf):
     assert ("process 1: multi-host step" in text and "failed" in text) or \
         "Terminating process because the JAX distributed service detected fatal errors" \
         in text, text[-3000:]
+
+
+def test_processes_with_different_flags_refuse_to_start(job_factory, tiny_gguf):
+    """Different cache sizes would compile different steps whose collectives
+    never match (a hang): both processes must stop at start with exit 2."""
+    args = [a for a in _generate_args(tiny_gguf, "tp=8") if a not in ("--num_pages", "256")]
+    job = job_factory("generate", args, extra=(["--num_pages", "256"], ["--num_pages", "128"]))
+    for i in range(2):
+        assert job.wait(i, timeout_s=60) == 2, job.stderr(i)[-3000:]
+        err = job.stderr(i)
+        assert "were started with a different engine setup" in err, err[-3000:]
+        assert "differ in ['engine.cache']" in err, err[-3000:]

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
+from jaxserve.engine import multihost
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
@@ -111,6 +112,13 @@ class Engine:
         self.mesh = make_mesh(config.parallel.mesh_shape, devices)
         dtype = jnp.dtype(config.dtype)
         orbax_dir = None
+        if jax.process_count() > 1:  # every process of a job must build the same engine
+            from checkpoints.loader import load_model_config
+            multihost.check_same_setup(dict(
+                engine={k: v for k, v in dataclasses.asdict(config).items()
+                        if k not in ("model", "compilation_cache_dir")},
+                model=dataclasses.asdict(model_config or load_model_config(config.model)),
+                mesh=dict(self.mesh.shape)))
         if model_config is None:
             from checkpoints.loader import load_checkpoint, load_model_config
             from checkpoints.orbax_ckpt import is_orbax_checkpoint, load_orbax

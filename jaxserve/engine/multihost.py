@@ -38,6 +38,8 @@ Failure (all processes stop, none hangs):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -133,6 +135,49 @@ def shutdown() -> None:
     already left until the heartbeat timeout, then aborts."""
     if jax.process_count() > 1:
         jax.distributed.shutdown()
+
+
+def check_same_setup(setup: dict) -> None:
+    """Check that every process of the job builds the same engine (a
+    collective: every process calls it at the same point).
+
+    Processes with different models, meshes, dtypes or cache shapes would
+    compile different steps whose collectives never match: a hang, not an
+    error. Each process publishes ``setup`` (JSON-able) in the coordination
+    service and all compare SHA-256 digests.
+
+    Raises:
+      ValueError: some process's ``setup`` differs from process 0's; the
+        message names the processes and the differing top-level fields.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+    text = json.dumps(setup, sort_keys=True, default=str)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.int32)
+    me = jax.process_index()
+    try:
+        _kv_client().key_value_set(f"jaxserve/setup/{me}", text)
+    except Exception:  # noqa: BLE001 - only used to name the difference
+        pass
+    digests = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 8]
+    differ = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
+    if not differ:
+        return
+    detail = ""
+    try:
+        other = 0 if me != 0 else differ[0]
+        theirs = json.loads(_kv_client().blocking_key_value_get(f"jaxserve/setup/{other}",
+                                                                10_000))
+        fields = {f"{k}.{kk}" for k in setup for kk in set(setup[k]) | set(theirs.get(k, {}))
+                  if json.dumps(setup[k].get(kk), sort_keys=True, default=str) !=
+                  json.dumps(theirs.get(k, {}).get(kk), sort_keys=True, default=str)}
+        detail = f"; process {me} and process {other} differ in {sorted(fields)}"
+    except Exception:  # noqa: BLE001
+        pass
+    raise ValueError(f"multihost: process(es) {differ} were started with a different engine "
+                     f"setup (model, mesh, dtype, cache or scheduler flags) than process 0; "
+                     f"every process must run the same command{detail}")
 
 
 def exit_on_fatal(error: BaseException) -> None:
