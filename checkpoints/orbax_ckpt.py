@@ -35,6 +35,7 @@ from jaxserve.config import ModelConfig
 
 FORMAT_VERSION = 1
 _INFO, _CONFIG, _PARAMS = "jaxserve_orbax.json", "model_config.json", "params"
+CHUNK_BYTES = 4 << 20  # largest chunk of a saved tensor
 _TOKENIZER, _TOKENIZER_META = "tokenizer.json", "tokenizer_meta.json"
 _GROUP_BYTES = 1 << 30  # tensors restored per Orbax call (and per progress-bar update)
 
@@ -98,8 +99,12 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "") -> l
         raise ValueError(f"{out}: output folder exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     params = {name: np.asarray(a) for name, a in checkpoint.params.items()}
+    # Chunks of at most 4 MiB: a process restoring into a sharding reads only
+    # the chunks its devices' slices overlap (one chunk per tensor would make
+    # every host read every whole tensor).
+    save_args = {name: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES) for name in params}
     with ocp.PyTreeCheckpointer() as ckptr:
-        ckptr.save(out / _PARAMS, args=ocp.args.PyTreeSave(params))
+        ckptr.save(out / _PARAMS, args=ocp.args.PyTreeSave(params, save_args=save_args))
     written = [out / _PARAMS, out / _CONFIG]
     (out / _CONFIG).write_text(json.dumps(dataclasses.asdict(checkpoint.config), indent=1))
     tok = checkpoint.tokenizer

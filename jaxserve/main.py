@@ -253,9 +253,25 @@ def _serve() -> None:
     serve(config, load_engine, FLAGS.model)
 
 
+def _usage_error(e: ValueError) -> None:
+    """Print ``error: ...`` and exit 2; in a multi-host job first record the
+    reason, so the other processes name it in their own errors."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    if "jax" in sys.modules:
+        from jaxserve.engine import multihost
+        if multihost.in_job():
+            import jax
+            multihost.record_failure(f"process {jax.process_index()}: {e}")
+    sys.exit(2)
+
+
 def _init_multihost() -> None:
     """Join the job when asked (or on a multi-host TPU slice)."""
     from jaxserve.engine import multihost
+    job_flags = [f"--{f}" for f in ("coordinator_address", "num_processes", "process_id")
+                 if getattr(FLAGS, f) is not None]
+    if job_flags and not FLAGS.multihost:
+        raise ValueError(f"{', '.join(job_flags)} given without --multihost")
     if FLAGS.multihost or multihost.pod_environment():
         multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                              heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
@@ -306,21 +322,18 @@ def main(argv) -> None:
         try:
             _convert()
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            _usage_error(e)
         return
     if FLAGS.mode != "convert":
         try:
             _init_multihost()
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            _usage_error(e)
     if FLAGS.mode == "serve":
         try:
             _serve()
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            _usage_error(e)
         return
     from jaxserve import LLM, SamplingParams
     from jaxserve.engine.multihost import MultihostError, exit_on_fatal, shutdown
@@ -342,8 +355,7 @@ def main(argv) -> None:
         finally:
             llm.engine.stop_followers()  # multi-host: release the other processes
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _usage_error(e)
     except MultihostError as e:
         exit_on_fatal(e)
     shutdown()

@@ -194,7 +194,7 @@ def test_grpc_to_process_zero(job_factory, tiny_gguf):
 
     from jaxserve import LLM
     from jaxserve.server.client import AsyncClient, Client
-    job = job_factory("serve", ["--model", tiny_gguf, "--mesh", "tp=2,dp=4", *ENGINE_FLAGS,
+    job = job_factory("serve", ["--model", tiny_gguf, "--mesh", "tp=8", *ENGINE_FLAGS,
                                 "--port", "0", "--metrics_port", "-1"])
     port = int(job.wait_for(0, r"gRPC on [\d.]+:(\d+)").group(1))
     job.wait_for(0, r"jaxserve: serving")
@@ -214,7 +214,7 @@ def test_grpc_to_process_zero(job_factory, tiny_gguf):
         assert [c.text for c in got.completions] == [o.text for o in exp.outputs], r
     with Client(target) as c:
         info = c.model_info()
-    assert info.num_devices == 8 and dict(info.mesh) == {"dp": 4, "tp": 2, "ep": 1}
+    assert info.num_devices == 8 and dict(info.mesh) == {"dp": 1, "tp": 8, "ep": 1}
     job.procs[0].send_signal(signal.SIGTERM)
     assert job.wait(0) == 0, job.stderr(0)[-3000:]
     assert job.wait(1) == 0, job.stderr(1)[-3000:]

@@ -113,6 +113,11 @@ class Engine:
         dtype = jnp.dtype(config.dtype)
         orbax_dir = None
         if jax.process_count() > 1:  # every process of a job must build the same engine
+            if self.mesh.devices.size != jax.device_count():
+                raise ValueError(f"a multi-host mesh must span every device of the job: --mesh "
+                                 f"{dict(self.mesh.shape)} has {self.mesh.devices.size} devices, "
+                                 f"the job {jax.device_count()} ({jax.process_count()} processes "
+                                 f"x {jax.local_device_count()})")
             from checkpoints.loader import load_model_config
             multihost.check_same_setup(dict(
                 engine={k: v for k, v in dataclasses.asdict(config).items()

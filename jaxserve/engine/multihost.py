@@ -106,6 +106,12 @@ def pod_environment() -> bool:
     return len([h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
 
 
+def in_job() -> bool:
+    """True once this process has joined a multi-process job (``initialize``)."""
+    from jax._src import distributed
+    return distributed.global_state.client is not None
+
+
 def _kv_client():
     from jax._src import distributed
     return distributed.global_state.client
@@ -160,7 +166,14 @@ def check_same_setup(setup: dict) -> None:
         _kv_client().key_value_set(f"jaxserve/setup/{me}", text)
     except Exception:  # noqa: BLE001 - only used to name the difference
         pass
-    digests = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 8]
+    try:
+        digests = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 8]
+    except Exception as e:  # noqa: BLE001 - another process failed before this point
+        reasons = failure_reasons()
+        raise ValueError(f"multihost: process {me} could not compare engine setups with the "
+                         f"other processes: "
+                         + ("; ".join(m for _, m in sorted(reasons.items())) or
+                            f"{type(e).__name__}: {str(e)[:300]}")) from None
     differ = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
     if not differ:
         return
@@ -241,7 +254,7 @@ class StepChannel:
             raise ValueError(f"plan too large for the header: {len(statics)} statics "
                              f"(max {_MAX_STATICS}), {len(leaves)} leaves (max {_MAX_LEAVES})")
         h = np.zeros(HEADER_LEN, np.int32)
-        h[0], h[1], h[2] = op, step, len(leaves)
+        h[0], h[1], h[2] = op, step % (1 << 31), len(leaves)
         h[3:3 + len(statics)] = statics
         for i, a in enumerate(leaves):
             if a.ndim > 2 or a.dtype not in _DTYPES:
@@ -278,7 +291,7 @@ class StepChannel:
         try:
             h = self._broadcast(np.zeros(HEADER_LEN, np.int32))
             op, step, n = int(h[0]), int(h[1]), int(h[2])
-            if op not in (OP_STEP, OP_STOP) or step != self.num_sent:
+            if op not in (OP_STEP, OP_STOP) or step != self.num_sent % (1 << 31):
                 raise MultihostError(f"process {self.process_index} expected step "
                                      f"{self.num_sent}, got op {op} step {step}: the processes "
                                      f"diverged")

@@ -55,6 +55,29 @@ from sharding.mesh import make_mesh, validate_mesh_for_model
 from sharding.rules import ShardingRules, named_sharding, param_shardings
 
 
+def place(tree, shardings):
+    """``jax.device_put(tree, shardings)``, except that in a multi-process job
+    each process builds only its own devices' slices of a host array
+    (``jax.make_array_from_callback``): ``device_put`` of a host array onto a
+    sharding spanning processes first all-gathers it to check that every
+    process holds the same value, moving every weight over the network.
+    Arrays already spread over the job (restored from Orbax) are kept, or
+    resharded on device when their sharding differs."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == sharding else jax.device_put(x, sharding)  # a reshard
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(targets) != len(leaves):
+        raise ValueError(f"{len(leaves)} arrays but {len(targets)} shardings")
+    return jax.tree.unflatten(treedef, [put(x, s) for x, s in zip(leaves, targets)])
+
+
 @dataclasses.dataclass
 class StepResult:
     """One step's results on the host; row k is the step's k-th request.
@@ -153,7 +176,7 @@ class ModelRunner:
         self.rules = rules if rules is not None else validate_mesh_for_model(self.mesh.shape, cfg)
         self.graphdef, state = nnx.split(model)
         self.param_shardings = param_shardings(state, self.mesh, self.rules)
-        self.state = jax.device_put(state, self.param_shardings)
+        self.state = place(state, self.param_shardings)
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
