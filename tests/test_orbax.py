@@ -175,16 +175,24 @@ def _data_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(files, key=lambda p: -p.stat().st_size)
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.parametrize("damage", ["delete", "truncate", "flip"])
 def test_damaged_params_file_is_named(gguf_orbax, tmp_path, damage):
     bad = tmp_path / "bad"
     shutil.copytree(gguf_orbax, bad)
     victim = _data_files(bad)[0]
+    size = victim.stat().st_size
     if damage == "delete":
         victim.unlink()
-    else:
+    elif damage == "truncate":
         with open(victim, "r+b") as f:
-            f.truncate(victim.stat().st_size // 2)
+            f.truncate(size // 2)
+    else:  # 64 bytes changed in place, same size: zstd may still decode it
+        with open(victim, "r+b") as f:
+            f.seek(size // 2)
+            data = f.read(64)
+            f.seek(size // 2)
+            f.write(bytes(b ^ 0x5A for b in data))
+        assert victim.stat().st_size == size
     with pytest.raises(ValueError, match=victim.name):
         orbax_ckpt.restore_orbax(bad, show_progress=False)
     with pytest.raises(ValueError, match=victim.name):
