@@ -6,7 +6,12 @@ Modes:
   bench: ``--bench_workload=throughput`` (default) is the offline throughput
     benchmark (``jaxserve.bench.throughput``); ``prefix_cache`` times TTFT
     with a cached 1,000-token system prompt against cold
-    (``jaxserve.bench.prefix_cache``).
+    (``jaxserve.bench.prefix_cache``). ``--workload chat|rag|creative|
+    shared-prefix|mixed`` runs the serving benchmark instead
+    (``jaxserve.bench.suite``): concurrency levels, open or closed loop,
+    vLLM-style latency/throughput/goodput figures, a per-phase roofline and
+    peers (HF transformers, llama.cpp) side by side, written to ``--output``
+    as JSON, Markdown and PNG plots.
 
   serve: the gRPC server (``jaxserve.server``): ``--host``, ``--port``,
     ``--metrics_port``, TLS, bearer token, queue bound, grace period.
@@ -35,7 +40,8 @@ flags.DEFINE_string("model", "smollm2-135m",
                     "Model alias, path to a .gguf file, an HF model folder (config.json + "
                     "safetensors [+ tokenizer.json]) or an Orbax folder (--mode convert).")
 flags.DEFINE_string("output", None, "convert: the Orbax checkpoint folder to write (must not "
-                    "exist or be empty).")
+                    "exist or be empty). bench --workload: the results folder (default "
+                    "bench-results/<workload>-<time>).")
 flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
 flags.DEFINE_integer("max_tokens", None, "Most output tokens per request (demo: per prompt).")
@@ -75,6 +81,28 @@ flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"]
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
 flags.DEFINE_integer("bench_input_len", 120, "bench: prompt tokens (+-10%).")
 flags.DEFINE_integer("bench_output_len", 128, "bench: output tokens (EOS ignored).")
+flags.DEFINE_enum("workload", None, ["chat", "rag", "creative", "shared-prefix", "mixed"],
+                  "bench: the serving benchmark on requests of this shape (see "
+                  "jaxserve/bench/workloads.py); unset runs --bench_workload.")
+flags.DEFINE_string("concurrency", "1,8,32", "bench --workload: concurrency levels (most "
+                    "requests in flight), comma-separated.")
+flags.DEFINE_float("request_rate", float("inf"), "bench --workload: open-loop Poisson arrival "
+                   "rate, requests/s; inf is closed loop.")
+flags.DEFINE_integer("num_prompts", None, "bench --workload: requests per level "
+                     "(default max(4, concurrency)).")
+flags.DEFINE_string("slo", None, "bench --workload: goodput SLOs, e.g. 'ttft_ms=2000,tpot_ms=200' "
+                    "(keys ttft_ms, tpot_ms, e2e_ms).")
+flags.DEFINE_string("peers", "hf,llama_cpp", "bench --workload: other engines on the same "
+                    "prompts (hf, llama_cpp, none); a missing package is skipped and said so.")
+flags.DEFINE_enum("backend", "inprocess", ["inprocess", "grpc"], "bench --workload: drive the "
+                  "engine in this process, or a spawned gRPC server.")
+flags.DEFINE_float("scale", None, "bench --workload: multiply prompt and output lengths "
+                   "(default 1, or 0.2 on CPU).")
+flags.DEFINE_bool("warmup", True, "bench --workload: run the sweep once untimed first.")
+flags.DEFINE_float("peak_tflops", None, "bench --workload: the device's peak TFLOP/s for "
+                   "MFU (default: measured with a large matmul).")
+flags.DEFINE_float("peak_gbps", None, "bench --workload: the device's peak GB/s for MBU "
+                   "(default: measured with a large copy).")
 
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind (loopback by default).")
 flags.DEFINE_integer("port", 50051, "serve: gRPC port; 0 picks a free one (printed).")
@@ -227,6 +255,39 @@ def _bench(llm) -> None:
     print(f"  new compilations in timed run: {warm.num_compilations - cold.num_compilations}")
 
 
+def _serving_bench() -> None:
+    """``--mode bench --workload W``: options checked before the model loads."""
+    from jaxserve.bench import peers, stats, suite
+    flag_args = ["--dtype", FLAGS.dtype, "--page_size", str(FLAGS.page_size),
+                 "--kv_cache_mib", str(FLAGS.kv_cache_mib), "--max_num_seqs",
+                 str(FLAGS.max_num_seqs), "--max_num_batched_tokens",
+                 str(FLAGS.max_num_batched_tokens),
+                 f"--enable_prefix_caching={FLAGS.enable_prefix_caching}",
+                 f"--enable_chunked_prefill={FLAGS.enable_chunked_prefill}"]
+    for name in ("num_pages", "max_model_len", "mesh", "num_devices", "seed"):
+        if getattr(FLAGS, name) is not None:
+            flag_args += [f"--{name}", str(getattr(FLAGS, name))]
+    opts = suite.BenchOptions(
+        workload=FLAGS.workload, concurrency=suite.parse_levels(FLAGS.concurrency),
+        request_rate=FLAGS.request_rate,
+        num_prompts=FLAGS.num_prompts, slo=stats.parse_slo(FLAGS.slo),
+        peers=tuple(peers.parse_peers(FLAGS.peers)), backend=FLAGS.backend, scale=FLAGS.scale,
+        seed=FLAGS.seed or 0, warmup=FLAGS.warmup,
+        peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None,
+        peak_bytes=FLAGS.peak_gbps * 1e9 if FLAGS.peak_gbps else None,
+        model=FLAGS.model, dtype=FLAGS.dtype, engine_flags=tuple(flag_args))
+    out = FLAGS.output or os.path.join(
+        "bench-results", f"{FLAGS.workload}-{time.strftime('%Y%m%d-%H%M%S')}")
+    llm = None
+    if opts.backend == "inprocess":
+        from jaxserve import LLM
+        llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
+    result, paths = suite.run(opts, out, llm)
+    with open(paths[1]) as f:
+        print(f.read())
+    print("wrote " + ", ".join(paths))
+
+
 def _serve() -> None:
     from jaxserve.config import ServerConfig
     from jaxserve.server.serve import serve
@@ -344,6 +405,9 @@ def main(argv) -> None:
                        top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
+        if FLAGS.mode == "bench" and FLAGS.workload is not None:
+            _serving_bench()
+            return
         llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
         if not _is_leader():
             _follow(llm.engine)  # does not return

@@ -1,0 +1,230 @@
+"""GPU benchmark: ``python -m jaxserve.bench.device [--output device.json]``.
+
+On one accelerator, a Llama-3-8B-shaped model (32 layers, D 4096, 32 query /
+8 kv heads of 128, SwiGLU 14336, vocab 128256) with random bf16 weights:
+
+1. ceilings: a large bf16 matmul and a large copy (``roofline.measure_ceilings``);
+2. decode steps at batch 1, 8, 64 and 256, each sequence with ``--decode_ctx``
+   tokens in its cache: the median of ``--iters`` steps, its bytes moved
+   (weights + KV read + KV written) and MBU, FLOPs and MFU;
+3. prefill of one 1,024- and one 4,096-token prompt: median step, MFU, MBU;
+4. the ``chat`` and ``rag`` workloads (``jaxserve.bench.workloads``, random
+   token ids of the same lengths since the model has no tokenizer) through
+   the engine's scheduler, closed loop at ``--concurrency``, vLLM-style
+   figures and the per-phase roofline of their steps.
+
+Steps 2 and 3 drive ``engine.runner.execute`` directly with hand-built
+batches (as ``Engine.last_token_logits`` does), so each point is exactly one
+shape: one XLA compilation per batch bucket / prompt length, then timed
+calls. The K/V they read are whatever the cache holds (zeros): timing does
+not depend on the values. Step 4 goes through ``Engine.step()`` like any
+request. The run is sized to finish within ``--budget_s`` (default 450 s,
+for an 8-minute slot on one H200); a workload that would start with less
+than ``--workload_min_s`` left is skipped and the JSON says so. The JSON is
+rewritten after every section, so a run cut short keeps what it measured.
+
+``--smoke`` runs a tiny f32 config with small shapes on any backend (CPU
+included), to check the script; its figures mean nothing. Without it the
+script refuses to run on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+from jaxserve.config import ModelConfig
+
+LLAMA3_8B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+    rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=False)
+SMOKE = ModelConfig(
+    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+    tie_word_embeddings=False)
+
+
+def _step_batch(engine, num_seqs: int, q_len: int, ctx: int, rng):
+    """A hand-built batch: ``num_seqs`` sequences each computing ``q_len``
+    tokens that end at position ``ctx`` (pages allocated); returns it and
+    the requests (free their pages after)."""
+    from jaxserve.engine.page_table import cdiv
+    from jaxserve.engine.request import Request, SamplingParams
+    from jaxserve.engine.scheduler import ScheduledBatch
+    reqs = []
+    for i in range(num_seqs):
+        ids = rng.integers(0, engine.model_config.vocab_size, size=ctx).tolist()
+        r = Request(f"_bench{i}", None, ids, SamplingParams(temperature=0), 0,
+                    engine.eos_token_ids)
+        r.page_ids = engine.allocator.allocate(cdiv(ctx, engine.allocator.page_size))
+        r.num_computed_tokens = ctx - q_len
+        reqs.append(r)
+    decode = num_seqs if q_len == 1 else 0
+    return ScheduledBatch(reqs, [q_len] * num_seqs, num_decode=decode), reqs
+
+
+def time_step(engine, num_seqs: int, q_len: int, ctx: int, iters: int, rng) -> dict:
+    """Median wall time of one step shape (after one compiling call), s, with
+    its compile time and shape."""
+    batch, reqs = _step_batch(engine, num_seqs, q_len, ctx, rng)
+    try:
+        t = time.monotonic()
+        engine.runner.execute(batch)
+        first = time.monotonic() - t
+        times = []
+        for _ in range(iters):
+            t = time.monotonic()
+            engine.runner.execute(batch)  # returns host arrays: synchronised
+            times.append(time.monotonic() - t)
+    finally:
+        for r in reqs:
+            engine.allocator.free(r.page_ids)
+    return {"num_seqs": num_seqs, "q_len": q_len, "ctx": ctx, "first_call_s": first,
+            "median_s": statistics.median(times), "iters": iters}
+
+
+def _figures(point: dict, cfg: ModelConfig, ceil, param_bytes: int, kv_bytes: int) -> dict:
+    from jaxserve.bench import roofline
+    q = [point["q_len"]] * point["num_seqs"]
+    kv = [point["ctx"]] * point["num_seqs"]
+    f = roofline.step_flops(cfg, q, kv)
+    b = roofline.step_bytes(cfg, q, kv, param_bytes, kv_bytes)
+    s = point["median_s"]
+    return dict(point, flops=f, bytes=b, ms=1e3 * s, flops_per_s=f / s,
+                bytes_per_s=b["total"] / s, mfu=f / s / ceil.flops_per_s,
+                mbu=b["total"] / s / ceil.bytes_per_s, tokens_per_s=sum(q) / s,
+                bound="compute" if f / ceil.flops_per_s >= b["total"] / ceil.bytes_per_s
+                else "bandwidth")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.device",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny f32 config, any backend")
+    ap.add_argument("--output", default="device_bench.json", help="JSON file to write")
+    ap.add_argument("--decode_batches", default=None, help="default 1,8,64,256 (smoke 1,2,4)")
+    ap.add_argument("--decode_ctx", type=int, default=None,
+                    help="tokens in each decoding sequence's cache (default 512; smoke 32)")
+    ap.add_argument("--prefill_lens", default=None, help="default 1024,4096 (smoke 64,128)")
+    ap.add_argument("--workloads", default="chat,rag", help="serving workloads, or none")
+    ap.add_argument("--concurrency", type=int, default=None, help="default 32 (smoke 2)")
+    ap.add_argument("--num_prompts", type=int, default=None, help="default 64 (smoke 2)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per step shape "
+                    "(default 10; smoke 2)")
+    ap.add_argument("--budget_s", type=float, default=450.0, help="whole-run time budget, s")
+    ap.add_argument("--workload_min_s", type=float, default=120.0,
+                    help="skip a workload that would start with less than this left, s")
+    a = ap.parse_args(argv)
+    t_start = time.monotonic()
+
+    import jax
+    import numpy as np
+
+    from jaxserve import LLM
+    from jaxserve.bench import report, roofline, serving, stats
+    from jaxserve.bench.workloads import make_requests
+    on_accel = jax.default_backend() in ("gpu", "tpu")
+    if not on_accel and not a.smoke:
+        print(f"no GPU (backend {jax.default_backend()!r}); run on a GPU, or --smoke for a "
+              "tiny check of this script")
+        return 1
+    smoke = a.smoke
+    cfg = SMOKE if smoke else LLAMA3_8B
+    dtype = "float32" if smoke else "bfloat16"
+    batches = [int(x) for x in (a.decode_batches or ("1,2,4" if smoke else "1,8,64,256"))
+               .split(",")]
+    ctx = a.decode_ctx or (32 if smoke else 512)
+    prefill_lens = [int(x) for x in (a.prefill_lens or ("64,128" if smoke else "1024,4096"))
+                    .split(",")]
+    iters = a.iters or (2 if smoke else 10)
+    conc = a.concurrency or (2 if smoke else 32)
+    num_prompts = a.num_prompts or (2 if smoke else 64)
+    wl_names = [w for w in a.workloads.split(",") if w and w != "none"]
+    longest = max(prefill_lens + [ctx + 1, 256 if smoke else 1600])  # rag: ~1,320 + 50
+    page_size = 16
+    pages_needed = max(batches) * -(-ctx // page_size) + 2 * conc * -(-1400 // page_size) + 64
+    out: dict = {"benchmark": "jaxserve device benchmark (python -m jaxserve.bench.device)",
+                 "smoke": smoke, "model_config": dataclasses.asdict(cfg),
+                 "dtype": dtype, "env": report.environment(), "flags": vars(a), "sections": {}}
+
+    def save():
+        out["wall_s"] = time.monotonic() - t_start
+        with open(a.output, "w") as f:
+            json.dump(out, f, indent=1)
+
+    def log(msg):
+        print(f"[{time.monotonic() - t_start:6.1f} s] {msg}", flush=True)
+
+    t = time.monotonic()
+    llm = LLM("random-" + ("smoke" if smoke else "llama3-8b"), model_config=cfg, params=None,
+              dtype=dtype, page_size=page_size, num_pages=pages_needed, max_num_seqs=max(
+                  max(batches), conc), max_num_batched_tokens=max(prefill_lens + [2048]),
+              max_model_len=longest + 8, enable_prefix_caching=False)
+    engine = llm.engine
+    out["sections"]["init_s"] = time.monotonic() - t
+    log(f"random {cfg.num_layers}-layer model and {pages_needed} KV pages ready")
+
+    t = time.monotonic()
+    ceil = roofline.measure_ceilings(dtype, matmul_n=256 if smoke else None,
+                                     copy_mib=8 if smoke else None)
+    out["ceilings"] = {"flops_per_s": ceil.flops_per_s, "bytes_per_s": ceil.bytes_per_s,
+                       "source": ceil.source, "seconds": time.monotonic() - t}
+    log(f"ceilings {ceil.flops_per_s / 1e12:.1f} TFLOP/s, {ceil.bytes_per_s / 1e9:.0f} GB/s")
+    save()
+
+    rng = np.random.default_rng(0)
+    kw = dict(param_bytes=np.dtype(jax.numpy.dtype(dtype)).itemsize,
+              kv_bytes=engine.runner.k_cache[0].dtype.itemsize)
+    out["decode"] = []
+    for b in batches:
+        p = _figures(time_step(engine, b, 1, ctx, iters, rng), cfg, ceil, **kw)
+        out["decode"].append(p)
+        log(f"decode batch {b:>4} ctx {ctx}: {p['ms']:.2f} ms/step, {p['tokens_per_s']:.0f} "
+            f"tok/s, MBU {p['mbu']:.1%}, MFU {p['mfu']:.1%} (compile+first {p['first_call_s']:.0f} s)")
+        save()
+    out["prefill"] = []
+    for n in prefill_lens:
+        p = _figures(time_step(engine, 1, n, n, iters, rng), cfg, ceil, **kw)
+        out["prefill"].append(p)
+        log(f"prefill {n:>5} tokens: {p['ms']:.1f} ms, MFU {p['mfu']:.1%}, MBU {p['mbu']:.1%} "
+            f"(compile+first {p['first_call_s']:.0f} s)")
+        save()
+
+    out["workloads"] = {}
+    for w in wl_names:
+        left = a.budget_s - (time.monotonic() - t_start)
+        if left < a.workload_min_s and not smoke:
+            out["workloads"][w] = {"skipped": f"{left:.0f} s of the {a.budget_s:.0f} s budget "
+                                              f"left (< --workload_min_s {a.workload_min_s:.0f})"}
+            log(f"workload {w} skipped: {left:.0f} s left")
+            save()
+            continue
+        reqs = make_requests(None, cfg.vocab_size, w, num_prompts, seed=0,
+                             scale=0.05 if smoke else 1.0)
+        t = time.monotonic()
+        with serving.StepRecorder(engine) as rec:
+            run = serving.run_inprocess(engine, reqs, conc, recorder=rec)
+        summary = stats.summarize(run.records)
+        out["workloads"][w] = {
+            "concurrency": conc, "num_prompts": num_prompts, "seconds": time.monotonic() - t,
+            "compilations": run.compilations, "preemptions": run.preemptions,
+            "peak_kv_pages": max((s[1] for s in run.kv_series), default=0),
+            "summary": summary,
+            "roofline": roofline.analyze(run.steps, cfg, ceil, **kw)}
+        log(f"workload {w}: {num_prompts} requests at C={conc} in {summary['duration_s']:.1f} s, "
+            f"{summary['output_throughput']:.0f} out tok/s, TTFT p50 "
+            f"{summary['ttft_ms']['p50']:.0f} ms, TPOT p50 {summary['tpot_ms']['p50']:.1f} ms, "
+            f"{run.compilations} compilations")
+        save()
+    save()
+    log(f"wrote {a.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Benchmark output: the environment, a Markdown report and PNG plots.
+
+``write(result, folder)`` writes ``result.json`` (every figure, see
+``jaxserve.bench.suite``), ``report.md`` (``markdown(result)``) and the plots
+(matplotlib, Agg backend, so no display is needed):
+
+* ``latency_throughput.png``: TTFT, TPOT and E2E p50 (ms, log scale)
+  against output tokens/s, one line per engine through its concurrency levels;
+* ``timeline.png``: every request of each jaxserve level as a bar from send
+  to finish: queue (grey), prefill (orange: first scheduled to first token),
+  decode (blue: first token to finish), s since the level started;
+* ``roofline.png``: achieved FLOP/s against arithmetic intensity (FLOP/byte)
+  for groups of engine steps (decode by batch rows, prefill and mixed by
+  token bucket) under the device's two roofs;
+* ``kv_pages.png``: KV pages in use over each level.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+
+ENGINE_LABEL = {"jaxserve": "jaxserve", "hf": "HF transformers", "llama_cpp": "llama.cpp"}
+
+
+def environment(extra: dict | None = None) -> dict:
+    """Python, OS, CPU count and load average, package versions (None when
+    absent), JAX devices and ``XLA_FLAGS``, merged with ``extra``."""
+    versions = {}
+    for pkg in ("jax", "jaxlib", "flax", "numpy", "transformers", "torch", "llama_cpp_python",
+                "matplotlib"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    env = {"python": platform.python_version(), "platform": platform.platform(),
+           "cpu_count": os.cpu_count(), "versions": versions,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           # Other processes competing for the CPUs skew every figure: say how busy it was.
+           "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg")
+           else None}
+    try:
+        import jax
+        env["jax_backend"] = jax.default_backend()
+        env["devices"] = [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()]
+    except Exception as e:  # a broken accelerator install must not lose the results
+        env["devices"] = [f"unavailable: {e}"]
+    env.update(extra or {})
+    return env
+
+
+def _f(v, fmt="{:.1f}", none="-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def _engine_levels(result: dict) -> dict[str, list[dict]]:
+    """{engine: [level dicts with "concurrency" and "summary"]}."""
+    out = {"jaxserve": result["levels"]}
+    for name, p in result.get("peers", {}).items():
+        if p.get("levels"):
+            out[name] = p["levels"]
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The report: set-up, per-level table, side-by-side table with ratio
+    columns, per-workload shape table and per-phase roofline table."""
+    cfg, env = result["config"], result["env"]
+    lines = [f"# jaxserve serving benchmark: `{cfg['workload']}`", ""]
+    shapes = ", ".join(f"{w} {s['prompt_tokens_mean']:.0f} -> {s['output_tokens']:.0f}"
+                       for w, s in result["workload"]["shapes"].items())
+    loop = "closed loop" if cfg["request_rate"] is None else \
+        f"open loop, Poisson {cfg['request_rate']} requests/s"
+    lines += [
+        f"- model `{cfg['model']}` ({cfg['dtype']}), backend `{cfg['backend']}`, devices "
+        f"{', '.join(env.get('devices', []))}; jax {env['versions']['jax']}, "
+        f"{env['cpu_count']} CPUs",
+        f"- {cfg['num_prompts']} requests per level, {loop}, concurrency "
+        f"{', '.join(map(str, cfg['concurrency']))}; greedy, EOS ignored, seed {cfg['seed']}",
+        f"- request shapes (mean prompt -> output tokens): {shapes}; scale {cfg['scale']}"
+        + (" (lengths scaled from the named shapes)" if cfg["scale"] != 1 else ""),
+        f"- SLO for goodput: {cfg['slo'] or 'none (every completed request counts)'}",
+        f"- warm-up: {result['warmup']['note']}",
+        "",
+        "## jaxserve per level",
+        "",
+        "Latencies in ms (client side: TTFT and E2E from send; TPOT = (E2E - TTFT) / "
+        "(tokens - 1); ITL between streamed outputs), throughputs per s.",
+        "",
+        "| C | done | dur s | req/s | goodput | in tok/s | out tok/s | TTFT mean | p50 | p90 "
+        "| p99 | TPOT p50 | p90 | p99 | ITL p50 | p99 | E2E p50 | p99 | KV peak pages | "
+        "prefix hit | preempt | compiles |",
+        "|" + "---:|" * 23,
+    ]
+    for lv in result["levels"]:
+        s = lv["summary"]
+        t, p, i, e = s["ttft_ms"], s["tpot_ms"], s["itl_ms"], s["e2e_ms"]
+        lines.append(
+            f"| {lv['concurrency']} | {s['completed']} | {s['duration_s']:.1f} | "
+            f"{_f(s['request_throughput'], '{:.2f}')} | {_f(s['goodput'], '{:.2f}')} | "
+            f"{_f(s['input_throughput'])} | {_f(s['output_throughput'])} | {_f(t['mean'], '{:.0f}')} "
+            f"| {_f(t['p50'], '{:.0f}')} | {_f(t['p90'], '{:.0f}')} | {_f(t['p99'], '{:.0f}')} | "
+            f"{_f(p['p50'])} | {_f(p['p90'])} | {_f(p['p99'])} | {_f(i['p50'])} | {_f(i['p99'])} | "
+            f"{_f(e['p50'], '{:.0f}')} | {_f(e['p99'], '{:.0f}')} | "
+            f"{lv['kv']['peak_pages']}/{lv['kv']['pages_total']} | "
+            f"{_f(lv['prefix_cache']['hit_rate'], '{:.1%}')} | {lv['preemptions']} | "
+            f"{_f(lv['compilations'], '{}')} |")
+    lines += ["", "## Side by side", "",
+              "Same prompts and the same model file, greedy, same max tokens, and for every "
+              "engine C closed-loop clients (request k is sent when request k - C ends), so "
+              "time spent waiting for a peer's static batch or for the request before it "
+              "counts in its TTFT and E2E. Speed-up columns are jaxserve's advantage (> 1: "
+              "jaxserve better): peer's latency / jaxserve's, jaxserve's throughput / "
+              "peer's.", ""]
+    for name, p in result.get("peers", {}).items():
+        lines.append(f"- **{ENGINE_LABEL.get(name, name)}** {p.get('version', '')}: "
+                     + (p["how"] if "skipped" not in p else f"skipped: {p['skipped']}")
+                     + (f"; greedy tokens identical to jaxserve's in {p['token_agreement']:.0%} "
+                        f"of requests (first 16 tokens)" if p.get("token_agreement") is not None
+                        else ""))
+    lines += ["", "| C | engine | mode | out tok/s | TTFT p50 | TPOT p50 | E2E p50 | "
+              "speed-up out tok/s | TTFT p50 | TPOT p50 | E2E p50 |", "|" + "---:|" * 11]
+    engines = _engine_levels(result)
+    for lv in result["levels"]:
+        c, js = lv["concurrency"], lv["summary"]
+        for name, levels in engines.items():
+            row = next((x for x in levels if x["concurrency"] == c), None)
+            if row is None:
+                continue
+            s = row["summary"]
+            mode = row.get("mode", "continuous batching")
+            g = lambda d, k="p50": d[k] if d else None
+            lines.append(
+                f"| {c} | {ENGINE_LABEL.get(name, name)} | {mode} | {_f(s['output_throughput'])} "
+                f"| {_f(g(s['ttft_ms']), '{:.0f}')} | {_f(g(s['tpot_ms']))} | "
+                f"{_f(g(s['e2e_ms']), '{:.0f}')} | "
+                + (" | | | |" if name == "jaxserve" else
+                   f"{_ratio(js['output_throughput'], s['output_throughput'])} | "
+                   f"{_ratio(g(s['ttft_ms']), g(js['ttft_ms']))} | "
+                   f"{_ratio(g(s['tpot_ms']), g(js['tpot_ms']))} | "
+                   f"{_ratio(g(s['e2e_ms']), g(js['e2e_ms']))} |"))
+    top = result["levels"][-1]
+    lines += ["", f"## Request shapes at C={top['concurrency']} (jaxserve)", "",
+              "queue: send -> first scheduled; prefill: first scheduled -> first token; "
+              "decode: ms per output token after the first (= TPOT).", "",
+              "| workload | requests | prompt tok | output tok | cached tok | queue p50 | "
+              "prefill p50 | decode ms/tok p50 | TTFT p50 | E2E p50 |", "|" + "---:|" * 10]
+    for w, s in top["by_workload"].items():
+        n = max(1, s["completed"])
+        lines.append(f"| {w} | {s['completed']} | {s['input_tokens'] / n:.0f} | "
+                     f"{s['output_tokens'] / n:.0f} | {s['cached_tokens'] / n:.0f} | "
+                     f"{_f(s['queue_ms']['p50'], '{:.0f}')} | {_f(s['prefill_ms']['p50'], '{:.0f}')} "
+                     f"| {_f(s['decode_ms_per_token']['p50'])} | {_f(s['ttft_ms']['p50'], '{:.0f}')} "
+                     f"| {_f(s['e2e_ms']['p50'], '{:.0f}')} |")
+    roof = result.get("roofline")
+    lines += ["", "## Roofline per phase (jaxserve, all levels)", ""]
+    if not roof:
+        lines.append("Not available: " + result.get("roofline_note", "no engine steps seen."))
+    else:
+        c = roof["ceilings"]
+        lines += [f"Device ceilings: {c['flops_per_s'] / 1e9:.1f} GFLOP/s, "
+                  f"{c['bytes_per_s'] / 1e9:.1f} GB/s (ridge {c['ridge_flop_per_byte']:.1f} "
+                  f"FLOP/byte); {c['source']}. FLOPs and bytes per step are counted from "
+                  "the model config (`jaxserve/bench/roofline.py`); steps that compiled are "
+                  "left out.", "",
+                  "| phase | steps | tokens/step | ms/step | GFLOP/step | MB/step weights | "
+                  "MB/step KV | GFLOP/s | GB/s | FLOP/byte | MFU | MBU | bound |",
+                  "|---|" + "---:|" * 12]
+        for phase in ("prefill", "mixed", "decode"):
+            p = roof.get(phase)
+            if not p:
+                continue
+            lines.append(
+                f"| {phase} | {p['steps']} | {p['tokens_per_step']:.1f} | {p['ms_per_step']:.1f} "
+                f"| {p['flops_per_step'] / 1e9:.3g} | {p['weight_bytes_per_step'] / 1e6:.3g} | "
+                f"{p['kv_bytes_per_step'] / 1e6:.3g} | {p['flops_per_s'] / 1e9:.1f} | "
+                f"{p['bytes_per_s'] / 1e9:.1f} | {p['intensity']:.1f} | {p['mfu']:.1%} | "
+                f"{p['mbu']:.1%} | {p['bound']} |")
+    load, end = env.get("load_average_1_5_15_min"), result.get("load_average_end")
+    lines += ["", f"Total wall time {result['wall_s']:.0f} s"
+              + (f"; CPU load average (1 min) {load[0]:.1f} at the start, {end[0]:.1f} at the "
+                 f"end, on {env['cpu_count']} CPUs" if load and end else "")
+              + ". Every figure is in `result.json`."]
+    if load and end and max(load[0], end[0]) > 1.5 + 0.5 * env["cpu_count"]:
+        lines.append("**The CPUs were busy with other work during this run: every figure "
+                     "above is skewed (llama.cpp's and torch's thread pools suffer most).**")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_latency(result, path, plt):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for name, levels in _engine_levels(result).items():
+        xs = [lv["summary"]["output_throughput"] or 0 for lv in levels]
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
+            ys = [lv["summary"][key]["p50"] for lv in levels]
+            ax.plot(xs, ys, "o-", label=ENGINE_LABEL.get(name, name))
+            for x, y, lv in zip(xs, ys, levels):
+                if y is not None:
+                    ax.annotate(f"C={lv['concurrency']}", (x, y), textcoords="offset points",
+                                xytext=(4, 4), fontsize=7)
+    for ax, title in zip(axes, ("TTFT p50", "TPOT p50", "E2E latency p50")):
+        ax.set(xlabel="output tokens/s", ylabel="ms", title=title, yscale="log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend()
+    fig.suptitle(f"{result['config']['workload']}: latency against throughput "
+                 f"across concurrency levels")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_timeline(result, path, plt):
+    levels = result["levels"]
+    heights = [max(2.0, 0.18 * len(lv["requests"]) + 1) for lv in levels]
+    fig, axes = plt.subplots(len(levels), 1, figsize=(12, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    colors = {"queue": "0.7", "prefill": "tab:orange", "decode": "tab:blue"}
+    for ax, lv in zip(axes[:, 0], levels):
+        for y, r in enumerate(lv["requests"]):
+            if r["end_s"] is None:
+                continue
+            send = r["send_s"]
+            sched = send + (r["queue_ms"] or 0) / 1e3
+            first = r["first_token_s"]
+            ax.barh(y, sched - send, left=send, color=colors["queue"], height=0.8)
+            ax.barh(y, first - sched, left=sched, color=colors["prefill"], height=0.8)
+            ax.barh(y, r["end_s"] - first, left=first, color=colors["decode"], height=0.8)
+        ax.set_yticks(range(len(lv["requests"])))
+        ax.set_yticklabels([r["workload"] for r in lv["requests"]], fontsize=6)
+        ax.invert_yaxis()
+        ax.set(title=f"jaxserve C={lv['concurrency']}", xlabel="s since the level started")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0, 0].legend(handles, list(colors), loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_roofline(result, path, plt):
+    import numpy as np
+    roof = result["roofline"]
+    c = roof["ceilings"]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    pts = roof["points"]
+    lo = min([p["intensity"] for p in pts] + [c["ridge_flop_per_byte"]]) / 4
+    hi = max([p["intensity"] for p in pts] + [c["ridge_flop_per_byte"]]) * 4
+    x = np.geomspace(lo, hi, 200)
+    ax.plot(x, np.minimum(c["flops_per_s"], c["bytes_per_s"] * x), "k-", lw=1.5,
+            label=f"roofs: {c['flops_per_s'] / 1e9:.0f} GFLOP/s, {c['bytes_per_s'] / 1e9:.0f} GB/s")
+    style = {"decode": ("tab:blue", "o", "decode (B rows)"),
+             "prefill": ("tab:orange", "s", "prefill (tokens)"),
+             "mixed": ("tab:green", "^", "mixed (tokens)")}
+    for phase, (color, marker, label) in style.items():
+        ps = [p for p in pts if p["phase"] == phase]
+        if not ps:
+            continue
+        ax.scatter([p["intensity"] for p in ps], [p["flops_per_s"] for p in ps], c=color,
+                   marker=marker, label=label, s=[12 + 4 * min(p["steps"], 40) for p in ps])
+        for p in ps:
+            ax.annotate(str(p["group"]), (p["intensity"], p["flops_per_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, -3))
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="achieved FLOP/s", title="jaxserve steps on the device roofline")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_kv(result, path, plt):
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for lv in result["levels"]:
+        series = lv["kv"]["series"]
+        ax.plot([s[0] for s in series], [s[1] for s in series], drawstyle="steps-post",
+                label=f"C={lv['concurrency']}")
+    total = result["levels"][0]["kv"]["pages_total"]
+    ax.axhline(total, color="k", ls="--", lw=1, label=f"{total} pages in the cache")
+    ax.set(xlabel="s since the level started", ylabel="KV pages in use",
+           title="KV cache pages in use", yscale="symlog")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(result: dict, folder: str) -> list[str]:
+    """Write ``result.json``, ``report.md`` and the PNGs into ``folder``
+    (created); returns the paths written. Plots are skipped with a note in
+    ``report.md`` when matplotlib is missing."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        plt = None
+        result["plots_note"] = "matplotlib is not installed (pip install -e '.[bench]')"
+    if plt is not None:
+        plots = [("latency_throughput.png", _plot_latency), ("timeline.png", _plot_timeline),
+                 ("kv_pages.png", _plot_kv)]
+        if result.get("roofline"):
+            plots.append(("roofline.png", _plot_roofline))
+        for name, fn in plots:
+            fn(result, os.path.join(folder, name), plt)
+            paths.append(os.path.join(folder, name))
+    with open(os.path.join(folder, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    paths.insert(0, os.path.join(folder, "result.json"))
+    with open(os.path.join(folder, "report.md"), "w") as f:
+        f.write(markdown(result))
+        if result.get("plots_note"):
+            f.write(f"\nNo plots: {result['plots_note']}.\n")
+    paths.insert(1, os.path.join(folder, "report.md"))
+    return paths

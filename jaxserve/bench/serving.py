@@ -1,0 +1,332 @@
+"""Load generators: drive jaxserve with a list of ``BenchRequest`` at a
+concurrency level, closed-loop or open-loop, and record what a client sees.
+
+* **closed loop** (``request_rate=inf``): ``concurrency`` requests in flight;
+  when one finishes the next is sent at once.
+* **open loop**: request ``i`` arrives at ``t0 + sum of i exponential gaps``
+  of mean ``1 / request_rate`` s (a Poisson process, seeded), and is sent then,
+  or when a slot frees if ``concurrency`` are already in flight (vLLM's
+  ``--request-rate`` with ``--max-concurrency``).
+
+Two backends:
+
+* ``run_inprocess``: one thread runs ``Engine.step()`` in a loop and adds
+  requests between steps with ``arrival_time`` = their send time, so queueing
+  behind a running step counts in TTFT. After every step it stamps each
+  request's new tokens (``time.monotonic()``), and records the step's shape
+  and wall time (``StepRecorder``, for the roofline) and the KV pages in use
+  (``Engine.stats()``).
+* ``run_grpc``: asyncio tasks stream ``Generate`` calls (token-id prompts,
+  DELTA outputs) through ``jaxserve.server.client.AsyncClient`` to a server
+  (``spawn_server`` starts one); each streamed message carrying tokens is
+  stamped on arrival. KV pages, prefix-cache counters and preemptions are
+  polled from the server's Prometheus page every 0.25 s. Step shapes are not
+  visible from outside the server, so there is no roofline for this backend.
+
+Every request is greedy with EOS ignored, ``max_tokens`` = its output length.
+Times are ``time.monotonic()`` seconds; the records feed
+``jaxserve.bench.stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from jaxserve.bench.roofline import StepRecord
+from jaxserve.bench.stats import RequestRecord
+from jaxserve.bench.workloads import BenchRequest
+
+
+@dataclasses.dataclass
+class LevelRun:
+    """One concurrency level's raw results.
+
+    Attributes:
+      concurrency: most requests in flight.
+      request_rate: requests/s of the open loop (inf: closed loop).
+      records: one per request, in request order.
+      steps: engine steps (in-process only; [] over gRPC).
+      kv_series: (s since the level began, pages used, running, waiting)
+        after every step (in-process) or every poll (gRPC; running/waiting
+        are the server's gauges).
+      pages_total: KV pages in the cache.
+      prefix_hits, prefix_queries: prompt tokens served from / looked up in
+        the prefix cache during the level.
+      preemptions: sequences preempted during the level.
+      compilations: XLA compilations during the level (in-process; None over gRPC).
+      t0: the level's start, monotonic s.
+    """
+
+    concurrency: int
+    request_rate: float
+    records: list[RequestRecord]
+    steps: list[StepRecord]
+    kv_series: list[tuple[float, int, int, int]]
+    pages_total: int
+    prefix_hits: int
+    prefix_queries: int
+    preemptions: int
+    compilations: int | None
+    t0: float
+
+
+def arrival_offsets(n: int, request_rate: float, seed: int) -> np.ndarray:
+    """f64[n] arrival times, s after the start: all 0 for ``inf``, else the
+    first at 0 and exponential gaps of mean ``1 / request_rate`` after it."""
+    if math.isinf(request_rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=max(0, n - 1))
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+class StepRecorder:
+    """Records the shape and wall time of every step of ``engine`` while active.
+
+    It stands in for ``engine.runner.execute`` (an instance attribute that
+    forwards every call unchanged) and reads only the ``ScheduledBatch``'s
+    public fields: ``q_lens``, ``num_decode`` and each request's
+    ``num_computed_tokens`` (its cache length before the step). Use as a
+    context manager; ``steps`` accumulates ``StepRecord``s with ``start``
+    relative to ``t0`` (set it before a level).
+    """
+
+    def __init__(self, engine):
+        self.runner = engine.runner
+        self.steps: list[StepRecord] = []
+        self.t0 = time.monotonic()
+
+    def __enter__(self):
+        inner = self.runner.execute
+
+        def execute(batch, *args, **kwargs):
+            q_lens = list(batch.q_lens)
+            kv_lens = [r.num_computed_tokens + q for r, q in zip(batch.requests, q_lens)]
+            before = self.runner.num_compilations
+            t = time.monotonic()
+            res = inner(batch, *args, **kwargs)
+            dt = time.monotonic() - t
+            self.steps.append(StepRecord(t - self.t0, dt, q_lens, kv_lens, batch.num_decode,
+                                         compiled=self.runner.num_compilations != before))
+            return res
+        self.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.execute  # the class's method again
+
+
+def _params(req: BenchRequest):
+    from jaxserve.engine.request import SamplingParams
+    return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+
+
+def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
+                  request_rate: float = math.inf, seed: int = 0,
+                  recorder: StepRecorder | None = None) -> LevelRun:
+    """Run ``requests`` through ``engine`` (idle on entry); see the module docstring.
+
+    The prefix cache is emptied first so one level does not reuse another's
+    pages. ``recorder`` (active) collects the steps; without one, none are kept.
+
+    Raises:
+      ValueError: ``concurrency < 1``, or the engine rejects a request.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    engine.allocator.reset_prefix_cache()
+    s0 = engine.stats()
+    comp0 = engine.runner.num_compilations
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    t0 = time.monotonic()
+    if recorder is not None:
+        recorder.t0, recorder.steps = t0, []
+    records: dict[str, RequestRecord] = {}
+    order: list[str] = []
+    in_flight: set[str] = set()
+    freed_at = t0
+    kv = [(0.0, s0.pages_used, s0.num_running, s0.num_waiting)]
+    i = 0
+    while i < len(requests) or in_flight:
+        now = time.monotonic()
+        while i < len(requests) and len(in_flight) < concurrency and t0 + offsets[i] <= now:
+            # Sent on arrival, or when a slot freed if all were taken then.
+            send = max(t0 + offsets[i], freed_at)
+            req = requests[i]
+            rid = engine.add_request(None, req.prompt_ids, _params(req), arrival_time=send)
+            records[rid] = RequestRecord(rid, req.workload, len(req.prompt_ids), send)
+            order.append(rid)
+            in_flight.add(rid)
+            i += 1
+        if not engine.has_unfinished_requests():
+            if i == len(requests):
+                break  # (cannot happen: a request in flight is unfinished)
+            time.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
+            continue
+        outs = engine.step()
+        now = time.monotonic()
+        for o in outs:
+            rec = records.get(o.request_id)
+            if rec is None:
+                continue
+            k = len(o.outputs[0].delta_token_ids)
+            if k:
+                rec.chunk_times.append(now)
+                rec.chunk_tokens.append(k)
+            if o.finished:
+                m = o.metrics
+                rec.end_time, rec.cached_tokens, rec.queue_ms = now, m.num_cached_tokens, m.queue_ms
+                if m.first_token_time is not None and m.first_scheduled_time is not None:
+                    rec.prefill_ms = (m.first_token_time - m.first_scheduled_time) * 1e3
+                rec.token_ids = list(o.outputs[0].token_ids)
+                if o.outputs[0].finish_reason == "abort":
+                    rec.error = "aborted"
+                if len(in_flight) == concurrency:  # the cap stops binding now
+                    freed_at = now
+                in_flight.discard(o.request_id)
+        st = engine.stats()
+        kv.append((now - t0, st.pages_used, st.num_running, st.num_waiting))
+    s1 = engine.stats()
+    return LevelRun(concurrency, request_rate, [records[r] for r in order],
+                    list(recorder.steps) if recorder is not None else [], kv, s1.pages_total,
+                    s1.prefix_cache_hits - s0.prefix_cache_hits,
+                    s1.prefix_cache_queries - s0.prefix_cache_queries,
+                    s1.num_preemptions - s0.num_preemptions,
+                    engine.runner.num_compilations - comp0, t0)
+
+
+# ---- gRPC ----------------------------------------------------------------------
+
+def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0):
+    """Start ``python -m jaxserve.main --mode serve`` on free ports with
+    ``engine_flags``; returns (process, "host:port", metrics URL) once it
+    prints ``jaxserve: serving``. Its stderr is echoed to ours, tagged.
+
+    Raises:
+      RuntimeError: it exited, or was not ready within ``timeout_s``.
+    """
+    from jaxserve.bench.grpc_load import stop_server
+    cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
+           "--metrics_port", "0", "--model", model, *engine_flags]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    found, ready = {}, threading.Event()
+
+    def pump():
+        for line in proc.stderr:
+            sys.stderr.write("[server] " + line)
+            if m := re.match(r"jaxserve: gRPC on (\S+):(\d+) .*metrics on (http://\S+/metrics)",
+                             line):
+                found.update(target=f"{m[1]}:{m[2]}", metrics=m[3])
+            if line.startswith("jaxserve: serving"):
+                ready.set()
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"server not ready (exit status {proc.returncode})")
+    return proc, found["target"], found.get("metrics")
+
+
+def scrape(url: str | None) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text page: {name: value} ({} on error)."""
+    if not url:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=2) as f:
+            text = f.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                pass
+    return out
+
+
+async def _poll(url, t0, series, stop: asyncio.Event):
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        m = await loop.run_in_executor(None, scrape, url)
+        if m:
+            series.append((time.monotonic() - t0, int(m.get("jaxserve_kv_cache_pages_used", 0)),
+                           int(m.get("jaxserve_num_requests_running", 0)),
+                           int(m.get("jaxserve_num_requests_waiting", 0))))
+        try:
+            await asyncio.wait_for(stop.wait(), 0.25)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
+                   request_rate: float = math.inf, seed: int = 0,
+                   metrics_url: str | None = None) -> LevelRun:
+    """Run ``requests`` against the server behind ``client`` (an
+    ``AsyncClient``); see the module docstring. The server's prefix cache is
+    not emptied between levels (no RPC for it): use fresh prompts per level."""
+    from jaxserve.server import jaxserve_pb2 as pb
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    m0 = await asyncio.get_running_loop().run_in_executor(None, scrape, metrics_url)
+    sem = asyncio.Semaphore(concurrency)
+    t0 = time.monotonic()
+    records = [RequestRecord(str(i), r.workload, len(r.prompt_ids), t0)
+               for i, r in enumerate(requests)]
+    series: list = []
+    stop = asyncio.Event()
+    poller = asyncio.create_task(_poll(metrics_url, t0, series, stop))
+
+    async def one(i: int, req: BenchRequest):
+        async with sem:
+            rec = records[i]
+            rec.send_time = time.monotonic()
+            try:
+                async for r in client.generate(token_ids=req.prompt_ids,
+                                               max_tokens=req.output_len, temperature=0.0,
+                                               ignore_eos=True,
+                                               output_kind=pb.OUTPUT_KIND_DELTA):
+                    now = time.monotonic()
+                    toks = [t for c in r.completions for t in c.token_ids]
+                    k = len(toks)
+                    if k:
+                        rec.token_ids = (rec.token_ids or []) + toks
+                        rec.chunk_times.append(now)
+                        rec.chunk_tokens.append(k)
+                    if r.finished:
+                        rec.end_time = now
+                        rec.cached_tokens = r.usage.cached_tokens
+                        rec.queue_ms = r.timing.queue_ms
+                        rec.prefill_ms = r.timing.ttft_ms - r.timing.queue_ms
+            except Exception as e:  # grpc.aio.AioRpcError and friends: a failed request
+                rec.error = f"{type(e).__name__}: {e}"
+
+    tasks = []
+    for i, req in enumerate(requests):
+        delay = t0 + offsets[i] - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, req)))
+    await asyncio.gather(*tasks)
+    stop.set()
+    await poller
+    m1 = await asyncio.get_running_loop().run_in_executor(None, scrape, metrics_url)
+    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))
+    return LevelRun(concurrency, request_rate, records, [], series,
+                    int(m1.get("jaxserve_kv_cache_pages_total", 0)),
+                    d("jaxserve_cached_prompt_tokens_total"),
+                    d("jaxserve_prefix_cache_queries_total"),
+                    d("jaxserve_num_preemptions_total"), None, t0)

@@ -1,0 +1,144 @@
+"""The serving benchmark end to end on a tiny random GGUF (``python -m
+jaxserve.main --mode bench --workload ...``): the JSON holds every figure, the
+Markdown report has the side-by-side table with HF transformers, the PNGs are
+written; bad options fail before the model loads; the GPU script runs its
+``--smoke`` config on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints.tiny_gguf import write_tiny_gguf
+from jaxserve.config import ModelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "jaxserve.main", "--mode", "bench", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bench") / "tiny.gguf")
+    write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512))
+    return path
+
+
+@pytest.mark.slow
+def test_bench_cli_writes_every_figure_with_hf_beside(tiny_gguf, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "res"
+    res = _cli("--model", tiny_gguf, "--workload", "mixed", "--concurrency", "1,2",
+               "--num_prompts", "4", "--scale", "0.05", "--peers", "hf,llama_cpp",
+               "--slo", "ttft_ms=60000,tpot_ms=10000", "--num_pages", "128", "--page_size", "8",
+               "--output", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads((out / "result.json").read_text())
+    assert r["config"]["concurrency"] == [1, 2] and r["config"]["scale"] == 0.05
+    assert r["env"]["versions"]["jax"] and r["env"]["devices"]
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
+    for lv in r["levels"]:
+        s = lv["summary"]
+        assert s["completed"] == 4 and s["failed"] == 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "prefill_ms"):
+            assert set(s[key]) == {"n", "mean", "p50", "p90", "p99"}, key
+            assert s[key]["p99"] >= s[key]["p50"] > 0, key
+        assert s["goodput"] == pytest.approx(s["request_throughput"])  # generous SLO
+        assert s["output_tokens"] == sum(req["output_tokens"] for req in lv["requests"])
+        assert lv["kv"]["series"] and lv["kv"]["peak_pages"] > 0
+        assert set(lv["prefix_cache"]) == {"hits", "queries", "hit_rate"}
+        assert lv["preemptions"] == 0 and lv["compilations"] == 0  # the warm-up compiled all
+        assert set(lv["by_workload"]) == {"chat", "rag", "creative", "shared-prefix"}
+        assert lv["roofline"]["decode"]["steps"] > 0
+    roof = r["roofline"]
+    for phase in ("prefill", "decode"):
+        assert roof[phase]["bound"] in ("compute", "bandwidth")
+        assert 0 < roof[phase]["mfu"] and 0 < roof[phase]["mbu"]
+    assert roof["ceilings"]["flops_per_s"] > 0
+    hf = r["peers"]["hf"]
+    assert [lv["concurrency"] for lv in hf["levels"]] == [1, 2]
+    assert hf["levels"][1]["mode"] == "static batches of 2"
+    assert hf["token_agreement"] is not None
+    assert "llama_cpp" in r["peers"]  # run, or skipped with the reason
+    md = (out / "report.md").read_text()
+    assert "| 2 | HF transformers | static batches of 2 |" in md
+    assert "## Roofline per phase" in md and "| decode |" in md
+    for png in ("latency_throughput.png", "timeline.png", "roofline.png", "kv_pages.png"):
+        assert (out / png).read_bytes()[:8] == PNG, png
+
+
+def test_bench_cli_rejects_bad_options_before_loading(tmp_path):
+    res = _cli("--model", "no-such-model", "--workload", "chat", "--slo", "ttft=1",
+               "--output", str(tmp_path), timeout=120)
+    assert res.returncode == 2 and "error: --slo" in res.stderr, res.stderr[-2000:]
+    from jaxserve.bench import peers, suite
+    with pytest.raises(ValueError, match="--concurrency"):
+        suite.parse_levels("0,2")
+    with pytest.raises(ValueError, match="unknown peer"):
+        peers.parse_peers("hf,vllm")
+    with pytest.raises(ValueError, match="--scale"):
+        suite.BenchOptions(scale=-1)
+    with pytest.raises(ValueError, match="--request_rate"):
+        suite.BenchOptions(request_rate=0)
+    assert suite.BenchOptions(num_prompts=None, concurrency=(1, 8)).prompts_per_level() == [4, 8]
+
+
+def test_device_script_smoke(tmp_path):
+    from jaxserve.bench import device
+    out = tmp_path / "device.json"
+    assert device.main(["--smoke", "--decode_batches", "1,4", "--prefill_lens", "64",
+                        "--workloads", "chat", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["smoke"] and r["ceilings"]["flops_per_s"] > 0
+    assert [p["num_seqs"] for p in r["decode"]] == [1, 4]
+    for p in r["decode"] + r["prefill"]:
+        assert p["ms"] > 0 and 0 < p["mbu"] and 0 < p["mfu"] and p["bound"]
+    assert r["prefill"][0]["q_len"] == 64
+    assert r["workloads"]["chat"]["summary"]["completed"] == 2
+    assert "decode" in r["workloads"]["chat"]["roofline"]
+
+
+def test_device_script_refuses_cpu_without_smoke(capsys):
+    import jax
+    if jax.default_backend() in ("gpu", "tpu"):
+        pytest.skip("an accelerator is present")
+    from jaxserve.bench import device
+    assert device.main([]) == 1
+    assert "no GPU" in capsys.readouterr().out
+
+
+def test_inprocess_driver_open_loop_records_every_token_and_step():
+    from conftest import XLA_CACHE
+    from jaxserve import LLM
+    from jaxserve.bench import serving, stats
+    from jaxserve.bench.workloads import make_requests
+    engine = LLM(model_config=ModelConfig(vocab_size=256), params=None, page_size=8,
+                 num_pages=128, compilation_cache_dir=XLA_CACHE).engine  # random weights
+    reqs = make_requests(None, 256, "chat", 5, seed=1, scale=0.1)  # ~10 prompt, 20 out
+    offsets = serving.arrival_offsets(5, 40.0, seed=2)
+    with serving.StepRecorder(engine) as rec:
+        run = serving.run_inprocess(engine, reqs, concurrency=2, request_rate=40.0, seed=2,
+                                    recorder=rec)
+    assert [r.output_tokens for r in run.records] == [q.output_len for q in reqs]
+    for r, off in zip(run.records, offsets):
+        assert r.send_time >= run.t0 + off - 1e-9  # never before its Poisson arrival
+        assert r.ok and len(r.itl_ms) == r.output_tokens - 1
+        assert r.queue_ms is not None and r.prefill_ms is not None
+    # At most 2 in flight: the third is sent no earlier than the first finish.
+    ends = sorted(r.end_time for r in run.records[:2])
+    assert run.records[2].send_time >= ends[0] - 1e-9
+    # Every computed token shows up in exactly one recorded step: each prompt,
+    # then one decode token per output token after the first.
+    assert sum(s.num_tokens for s in run.steps) == sum(
+        len(q.prompt_ids) + q.output_len - 1 for q in reqs)
+    assert all(max(s.kv_lens) <= 10 * 1.1 + 20 for s in run.steps)
+    assert run.kv_series[0][1] == 0 and max(p for _, p, _, _ in run.kv_series) > 0
+    assert stats.summarize(run.records)["completed"] == 5
+    assert "execute" not in vars(engine.runner)  # the recorder is gone
