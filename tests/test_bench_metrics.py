@@ -172,3 +172,18 @@ def test_closed_loop_view_of_static_batches():
     assert [r.send_time for r in v] == [0, 0, 1.5, 2]  # client 0 waited 0.5 s for the batch
     assert [r.queue_ms for r in v] == pytest.approx([0, 0, 500, 0])
     assert [r.e2e_ms for r in v] == pytest.approx([1500, 2000, 2000, 2000])
+
+
+def test_request_metrics_phase_breakdown():
+    """RequestOutput.metrics: TTFT = queue + prefill; decode ms/token = TPOT."""
+    from jaxserve.engine.request import RequestMetrics
+    m = RequestMetrics(arrival_time=10.0)
+    assert m.queue_ms is None and m.prefill_ms is None and m.decode_ms_per_token is None
+    m.first_scheduled_time = 10.25
+    assert m.queue_ms == pytest.approx(250.0) and m.prefill_ms is None
+    m.first_token_time = 10.75
+    m.finished_time, m.num_output_tokens = 11.75, 5
+    assert m.prefill_ms == pytest.approx(500.0)
+    assert m.ttft_ms == pytest.approx(m.queue_ms + m.prefill_ms)
+    assert m.decode_ms_per_token == pytest.approx(250.0) == m.tpot_ms  # 1 s over 4 tokens
+    assert m.e2e_ms == pytest.approx(1750.0)

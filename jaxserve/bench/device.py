@@ -207,8 +207,7 @@ def main(argv=None) -> int:
         reqs = make_requests(None, cfg.vocab_size, w, num_prompts, seed=0,
                              scale=0.05 if smoke else 1.0)
         t = time.monotonic()
-        with serving.StepRecorder(engine) as rec:
-            run = serving.run_inprocess(engine, reqs, conc, recorder=rec)
+        run = serving.run_inprocess(engine, reqs, conc)
         summary = stats.summarize(run.records)
         out["workloads"][w] = {
             "concurrency": conc, "num_prompts": num_prompts, "seconds": time.monotonic() - t,

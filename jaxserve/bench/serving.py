@@ -14,8 +14,8 @@ Two backends:
   requests between steps with ``arrival_time`` = their send time, so queueing
   behind a running step counts in TTFT. After every step it stamps each
   request's new tokens (``time.monotonic()``), and records the step's shape
-  and wall time (``StepRecorder``, for the roofline) and the KV pages in use
-  (``Engine.stats()``).
+  and wall time (``Engine.last_step``, for the roofline) and the KV pages in
+  use (``Engine.stats()``).
 * ``run_grpc``: asyncio tasks stream ``Generate`` calls (token-id prompts,
   DELTA outputs) through ``jaxserve.server.client.AsyncClient`` to a server
   (``spawn_server`` starts one); each streamed message carrying tokens is
@@ -89,54 +89,17 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
-class StepRecorder:
-    """Records the shape and wall time of every step of ``engine`` while active.
-
-    It stands in for ``engine.runner.execute`` (an instance attribute that
-    forwards every call unchanged) and reads only the ``ScheduledBatch``'s
-    public fields: ``q_lens``, ``num_decode`` and each request's
-    ``num_computed_tokens`` (its cache length before the step). Use as a
-    context manager; ``steps`` accumulates ``StepRecord``s with ``start``
-    relative to ``t0`` (set it before a level).
-    """
-
-    def __init__(self, engine):
-        self.runner = engine.runner
-        self.steps: list[StepRecord] = []
-        self.t0 = time.monotonic()
-
-    def __enter__(self):
-        inner = self.runner.execute
-
-        def execute(batch, *args, **kwargs):
-            q_lens = list(batch.q_lens)
-            kv_lens = [r.num_computed_tokens + q for r, q in zip(batch.requests, q_lens)]
-            before = self.runner.num_compilations
-            t = time.monotonic()
-            res = inner(batch, *args, **kwargs)
-            dt = time.monotonic() - t
-            self.steps.append(StepRecord(t - self.t0, dt, q_lens, kv_lens, batch.num_decode,
-                                         compiled=self.runner.num_compilations != before))
-            return res
-        self.runner.execute = execute
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.execute  # the class's method again
-
-
 def _params(req: BenchRequest):
     from jaxserve.engine.request import SamplingParams
     return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
 
 
 def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
-                  request_rate: float = math.inf, seed: int = 0,
-                  recorder: StepRecorder | None = None) -> LevelRun:
+                  request_rate: float = math.inf, seed: int = 0) -> LevelRun:
     """Run ``requests`` through ``engine`` (idle on entry); see the module docstring.
 
     The prefix cache is emptied first so one level does not reuse another's
-    pages. ``recorder`` (active) collects the steps; without one, none are kept.
+    pages. Every step's ``Engine.last_step`` is kept in ``LevelRun.steps``.
 
     Raises:
       ValueError: ``concurrency < 1``, or the engine rejects a request.
@@ -148,8 +111,8 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
     comp0 = engine.runner.num_compilations
     offsets = arrival_offsets(len(requests), request_rate, seed)
     t0 = time.monotonic()
-    if recorder is not None:
-        recorder.t0, recorder.steps = t0, []
+    steps: list[StepRecord] = []
+    last_step = engine.last_step
     records: dict[str, RequestRecord] = {}
     order: list[str] = []
     in_flight: set[str] = set()
@@ -174,6 +137,10 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
             continue
         outs = engine.step()
         now = time.monotonic()
+        if (info := engine.last_step) is not last_step:  # a step ran (not an empty schedule)
+            last_step = info
+            steps.append(StepRecord(info.start - t0, info.seconds, list(info.q_lens),
+                                    list(info.kv_lens), info.num_decode, info.compiled))
         for o in outs:
             rec = records.get(o.request_id)
             if rec is None:
@@ -184,9 +151,8 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
                 rec.chunk_tokens.append(k)
             if o.finished:
                 m = o.metrics
-                rec.end_time, rec.cached_tokens, rec.queue_ms = now, m.num_cached_tokens, m.queue_ms
-                if m.first_token_time is not None and m.first_scheduled_time is not None:
-                    rec.prefill_ms = (m.first_token_time - m.first_scheduled_time) * 1e3
+                rec.end_time, rec.cached_tokens = now, m.num_cached_tokens
+                rec.queue_ms, rec.prefill_ms = m.queue_ms, m.prefill_ms
                 rec.token_ids = list(o.outputs[0].token_ids)
                 if o.outputs[0].finish_reason == "abort":
                     rec.error = "aborted"
@@ -197,7 +163,7 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
         kv.append((now - t0, st.pages_used, st.num_running, st.num_waiting))
     s1 = engine.stats()
     return LevelRun(concurrency, request_rate, [records[r] for r in order],
-                    list(recorder.steps) if recorder is not None else [], kv, s1.pages_total,
+                    steps, kv, s1.pages_total,
                     s1.prefix_cache_hits - s0.prefix_cache_hits,
                     s1.prefix_cache_queries - s0.prefix_cache_queries,
                     s1.num_preemptions - s0.num_preemptions,

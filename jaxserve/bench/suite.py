@@ -227,18 +227,17 @@ def run_inprocess(llm, opts: BenchOptions):
                  f"({engine.runner.num_compilations - comp} XLA compilations, "
                  f"{time.monotonic() - t:.0f} s)") if opts.warmup else "none"}
     all_steps, records = [], []
-    with serving.StepRecorder(engine) as recorder:
-        for c, reqs in zip(opts.concurrency, per_level):
-            run = serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed, recorder)
-            all_steps += run.steps
-            records.append(run.records)
-            lv = _level_dict(run, opts.slo)
-            lv["steps"] = run.steps
-            result["levels"].append(lv)
-            s = lv["summary"]
-            _log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
-                 f"{s['output_throughput']:.1f} output tok/s, TTFT p50 "
-                 f"{s['ttft_ms']['p50']:.0f} ms, {run.compilations} compilations")
+    for c, reqs in zip(opts.concurrency, per_level):
+        run = serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed)
+        all_steps += run.steps
+        records.append(run.records)
+        lv = _level_dict(run, opts.slo)
+        lv["steps"] = run.steps
+        result["levels"].append(lv)
+        s = lv["summary"]
+        _log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
+             f"{s['output_throughput']:.1f} output tok/s, TTFT p50 "
+             f"{s['ttft_ms']['p50']:.0f} ms, {run.compilations} compilations")
     if opts.peak_flops and opts.peak_bytes:
         ceil = roofline.Ceilings(opts.peak_flops, opts.peak_bytes, "given (--peak_tflops, "
                                  "--peak_gbps)")

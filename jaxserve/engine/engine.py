@@ -70,6 +70,30 @@ class EngineStats:
     num_steps: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """The shape and wall time of one engine step (``Engine.last_step``), for
+    per-phase rooflines and step traces.
+
+    Attributes:
+      start: when the runner started the step, ``time.monotonic()`` s.
+      seconds: the runner's wall time: host metadata, the jitted step,
+        sampling and the copy back to the host, s.
+      q_lens: tokens computed per sequence in the step, decode rows first.
+      kv_lens: tokens in each sequence's KV cache after the step.
+      num_decode: leading rows that computed one token each (decode rows).
+      compiled: XLA traced/compiled something during the step, so ``seconds``
+        includes compile time.
+    """
+
+    start: float
+    seconds: float
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_decode: int
+    compiled: bool
+
+
 @dataclasses.dataclass(eq=False)
 class _Group:
     """One user request: its choices and their detokenizers."""
@@ -184,6 +208,7 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
+        self.last_step: StepInfo | None = None  # the latest step's shape and time
 
     # ---- requests -----------------------------------------------------------
 
@@ -357,8 +382,15 @@ class Engine:
         for r in batch.requests:
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
+        compilations = self.runner.num_compilations
         res = self.runner.execute(batch)
-        now = time.monotonic()
+        t = time.monotonic()
+        q_lens = tuple(batch.q_lens)
+        self.last_step = StepInfo(
+            now, t - now, q_lens,
+            tuple(r.num_computed_tokens + q for r, q in zip(batch.requests, q_lens)),
+            batch.num_decode, self.runner.num_compilations != compilations)
+        now = t
         self._num_steps += 1
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for k, (r, q) in enumerate(zip(batch.requests, batch.q_lens)):

@@ -125,10 +125,14 @@ class RequestStatus(enum.Enum):
 class RequestMetrics:
     """Timestamps (monotonic s) and derived latencies (ms) of one request.
 
-    ``queue_ms``: arrival to first scheduled; ``ttft_ms``: arrival to first
-    token; ``tpot_ms``: mean time per output token after the first;
+    ``queue_ms``: arrival to first scheduled; ``prefill_ms``: first scheduled
+    to first token (the prompt's prefill, all its chunks, plus any steps it
+    waited out between chunks), so ``ttft_ms = queue_ms + prefill_ms``;
+    ``ttft_ms``: arrival to first token; ``tpot_ms``: mean time per output
+    token after the first, also named by its phase as ``decode_ms_per_token``;
     ``e2e_ms``: arrival to finish; ``num_cached_tokens``: prompt tokens served
-    from the prefix cache at first scheduling. With ``n > 1`` the choices share
+    from the prefix cache at first scheduling. Each is None until its
+    timestamps exist (``tpot_ms`` also below two output tokens). With ``n > 1`` the choices share
     one ``RequestMetrics``: first token is the earliest choice's, finish the
     last one's, ``num_output_tokens`` the longest choice's.
     """
@@ -147,6 +151,12 @@ class RequestMetrics:
         return (self.first_scheduled_time - self.arrival_time) * 1e3
 
     @property
+    def prefill_ms(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return (self.first_token_time - self.first_scheduled_time) * 1e3
+
+    @property
     def ttft_ms(self) -> float | None:
         if self.first_token_time is None:
             return None
@@ -158,6 +168,11 @@ class RequestMetrics:
                 or self.num_output_tokens < 2:
             return None
         return (self.finished_time - self.first_token_time) * 1e3 / (self.num_output_tokens - 1)
+
+    @property
+    def decode_ms_per_token(self) -> float | None:
+        """The decode phase's ms per output token: ``tpot_ms`` by its phase's name."""
+        return self.tpot_ms
 
     @property
     def e2e_ms(self) -> float | None:
