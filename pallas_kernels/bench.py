@@ -34,9 +34,10 @@ import numpy as np
 from pallas_kernels.ragged_paged_attention import kernel, reference
 
 
-def _time(fn, *args, iters: int) -> float:
-    """Median wall time of ``fn(*args)`` in seconds (device-synchronised)."""
-    for _ in range(2):
+def median_time(fn, *args, iters: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn(*args)`` over ``iters`` calls after ``warmup``
+    untimed ones, in seconds (each call waited for with ``block_until_ready``)."""
+    for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
@@ -50,14 +51,14 @@ def copy_ceiling_gbs(nbytes: int, iters: int) -> float:
     """Read + write bandwidth of a plain on-device copy, GB/s."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1 + 0)
-    return 2 * nbytes / _time(f, x, iters=iters) / 1e9
+    return 2 * nbytes / median_time(f, x, iters=iters) / 1e9
 
 
 def matmul_ceiling_tflops(n: int, iters: int) -> float:
     """bf16 matmul throughput (f32 accumulation), TFLOP/s."""
     a = jnp.ones((n, n), jnp.bfloat16)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / _time(f, a, a, iters=iters) / 1e12
+    return 2 * n ** 3 / median_time(f, a, a, iters=iters) / 1e12
 
 
 def _case(rng, num_seqs, q_len, kv_len, *, N, K, H, L, dtype):
@@ -131,10 +132,10 @@ def main(argv=None) -> int:
     for batch, ctx in decode_cases:
         q, kp, vp, kv_lens, pi, cu, ns = _case(rng, batch, 1, ctx, N=N, K=K, H=H, L=L,
                                                dtype=dtype)
-        t_ours = _time(ours, q, kp, vp, kv_lens, pi, cu, ns, iters=iters)
+        t_ours = median_time(ours, q, kp, vp, kv_lens, pi, cu, ns, iters=iters)
         kp_t, vp_t = jnp.transpose(kp, (2, 0, 1, 3)), jnp.transpose(vp, (2, 0, 1, 3))
         try:
-            t_jax = _time(theirs, q, kp_t, vp_t, kv_lens, pi, iters=iters)
+            t_jax = median_time(theirs, q, kp_t, vp_t, kv_lens, pi, iters=iters)
             diff = float(jnp.max(jnp.abs(ours(q, kp, vp, kv_lens, pi, cu, ns).astype(jnp.float32)
                                          - theirs(q, kp_t, vp_t, kv_lens, pi).astype(jnp.float32))))
         except Exception as e:  # JAX's kernel rejects some shapes (e.g. in interpret mode)
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         kv_len = 2 * chunk
         q, kp, vp, kv_lens, pi, cu, ns = _case(rng, seqs, chunk, kv_len, N=N, K=K, H=H, L=L,
                                                dtype=dtype)
-        t_ours = _time(ours, q, kp, vp, kv_lens, pi, cu, ns, iters=iters)
+        t_ours = median_time(ours, q, kp, vp, kv_lens, pi, cu, ns, iters=iters)
         pairs = seqs * (chunk * (kv_len - chunk) + chunk * (chunk + 1) // 2)
         tflops = 4 * N * H * pairs / t_ours / 1e12
         # The dense reference on the last 32 query rows of sequence 0 (as a

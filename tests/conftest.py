@@ -105,3 +105,32 @@ def smollm2_llm():
     """
     from jaxserve import LLM
     return LLM("smollm2-135m", compilation_cache_dir=XLA_CACHE)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random Llama GGUF (vocab 320, 2 layers, 512 positions, with a
+    tokenizer) for CLI and server tests; path as str."""
+    from checkpoints.tiny_gguf import write_tiny_gguf
+    from jaxserve.config import ModelConfig
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
+    write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512,
+                                      num_layers=2))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def mixtral_folders(tmp_path_factory):
+    """A tiny random Mixtral saved as an HF folder and converted to Orbax:
+    (hf folder, orbax folder)."""
+    pytest.importorskip("transformers")
+    from test_hf_checkpoints import make_tokenizer
+    from test_moe import make_hf
+
+    from checkpoints.loader import convert_to_orbax
+    hf = tmp_path_factory.mktemp("mixtral")
+    make_hf("mixtral").save_pretrained(hf, safe_serialization=True)
+    make_tokenizer().save_pretrained(hf)
+    out = tmp_path_factory.mktemp("mixtral-orbax") / "ckpt"
+    convert_to_orbax(hf, out, show_progress=False)
+    return hf, out

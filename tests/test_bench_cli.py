@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve.config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,13 +20,6 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def _cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "jaxserve.main", "--mode", "bench", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("bench") / "tiny.gguf")
-    write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512))
-    return path
 
 
 @pytest.mark.slow

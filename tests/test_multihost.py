@@ -124,31 +124,6 @@ def job_factory(tmp_path):
         job.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    from checkpoints.tiny_gguf import write_tiny_gguf
-    from jaxserve.config import ModelConfig
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512,
-                                      num_layers=2))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def mixtral_orbax(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from test_hf_checkpoints import make_tokenizer
-    from test_moe import make_hf
-
-    from checkpoints.loader import convert_to_orbax
-    hf = tmp_path_factory.mktemp("mixtral")
-    make_hf("mixtral").save_pretrained(hf, safe_serialization=True)
-    make_tokenizer().save_pretrained(hf)
-    out = tmp_path_factory.mktemp("mixtral-orbax") / "ckpt"
-    convert_to_orbax(hf, out, show_progress=False)
-    return str(out)
-
-
 def _generate_args(model: str, mesh: str, max_tokens: int = 12) -> list[str]:
     args = ["--model", model, "--mesh", mesh, *ENGINE_FLAGS, "--temperature", "0",
             "--max_tokens", str(max_tokens), "--json"]
@@ -172,9 +147,9 @@ def _reference_tokens(model: str, mesh: str | None, max_tokens: int = 12) -> lis
 
 
 @pytest.mark.parametrize("model,mesh", [("gguf", "tp=8"), ("orbax-moe", "tp=2,ep=4")])
-def test_batch_on_two_processes_equals_one_process(job_factory, tiny_gguf, mixtral_orbax,
+def test_batch_on_two_processes_equals_one_process(job_factory, tiny_gguf, mixtral_folders,
                                                    model, mesh):
-    path = tiny_gguf if model == "gguf" else mixtral_orbax
+    path = tiny_gguf if model == "gguf" else str(mixtral_folders[1])
     job = job_factory("generate", _generate_args(path, mesh))
     assert job.wait(0) == 0, job.stderr(0)[-3000:]
     assert job.wait(1) == 0, job.stderr(1)[-3000:]

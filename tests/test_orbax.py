@@ -140,19 +140,6 @@ def test_engine_logits_match_gguf(gguf_path, gguf_orbax, restored, mesh):
     assert llm.get_tokenizer() is not None
 
 
-@pytest.fixture(scope="module")
-def mixtral_folders(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from test_hf_checkpoints import make_tokenizer
-    from test_moe import make_hf
-    hf = tmp_path_factory.mktemp("mixtral")
-    make_hf("mixtral").save_pretrained(hf, safe_serialization=True)
-    make_tokenizer().save_pretrained(hf)
-    out = tmp_path_factory.mktemp("mixtral-orbax") / "ckpt"
-    convert_to_orbax(hf, out, show_progress=False)
-    return hf, out
-
-
 @pytest.mark.parametrize("mesh", [None, "tp=2,ep=2"])
 def test_mixtral_logits_match_hf_folder(mixtral_folders, restored, mesh):
     hf, orbax_dir = mixtral_folders

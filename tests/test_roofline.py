@@ -74,6 +74,7 @@ def test_analyze_phases_mfu_mbu_and_bound():
     assert d["bytes_per_s"] == pytest.approx(8352 / 0.01)
     assert d["mfu"] == pytest.approx(0.832) and d["mbu"] == pytest.approx(8.352)
     assert d["bound"] == "bandwidth" and d["intensity"] == pytest.approx(8320 / 8352)
+    assert "MBU above 100%" in d["warning"]  # 835% of the ceiling: it must be too low
     p = r["prefill"]
     assert p["steps"] == 1 and p["flops_per_step"] == 2 * (4 * 1152 + 320) + 1600
     assert r["mixed"]["steps"] == 1 and r["mixed"]["tokens_per_step"] == 5
@@ -87,6 +88,9 @@ def test_analyze_calls_a_compute_heavy_phase_compute_bound():
     r = roofline.analyze([StepRecord(0.0, 1.0, [4], [4], 0)], CFG, ceil, param_bytes=4,
                          kv_bytes=2)
     assert r["prefill"]["bound"] == "compute"
+    assert "warning" not in roofline.analyze(  # 1.1 MFLOP/s of 1e7: under both roofs
+        [StepRecord(0.0, 1.0, [4], [4], 0)], CFG, Ceilings(1e7, 1e9, "given"), param_bytes=4,
+        kv_bytes=2)["prefill"]
 
 
 def test_measure_ceilings_small():

@@ -29,16 +29,6 @@ ENGINE_FLAGS = ["--num_pages", "1024", "--page_size", "8", "--max_num_seqs", "64
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    from checkpoints.tiny_gguf import write_tiny_gguf
-    from jaxserve.config import ModelConfig
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512,
-                                      num_layers=2))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def server(tiny_gguf):
     s = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS])
     yield s

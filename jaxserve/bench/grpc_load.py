@@ -30,62 +30,18 @@ import asyncio
 import importlib.metadata
 import json
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import numpy as np
 
+from jaxserve.bench.serving import spawn_server, stop_server
 from jaxserve.bench.throughput import ENGLISH_TEXT
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.client import AsyncClient
 
 SENTENCES = re.split(r"(?<=[.;])\s+", ENGLISH_TEXT.strip())
-
-
-def spawn_server(model: str, max_num_seqs: int | None, timeout_s: float = 600.0):
-    """Start ``jaxserve.main --mode serve`` on free ports; return (process,
-    "127.0.0.1:PORT") once it prints ``jaxserve: serving``. Its stderr is
-    echoed to ours.
-
-    Raises:
-      RuntimeError: it exited or did not become ready within ``timeout_s``.
-    """
-    cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
-           "--metrics_port", "0", "--model", model]
-    if max_num_seqs is not None:
-        cmd += ["--max_num_seqs", str(max_num_seqs)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    found, ready = {}, threading.Event()
-
-    def pump():
-        for line in proc.stderr:
-            sys.stderr.write("[server] " + line)
-            if m := re.match(r"jaxserve: gRPC on (\S+):(\d+) ", line):
-                found["target"] = f"{m[1]}:{m[2]}"
-            if line.startswith("jaxserve: serving"):
-                ready.set()
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not ready.wait(0.5):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"server not ready (exit status {proc.returncode})")
-    return proc, found["target"]
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def make_prompts(client: AsyncClient, n: int, input_len: int, rng) -> tuple[list, str]:
@@ -236,7 +192,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.target and a.spawn:
         ap.error("give --target or --spawn, not both")
-    proc, target = spawn_server(a.model, a.max_num_seqs) if not a.target else (None, a.target)
+    flags = [] if a.max_num_seqs is None else ["--max_num_seqs", str(a.max_num_seqs)]
+    proc, target = spawn_server(a.model, flags)[:2] if not a.target else (None, a.target)
     try:
         res = asyncio.run(bench(a, target))
     finally:

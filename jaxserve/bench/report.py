@@ -182,6 +182,9 @@ def markdown(result: dict) -> str:
                 f"{p['kv_bytes_per_step'] / 1e6:.3g} | {p['flops_per_s'] / 1e9:.1f} | "
                 f"{p['bytes_per_s'] / 1e9:.1f} | {p['intensity']:.1f} | {p['mfu']:.1%} | "
                 f"{p['mbu']:.1%} | {p['bound']} |")
+        for phase in ("prefill", "mixed", "decode"):
+            if (roof.get(phase) or {}).get("warning"):
+                lines += ["", f"**{phase}: {roof[phase]['warning']}.**"]
     load, end = env.get("load_average_1_5_15_min"), result.get("load_average_end")
     lines += ["", f"Total wall time {result['wall_s']:.0f} s"
               + (f"; CPU load average (1 min) {load[0]:.1f} at the start, {end[0]:.1f} at the "

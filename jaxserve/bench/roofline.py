@@ -40,8 +40,6 @@ a warm-up; or given.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import numpy as np
 
@@ -161,18 +159,6 @@ def step_bytes(cfg: ModelConfig, q_lens, kv_lens, param_bytes: int, kv_bytes: in
     return out
 
 
-def _timed(fn, *args, iters: int) -> float:
-    """Median wall time of ``fn(*args)``, s, after one warm-up call."""
-    import jax
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_ceilings(dtype: str, *, matmul_n: int | None = None, copy_mib: int | None = None,
                      iters: int = 3, device=None) -> Ceilings:
     """Peak FLOP/s (``n x n @ n x n`` in ``dtype``) and bytes/s (``x + 1`` over
@@ -180,6 +166,8 @@ def measure_ceilings(dtype: str, *, matmul_n: int | None = None, copy_mib: int |
     8192 / 4096 MiB on GPU and TPU, 2048 / 256 MiB on CPU."""
     import jax
     import jax.numpy as jnp
+
+    from pallas_kernels.bench import median_time
     device = device or jax.devices()[0]
     big = device.platform in ("gpu", "cuda", "rocm", "tpu")
     n = matmul_n or (8192 if big else 2048)
@@ -188,7 +176,7 @@ def measure_ceilings(dtype: str, *, matmul_n: int | None = None, copy_mib: int |
     with jax.default_device(device):
         a = jnp.ones((n, n), dt)
         mm = jax.jit(lambda x, y: x @ y)
-        flops = 2 * n ** 3 / _timed(mm, a, a, iters=iters)
+        flops = 2 * n ** 3 / median_time(mm, a, a, iters=iters, warmup=1)
         del a
         # In place (donated): a fresh output buffer each call would time the
         # allocator's page faults, not the memory.
@@ -199,7 +187,7 @@ def measure_ceilings(dtype: str, *, matmul_n: int | None = None, copy_mib: int |
         def step():
             state[0] = add(state[0])
             return state[0]
-        bw = 2 * nbytes / _timed(step, iters=iters)
+        bw = 2 * nbytes / median_time(step, iters=iters, warmup=1)
         state.clear()
     return Ceilings(flops, bw, f"measured on {device.device_kind}: {n}x{n} {dt.name} matmul, "
                                f"{mib} MiB x + 1 in place (read + write)")
@@ -213,7 +201,8 @@ def analyze(steps: list[StepRecord], cfg: ModelConfig, ceilings: Ceilings, *,
       {phase: {"steps", "seconds", "tokens", "tokens_per_step", "ms_per_step",
       "flops_per_step", "bytes_per_step", "weight_bytes_per_step",
       "kv_bytes_per_step", "flops_per_s", "bytes_per_s", "intensity", "mfu",
-      "mbu", "bound"}} for each phase that ran, plus "points": one per
+      "mbu", "bound"}, and "warning" when MFU or MBU exceeds 100%} for each
+      phase that ran, plus "points": one per
       (phase, batch rows or token bucket) group with its median step, for the
       plot: {"phase", "group", "steps", "ms", "intensity", "flops_per_s",
       "bytes_per_s"}.
@@ -249,6 +238,12 @@ def analyze(steps: list[StepRecord], cfg: ModelConfig, ceilings: Ceilings, *,
         p["mfu"] = p["flops_per_s"] / ceilings.flops_per_s
         p["mbu"] = p["bytes_per_s"] / ceilings.bytes_per_s
         p["bound"] = "compute" if p["mfu"] >= p["mbu"] else "bandwidth"
+        if max(p["mfu"], p["mbu"]) > 1.0:
+            # Above a roof: the ceiling is too low (measured on a busy machine,
+            # or the copy kernel is slower than the model's reads) or given wrong.
+            p["warning"] = (f"achieved {'MFU' if p['mfu'] > 1 else 'MBU'} above 100%: the "
+                            f"ceiling ({ceilings.source}) is below what the step reached; "
+                            "measure on an idle device or give --peak_tflops/--peak_gbps")
     pts = []
     for (phase, group), xs in sorted(points.items()):
         sec = float(np.median([x[0] for x in xs]))

@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import math
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -180,7 +181,6 @@ def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0):
     Raises:
       RuntimeError: it exited, or was not ready within ``timeout_s``.
     """
-    from jaxserve.bench.grpc_load import stop_server
     cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
            "--metrics_port", "0", "--model", model, *engine_flags]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -189,9 +189,10 @@ def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0):
     def pump():
         for line in proc.stderr:
             sys.stderr.write("[server] " + line)
-            if m := re.match(r"jaxserve: gRPC on (\S+):(\d+) .*metrics on (http://\S+/metrics)",
-                             line):
-                found.update(target=f"{m[1]}:{m[2]}", metrics=m[3])
+            if m := re.match(r"jaxserve: gRPC on (\S+):(\d+) ", line):
+                found["target"] = f"{m[1]}:{m[2]}"
+                if u := re.search(r"metrics on (http://\S+/metrics)", line):
+                    found["metrics"] = u[1]
             if line.startswith("jaxserve: serving"):
                 ready.set()
     threading.Thread(target=pump, daemon=True).start()
@@ -201,6 +202,17 @@ def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0):
             stop_server(proc)
             raise RuntimeError(f"server not ready (exit status {proc.returncode})")
     return proc, found["target"], found.get("metrics")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def scrape(url: str | None) -> dict[str, float]:

@@ -266,7 +266,6 @@ class _RpcTokenizer:
 def run_grpc(opts: BenchOptions):
     """Spawn a server with ``opts.engine_flags``, warm it up, run the levels;
     returns what ``run_inprocess`` does."""
-    from jaxserve.bench.grpc_load import stop_server
     from jaxserve.server.client import AsyncClient, Client
     proc, target, metrics_url = serving.spawn_server(opts.model, list(opts.engine_flags))
     try:
@@ -312,7 +311,7 @@ def run_grpc(opts: BenchOptions):
                          f"{s['failed']} failed")
         asyncio.run(go())
     finally:
-        stop_server(proc)
+        serving.stop_server(proc)
     result["roofline_note"] = ("the gRPC backend cannot see the server's steps; run "
                                "--backend inprocess for the roofline")
     return result, per_level, records
