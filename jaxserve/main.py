@@ -278,11 +278,15 @@ def _serving_bench() -> None:
         model=FLAGS.model, dtype=FLAGS.dtype, engine_flags=tuple(flag_args))
     out = FLAGS.output or os.path.join(
         "bench-results", f"{FLAGS.workload}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        # A run writes only some files (no roofline.png over gRPC): never mix two runs.
+        raise ValueError(f"--output {out!r} exists and is not an empty folder")
+    started = time.monotonic()
     llm = None
     if opts.backend == "inprocess":
         from jaxserve import LLM
         llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
-    result, paths = suite.run(opts, out, llm)
+    result, paths = suite.run(opts, out, llm, started=started)
     with open(paths[1]) as f:
         print(f.read())
     print("wrote " + ", ".join(paths))
@@ -425,8 +429,19 @@ def main(argv) -> None:
     shutdown()
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parse, but a bad flag value (an unknown enum choice, a string
+    where a number belongs, an unknown flag) is a usage error like any other:
+    ``error: ...`` and exit 2 (absl's own parser exits 1)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}\nPass --helpfull to see every flag.", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def run() -> None:
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -70,11 +70,19 @@ def test_bench_cli_rejects_bad_options_before_loading(tmp_path):
     res = _cli("--model", "no-such-model", "--workload", "chat", "--slo", "ttft=1",
                "--output", str(tmp_path), timeout=120)
     assert res.returncode == 2 and "error: --slo" in res.stderr, res.stderr[-2000:]
+    res = _cli("--model", "no-such-model", "--workload", "nope", timeout=120)
+    assert res.returncode == 2 and "error: flag --workload=nope" in res.stderr, res.stderr
+    (tmp_path / "old.png").write_bytes(b"x")  # never mix two runs' files
+    res = _cli("--model", "no-such-model", "--workload", "chat", "--output", str(tmp_path),
+               timeout=120)
+    assert res.returncode == 2 and "not an empty folder" in res.stderr, res.stderr[-2000:]
     from jaxserve.bench import peers, suite
     with pytest.raises(ValueError, match="--concurrency"):
         suite.parse_levels("0,2")
     with pytest.raises(ValueError, match="unknown peer"):
         peers.parse_peers("hf,vllm")
+    with pytest.raises(ValueError, match="twice"):
+        peers.parse_peers("hf,hf")
     with pytest.raises(ValueError, match="--scale"):
         suite.BenchOptions(scale=-1)
     with pytest.raises(ValueError, match="--request_rate"):

@@ -144,31 +144,31 @@ def test_workload_scale_and_random_ids():
         workloads.make_requests(None, 50, "chat", 3, scale=0)
 
 
-def test_closed_loop_view_of_a_sequential_run():
-    from jaxserve.bench.peers import closed_loop_view
+def test_client_view_of_a_sequential_run():
+    from jaxserve.bench.peers import client_view
     # Served one at a time: (start, first token, end) per request.
     served = [RequestRecord(str(k), "chat", 5, start, chunk_times=[first, end],
                             chunk_tokens=[1, 1], end_time=end)
               for k, (start, first, end) in enumerate([(0, 1, 2), (2, 2.5, 3), (3, 3.2, 4),
                                                        (4, 5, 6)])]
-    two = closed_loop_view(served, 2)  # request k sent when request k - 2 ended
+    two = client_view(served, 2)  # closed loop: request k sent when request k - 2 ended
     assert [r.send_time for r in two] == [0, 0, 2, 3]
     assert [r.queue_ms for r in two] == pytest.approx([0, 2000, 1000, 1000])
     assert [r.ttft_ms for r in two] == pytest.approx([1000, 2500, 1200, 2000])
     assert [r.prefill_ms for r in two] == pytest.approx([1000, 500, 200, 1000])
-    one = closed_loop_view(served, 1)  # one client: no waiting
+    one = client_view(served, 1)  # one client: no waiting
     assert [r.queue_ms for r in one] == [0, 0, 0, 0]
     assert served[1].send_time == 2  # the input is not changed
 
 
-def test_closed_loop_view_of_static_batches():
-    from jaxserve.bench.peers import closed_loop_view
+def test_client_view_of_static_batches():
+    from jaxserve.bench.peers import client_view
     # Batch 0 (requests 0, 1) starts at 0; batch 1 (2, 3) when batch 0 ends at 2.
     served = [RequestRecord(str(k), "chat", 5, start, chunk_times=[first, end],
                             chunk_tokens=[1, 1], end_time=end)
               for k, (start, first, end) in enumerate([(0, 1, 1.5), (0, 1, 2), (2, 3, 3.5),
                                                        (2, 3, 4)])]
-    v = closed_loop_view(served, 2)
+    v = client_view(served, 2)
     assert [r.send_time for r in v] == [0, 0, 1.5, 2]  # client 0 waited 0.5 s for the batch
     assert [r.queue_ms for r in v] == pytest.approx([0, 0, 500, 0])
     assert [r.e2e_ms for r in v] == pytest.approx([1500, 2000, 2000, 2000])
@@ -187,3 +187,32 @@ def test_request_metrics_phase_breakdown():
     assert m.ttft_ms == pytest.approx(m.queue_ms + m.prefill_ms)
     assert m.decode_ms_per_token == pytest.approx(250.0) == m.tpot_ms  # 1 s over 4 tokens
     assert m.e2e_ms == pytest.approx(1750.0)
+
+
+def test_client_view_open_loop_places_service_at_arrivals():
+    from jaxserve.bench.peers import client_view
+    served = [RequestRecord(str(k), "chat", 5, start, chunk_times=[first, end],
+                            chunk_tokens=[1, 1], end_time=end)
+              for k, (start, first, end) in enumerate([(0, 1, 2), (2, 2.5, 3), (3, 3.2, 4),
+                                                       (4, 5, 6)])]
+    # Sequential: request 1 arrives while 0 runs (waits 1.5 s); 2 arrives at 5
+    # after the engine went idle (its 1 s of service moves to 5..6); 3 arrives
+    # at 5.1 and starts when 2 ends at 6.
+    v = client_view(served, 4, arrivals=[0, 0.5, 5, 5.1])
+    assert [r.send_time for r in v] == [0, 0.5, 5, 5.1]
+    assert [r.queue_ms for r in v] == pytest.approx([0, 1500, 0, 900])
+    assert [r.ttft_ms for r in v] == pytest.approx([1000, 2000, 200, 1900])
+    assert [r.e2e_ms for r in v] == pytest.approx([2000, 2500, 1000, 2900])
+    assert [r.prefill_ms for r in v] == pytest.approx([1000, 500, 200, 1000])
+    # At most one in flight: request 1 is sent only when request 0 ends (2 s).
+    assert [r.send_time for r in client_view(served, 1, arrivals=[0, 0.5, 5, 5.1])][1] == 2
+    # A static batch (requests 0 and 1 started together) starts when its last
+    # request has arrived (1.0), the next batch when that one has ended.
+    batches = [RequestRecord(str(k), "chat", 5, start, chunk_times=[start + 1],
+                             chunk_tokens=[1], end_time=start + 1)
+               for k, start in enumerate([0, 0, 1, 1])]
+    b = client_view(batches, 4, arrivals=[0, 1.0, 1.2, 1.3])  # the cap does not bind
+    assert [r.queue_ms for r in b] == pytest.approx([1000, 0, 800, 700])
+    assert [r.end_time for r in b] == pytest.approx([2, 2, 3, 3])
+    with pytest.raises(ValueError, match="arrival"):
+        client_view(served, 2, arrivals=[0, 1])

@@ -80,6 +80,9 @@ def test_analyze_phases_mfu_mbu_and_bound():
     assert r["mixed"]["steps"] == 1 and r["mixed"]["tokens_per_step"] == 5
     assert {(x["phase"], x["group"]) for x in r["points"]} == {
         ("decode", 2), ("prefill", 4), ("mixed", 8)}
+    point = next(x for x in r["points"] if x["phase"] == "decode")  # the two 10 ms steps
+    assert point["steps"] == 2 and point["mfu"] == pytest.approx(0.832)
+    assert point["mbu"] == pytest.approx(8.352) and point["bound"] == "bandwidth"
     assert r["ceilings"]["ridge_flop_per_byte"] == pytest.approx(10.0)
 
 

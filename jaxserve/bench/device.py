@@ -174,7 +174,7 @@ def main(argv=None) -> int:
                                      copy_mib=8 if smoke else None)
     out["ceilings"] = {"flops_per_s": ceil.flops_per_s, "bytes_per_s": ceil.bytes_per_s,
                        "source": ceil.source, "seconds": time.monotonic() - t}
-    log(f"ceilings {ceil.flops_per_s / 1e12:.1f} TFLOP/s, {ceil.bytes_per_s / 1e9:.0f} GB/s")
+    log(f"ceilings {ceil.flops_per_s / 1e12:.3g} TFLOP/s, {ceil.bytes_per_s / 1e9:.0f} GB/s")
     save()
 
     rng = np.random.default_rng(0)

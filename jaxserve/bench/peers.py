@@ -23,13 +23,18 @@ length, like jaxserve, and produce ``RequestRecord``s for
   reuses the common prefix, its form of prefix caching. It computes in the
   file's own quantized format (jaxserve and transformers dequantize).
 
-Both are then seen by ``concurrency`` closed-loop clients, as jaxserve is
-(``closed_loop_view``): request ``k`` is sent when request ``k - C`` (its
-client's previous one) finished, the first ``C`` at the start, so the time a
-request waits for the engine (a static batch to end, the sequence before it
-to finish) counts as queue time in its TTFT and E2E. A sequential engine's
-timeline does not depend on C, so llama.cpp runs once and each level is a
-view of that run.
+Both are then seen by the same clients as jaxserve (``client_view``). In a
+closed loop request ``k`` is sent when request ``k - C`` (its client's
+previous one) finished, the first ``C`` at the start; in an open loop at its
+Poisson arrival (the same times jaxserve's requests had), or when request
+``k - C`` finished if later. A static batch starts when all of its requests
+have been sent and the batch before it has finished; a sequential request
+when it has been sent and the one before it has finished. The peers are run
+back to back and their measured service times are placed on that timeline,
+so the time a request waits for the engine (a static batch to fill or end,
+the sequence before it to finish) counts as queue time in its TTFT and E2E.
+A sequential engine's service does not depend on C, so llama.cpp runs once
+and each level is a view of that run.
 
 ``token_ids`` of each record are kept so the report can say how often the
 peers' greedy tokens agree with jaxserve's.
@@ -60,12 +65,14 @@ def parse_peers(spec: str | None) -> list[str]:
     """``"hf,llama_cpp"`` -> ["hf", "llama_cpp"]; "" or "none" -> [].
 
     Raises:
-      ValueError: an unknown peer name.
+      ValueError: an unknown peer name, or one named twice.
     """
     names = [p.strip() for p in (spec or "").split(",") if p.strip() and p.strip() != "none"]
     bad = [p for p in names if p not in PEERS]
     if bad:
         raise ValueError(f"unknown peer(s) {bad}; choose from {', '.join(PEERS)} or none")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a peer is named twice in {spec!r}")
     return names
 
 
@@ -120,31 +127,67 @@ def load_hf(model_path: str | os.PathLike):
     return model
 
 
-def closed_loop_view(records: list[RequestRecord], concurrency: int) -> list[RequestRecord]:
-    """The records as ``concurrency`` closed-loop clients see them.
+def client_view(records: list[RequestRecord], concurrency: int,
+                arrivals=None) -> list[RequestRecord]:
+    """The records as ``concurrency`` clients see them, closed or open loop.
 
     ``records`` come in serving order with ``send_time`` = when the engine
-    started on each; request ``k`` is re-sent at the first record's start for
-    ``k < C``, else at request ``k - C``'s end (never after its start).
-    ``queue_ms`` becomes start - send, ``prefill_ms`` first token - start.
+    started on each; records sharing one start are one static batch, the
+    others are served one at a time. A request is sent at its arrival
+    (``arrivals[k]``, same clock; None: all at the first record's start, the
+    closed loop), and not before its client's previous request, ``k - C``,
+    ended. A unit (batch or single request) starts when all of its requests
+    have been sent and the unit before it has ended (plus the host gap measured
+    between the two), so its measured service is shifted later when it has to
+    wait for an arrival; in a closed loop nothing moves. ``queue_ms`` becomes
+    start - send, ``prefill_ms`` first token - start. The input is not changed.
+
+    Raises:
+      ValueError: ``arrivals`` is not one time per record.
     """
+    n = len(records)
     if not records:
         return []
-    t0 = records[0].send_time
-    out = []
+    arr = [records[0].send_time] * n if arrivals is None else [float(a) for a in arrivals]
+    if len(arr) != n:
+        raise ValueError(f"got {len(arr)} arrival times for {n} records")
+    units: list[list[int]] = []
     for k, r in enumerate(records):
-        start = r.send_time
-        send = t0 if k < concurrency else min(records[k - concurrency].end_time, start)
-        out.append(dataclasses.replace(
-            r, send_time=send, queue_ms=(start - send) * 1e3,
-            prefill_ms=(r.chunk_times[0] - start) * 1e3 if r.chunk_times else None))
+        if units and records[units[-1][0]].send_time == r.send_time:
+            units[-1].append(k)
+        else:
+            units.append([k])
+    out: list[RequestRecord | None] = [None] * n
+    prev = None  # (measured end, shifted end) of the unit before
+    for unit in units:
+        start = records[unit[0]].send_time
+        sends = {}
+        for k in unit:
+            s = arr[k]
+            if k >= concurrency and out[k - concurrency] is not None:
+                s = max(s, out[k - concurrency].end_time)
+            sends[k] = s
+        ready = start if prev is None else prev[1] + (start - prev[0])
+        new_start = max(ready, max(sends.values()))
+        shift = new_start - start
+        end = max((records[k].end_time or start) for k in unit)
+        for k in unit:
+            r = records[k]
+            chunks = [t + shift for t in r.chunk_times]
+            send = min(sends[k], new_start)
+            out[k] = dataclasses.replace(
+                r, send_time=send, chunk_times=chunks, chunk_tokens=list(r.chunk_tokens),
+                end_time=None if r.end_time is None else r.end_time + shift,
+                queue_ms=(new_start - send) * 1e3,
+                prefill_ms=(chunks[0] - new_start) * 1e3 if chunks else None)
+        prev = (end, end + shift)
     return out
 
 
 def run_hf(model, requests: list[BenchRequest], concurrency: int) -> list[RequestRecord]:
     """Static batches of ``concurrency`` requests; see the module docstring.
     Records are in request order with ``send_time`` = their batch's start
-    (``closed_loop_view`` makes them client-side)."""
+    (``client_view`` makes them client-side)."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -202,7 +245,7 @@ def load_llama_cpp(gguf_path: str | os.PathLike, n_ctx: int):
 
 def run_llama_cpp(llm, requests: list[BenchRequest]) -> list[RequestRecord]:
     """One request at a time; see the module docstring. Records are in request
-    order with ``send_time`` = when each started (``closed_loop_view`` makes
+    order with ``send_time`` = when each started (``client_view`` makes
     them client-side)."""
     records = []
     for i, r in enumerate(requests):

@@ -85,7 +85,8 @@ def markdown(result: dict) -> str:
         f"{', '.join(map(str, cfg['concurrency']))}; greedy, EOS ignored, seed {cfg['seed']}",
         f"- request shapes (mean prompt -> output tokens): {shapes}; scale {cfg['scale']}"
         + (" (lengths scaled from the named shapes)" if cfg["scale"] != 1 else ""),
-        f"- SLO for goodput: {cfg['slo'] or 'none (every completed request counts)'}",
+        "- SLO for goodput: " + (", ".join(f"{k} <= {v:g}" for k, v in cfg["slo"].items())
+                                 or "none (every completed request counts)"),
         f"- warm-up: {result['warmup']['note']}",
         "",
         "## jaxserve per level",
@@ -111,23 +112,43 @@ def markdown(result: dict) -> str:
             f"{lv['kv']['peak_pages']}/{lv['kv']['pages_total']} | "
             f"{_f(lv['prefix_cache']['hit_rate'], '{:.1%}')} | {lv['preemptions']} | "
             f"{_f(lv['compilations'], '{}')} |")
-    lines += ["", "## Side by side", "",
-              "Same prompts and the same model file, greedy, same max tokens, and for every "
-              "engine C closed-loop clients (request k is sent when request k - C ends), so "
-              "time spent waiting for a peer's static batch or for the request before it "
-              "counts in its TTFT and E2E. Speed-up columns are jaxserve's advantage (> 1: "
-              "jaxserve better): peer's latency / jaxserve's, jaxserve's throughput / "
-              "peer's.", ""]
+    for lv in result["levels"]:
+        if lv.get("reruns"):
+            lines += ["", f"C={lv['concurrency']} was run {lv['reruns'] + 1} times: XLA "
+                      "compiled during the earlier run(s) (shapes the warm-up had not met); "
+                      "the figures are from the last run."]
+        if lv.get("compilations"):
+            lines += ["", f"**C={lv['concurrency']}: XLA compiled {lv['compilations']} time(s) "
+                      "during the timed level: those steps' compile time is in its latencies "
+                      "and goodput. Run again (the executables are cached now).**"]
+    clients = ("C closed-loop clients (request k is sent when request k - C ends)"
+               if cfg["request_rate"] is None else
+               "the same Poisson arrival times, at most C requests in flight (request k is "
+               "sent at its arrival, or when request k - C ends if later); a peer's measured "
+               "service is placed on that timeline: a static batch starts when all its "
+               "requests have been sent and the batch before it has ended, a sequential "
+               "request when the one before it has ended")
+    lines += ["", "## Side by side", ""]
+    if not result.get("peers"):
+        lines.append("No peers were run (`--peers none`).")
+    else:
+        lines += [f"Same prompts and the same model file, greedy, same max tokens, and for "
+                  f"every engine {clients}, so time spent waiting for a peer's static batch or "
+                  "for the request before it counts in its TTFT and E2E. Speed-up columns are "
+                  "jaxserve's advantage (> 1: jaxserve better): peer's latency / jaxserve's, "
+                  "jaxserve's throughput / peer's. One run each: at low concurrency, where the "
+                  "engines are close, the ratios move by 10-20% from run to run.", ""]
     for name, p in result.get("peers", {}).items():
         lines.append(f"- **{ENGINE_LABEL.get(name, name)}** {p.get('version', '')}: "
                      + (p["how"] if "skipped" not in p else f"skipped: {p['skipped']}")
                      + (f"; greedy tokens identical to jaxserve's in {p['token_agreement']:.0%} "
                         f"of requests (first 16 tokens)" if p.get("token_agreement") is not None
                         else ""))
-    lines += ["", "| C | engine | mode | out tok/s | TTFT p50 | TPOT p50 | E2E p50 | "
-              "speed-up out tok/s | TTFT p50 | TPOT p50 | E2E p50 |", "|" + "---:|" * 11]
     engines = _engine_levels(result)
-    for lv in result["levels"]:
+    if len(engines) > 1:
+        lines += ["", "| C | engine | mode | out tok/s | TTFT p50 | TPOT p50 | E2E p50 | "
+                  "speed-up out tok/s | TTFT p50 | TPOT p50 | E2E p50 |", "|" + "---:|" * 11]
+    for lv in result["levels"] if len(engines) > 1 else []:
         c, js = lv["concurrency"], lv["summary"]
         for name, levels in engines.items():
             row = next((x for x in levels if x["concurrency"] == c), None)
@@ -148,7 +169,9 @@ def markdown(result: dict) -> str:
     top = result["levels"][-1]
     lines += ["", f"## Request shapes at C={top['concurrency']} (jaxserve)", "",
               "queue: send -> first scheduled; prefill: first scheduled -> first token; "
-              "decode: ms per output token after the first (= TPOT).", "",
+              "decode: ms per output token after the first (= TPOT). Each request's TTFT "
+              "is its queue + prefill; the columns are separate medians, which need not add "
+              "up.", "",
               "| workload | requests | prompt tok | output tok | cached tok | queue p50 | "
               "prefill p50 | decode ms/tok p50 | TTFT p50 | E2E p50 |", "|" + "---:|" * 10]
     for w, s in top["by_workload"].items():
@@ -185,8 +208,22 @@ def markdown(result: dict) -> str:
         for phase in ("prefill", "mixed", "decode"):
             if (roof.get(phase) or {}).get("warning"):
                 lines += ["", f"**{phase}: {roof[phase]['warning']}.**"]
+        dec = [p for p in roof["points"] if p["phase"] == "decode"]
+        if dec:
+            lines += ["", "Decode steps by batch rows (each figure the median step of the "
+                      "group; the phase's bound above is over all its steps, where small "
+                      "batches are usually the most numerous):", "",
+                      "| rows | steps | ms/step | tokens/s | FLOP/byte | GFLOP/s | GB/s | MFU | "
+                      "MBU | bound |", "|" + "---:|" * 9 + "---|"]
+            for p in dec:
+                lines.append(
+                    f"| {p['group']} | {p['steps']} | {p['ms']:.1f} | "
+                    f"{p['group'] / p['ms'] * 1e3:.1f} | {p['intensity']:.1f} | "
+                    f"{p['flops_per_s'] / 1e9:.1f} | {p['bytes_per_s'] / 1e9:.1f} | "
+                    f"{p['mfu']:.1%} | {p['mbu']:.1%} | {p['bound']} |")
     load, end = env.get("load_average_1_5_15_min"), result.get("load_average_end")
-    lines += ["", f"Total wall time {result['wall_s']:.0f} s"
+    lines += ["", f"Total wall time {result['wall_s']:.0f} s (model load "
+              f"{result.get('model_load_s', 0):.0f} s)"
               + (f"; CPU load average (1 min) {load[0]:.1f} at the start, {end[0]:.1f} at the "
                  f"end, on {env['cpu_count']} CPUs" if load and end else "")
               + ". Every figure is in `result.json`."]
@@ -239,7 +276,8 @@ def _plot_timeline(result, path, plt):
         ax.invert_yaxis()
         ax.set(title=f"jaxserve C={lv['concurrency']}", xlabel="s since the level started")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    axes[0, 0].legend(handles, list(colors), loc="lower right", fontsize=8)
+    axes[0, 0].legend(handles, list(colors), loc="lower left", bbox_to_anchor=(0, 1.08),
+                      ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

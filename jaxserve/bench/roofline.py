@@ -203,9 +203,9 @@ def analyze(steps: list[StepRecord], cfg: ModelConfig, ceilings: Ceilings, *,
       "kv_bytes_per_step", "flops_per_s", "bytes_per_s", "intensity", "mfu",
       "mbu", "bound"}, and "warning" when MFU or MBU exceeds 100%} for each
       phase that ran, plus "points": one per
-      (phase, batch rows or token bucket) group with its median step, for the
-      plot: {"phase", "group", "steps", "ms", "intensity", "flops_per_s",
-      "bytes_per_s"}.
+      (phase, batch rows or token bucket) group with its median step (its
+      FLOPs, bytes and time each the median): {"phase", "group", "steps",
+      "ms", "intensity", "flops_per_s", "bytes_per_s", "mfu", "mbu", "bound"}.
     """
     out: dict = {}
     points: dict = {}
@@ -249,8 +249,10 @@ def analyze(steps: list[StepRecord], cfg: ModelConfig, ceilings: Ceilings, *,
         sec = float(np.median([x[0] for x in xs]))
         f = float(np.median([x[1] for x in xs]))
         b = float(np.median([x[2] for x in xs]))
+        mfu, mbu = f / sec / ceilings.flops_per_s, b / sec / ceilings.bytes_per_s
         pts.append({"phase": phase, "group": group, "steps": len(xs), "ms": 1e3 * sec,
-                    "intensity": f / b, "flops_per_s": f / sec, "bytes_per_s": b / sec})
+                    "intensity": f / b, "flops_per_s": f / sec, "bytes_per_s": b / sec,
+                    "mfu": mfu, "mbu": mbu, "bound": "compute" if mfu >= mbu else "bandwidth"})
     out["points"] = pts
     out["ceilings"] = {"flops_per_s": ceilings.flops_per_s, "bytes_per_s": ceilings.bytes_per_s,
                        "ridge_flop_per_byte": ceilings.ridge, "source": ceilings.source}

@@ -10,14 +10,18 @@ Steps of a run:
 2. Warm-up (untimed, ``--warmup``): in-process, the whole sweep runs once on
    the same prompts first. Closed-loop scheduling depends only on the steps,
    not on the clock, so the timed pass meets the same batch shapes and XLA
-   compiles nothing more (the per-level ``compilations`` column shows it);
-   over gRPC every level runs once on other prompts of the same shapes.
+   compiles nothing more (the per-level ``compilations`` column shows it).
+   An open loop's shapes depend on the clock: a level that still compiled is
+   run again, up to ``MAX_RERUNS`` times (``reruns`` in the JSON), and the
+   report flags a level that compiled in the end. Over gRPC every level runs
+   once on other prompts of the same shapes.
 3. jaxserve, level by level (``serving.run_inprocess`` / ``run_grpc``), the
    prefix cache emptied before each in-process level.
 4. Roofline: the device's ceilings (measured: ``roofline.measure_ceilings``,
    or given) and ``roofline.analyze`` of the recorded steps, per level and
    over all levels (in-process only).
-5. Peers (``peers``), each on every level's slice.
+5. Peers (``peers``), each on every level's slice, seen by the same clients
+   (closed loop, or jaxserve's Poisson arrival times: ``peers.client_view``).
 6. ``report.write``: ``result.json``, ``report.md``, PNGs.
 
 ``scale`` defaults to 1 on GPU and TPU and to 0.2 on CPU, where the named
@@ -39,6 +43,7 @@ from jaxserve.bench import report, roofline, serving, stats
 from jaxserve.bench.workloads import SHAPES, WORKLOADS, BenchRequest, make_requests
 
 CPU_SCALE = 0.2
+MAX_RERUNS = 2  # times a level that compiled is run again
 AGREEMENT_TOKENS = 16
 
 
@@ -229,10 +234,20 @@ def run_inprocess(llm, opts: BenchOptions):
     all_steps, records = [], []
     for c, reqs in zip(opts.concurrency, per_level):
         run = serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed)
+        reruns = 0
+        # An open loop's batch shapes depend on the clock, so the warm-up may
+        # not have met them all: a level that compiled is run again (its new
+        # shapes are cached now), at most MAX_RERUNS times.
+        while run.compilations and opts.warmup and reruns < MAX_RERUNS:
+            _log(f"C={c}: XLA compiled {run.compilations} time(s) during the level; "
+                 "running it again")
+            run = serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed)
+            reruns += 1
         all_steps += run.steps
         records.append(run.records)
         lv = _level_dict(run, opts.slo)
         lv["steps"] = run.steps
+        lv["reruns"] = reruns
         result["levels"].append(lv)
         s = lv["summary"]
         _log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
@@ -381,7 +396,9 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
                 recs = served[:len(reqs)]
             else:
                 recs = peers_mod.run_llama_cpp(model, reqs)
-            recs = peers_mod.closed_loop_view(recs, c)
+            arrivals = None if math.isinf(opts.request_rate) else recs[0].send_time + \
+                serving.arrival_offsets(len(recs), opts.request_rate, opts.seed)
+            recs = peers_mod.client_view(recs, c, arrivals)  # jaxserve's arrivals
             a, b = _agreement(recs, jax_records[j])
             same, total = same + a, total + b
             entry["levels"].append({
@@ -397,16 +414,20 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
         del model  # free its memory before the next peer loads
 
 
-def run(opts: BenchOptions, output_dir: str, llm=None) -> tuple[dict, list[str]]:
+def run(opts: BenchOptions, output_dir: str, llm=None,
+        started: float | None = None) -> tuple[dict, list[str]]:
     """The whole benchmark; returns the result and the paths written.
 
     Args:
       llm: the in-process ``LLM`` (``backend="inprocess"``); unused for gRPC.
+      started: ``time.monotonic()`` before the model was loaded, so the
+        wall time reported includes the load (default: now).
 
     Raises:
       ValueError: bad options or model (before anything long runs).
     """
     t0 = time.monotonic()
+    started = t0 if started is None else started
     if opts.backend == "inprocess":
         if llm is None:
             raise ValueError("the in-process backend needs an LLM")
@@ -414,6 +435,7 @@ def run(opts: BenchOptions, output_dir: str, llm=None) -> tuple[dict, list[str]]
     else:
         result, per_level, records = run_grpc(opts)
     run_peers(result, opts, per_level, records)
-    result["wall_s"] = time.monotonic() - t0
+    result["wall_s"] = time.monotonic() - started
+    result["model_load_s"] = t0 - started
     result["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return result, report.write(result, output_dir)
