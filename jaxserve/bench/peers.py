@@ -20,7 +20,8 @@ length, like jaxserve, and produce ``RequestRecord``s for
   one request at a time (its Python API runs one sequence): ``generate`` with
   ``temp=0`` (greedy), each yielded token stamped, stopped after
   ``output_len`` tokens. llama-cpp-python keeps the previous prompt's KV and
-  reuses the common prefix, its form of prefix caching. It computes in the
+  reuses the common prefix, its form of prefix caching (within one run; the
+  cache is reset at the start of each). It computes in the
   file's own quantized format (jaxserve and transformers dequantize).
 
 Both are then seen by the same clients as jaxserve (``client_view``). In a
@@ -248,6 +249,9 @@ def run_llama_cpp(llm, requests: list[BenchRequest]) -> list[RequestRecord]:
     order with ``send_time`` = when each started (``client_view`` makes
     them client-side)."""
     records = []
+    # Forget what ran before (a warm-up on the same prompt, an earlier level):
+    # a prefix match with it would be a cache hit jaxserve did not get.
+    llm.reset()
     for i, r in enumerate(requests):
         rec = RequestRecord(f"llama_cpp-{i}", r.workload, len(r.prompt_ids), time.monotonic())
         toks = []

@@ -137,7 +137,7 @@ def markdown(result: dict) -> str:
                   "for the request before it counts in its TTFT and E2E. Speed-up columns are "
                   "jaxserve's advantage (> 1: jaxserve better): peer's latency / jaxserve's, "
                   "jaxserve's throughput / peer's. One run each: at low concurrency, where the "
-                  "engines are close, the ratios move by 10-20% from run to run.", ""]
+                  "engines are close, a ratio can move by 30% from run to run.", ""]
     for name, p in result.get("peers", {}).items():
         lines.append(f"- **{ENGINE_LABEL.get(name, name)}** {p.get('version', '')}: "
                      + (p["how"] if "skipped" not in p else f"skipped: {p['skipped']}")
