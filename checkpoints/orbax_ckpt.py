@@ -125,10 +125,11 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "") -> l
                 "chat_template": checkpoint.chat_template}
         (out / _TOKENIZER_META).write_text(json.dumps(meta, indent=1))
         written += [out / _TOKENIZER, out / _TOKENIZER_META]
+    sizes = _file_sizes(out / _PARAMS)
     info = {"format_version": FORMAT_VERSION, "source": source,
             "metadata": _json_safe(checkpoint.metadata or {}),
-            "params_files": _file_sizes(out / _PARAMS),
-            "params_crc32": {rel: _crc32(out / _PARAMS / rel) for rel in _file_sizes(out / _PARAMS)}}
+            "params_files": sizes,
+            "params_crc32": {rel: _crc32(out / _PARAMS / rel) for rel in sizes}}
     (out / _INFO).write_text(json.dumps(info, indent=1, default=str))
     return written + [out / _INFO]
 

@@ -34,6 +34,8 @@ import time
 
 from absl import app, flags
 
+from jaxserve.bench.workloads import WORKLOADS
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve", "convert"], "What to run.")
 flags.DEFINE_string("model", "smollm2-135m",
@@ -81,7 +83,7 @@ flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"]
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
 flags.DEFINE_integer("bench_input_len", 120, "bench: prompt tokens (+-10%).")
 flags.DEFINE_integer("bench_output_len", 128, "bench: output tokens (EOS ignored).")
-flags.DEFINE_enum("workload", None, ["chat", "rag", "creative", "shared-prefix", "mixed"],
+flags.DEFINE_enum("workload", None, list(WORKLOADS),
                   "bench: the serving benchmark on requests of this shape (see "
                   "jaxserve/bench/workloads.py); unset runs --bench_workload.")
 flags.DEFINE_string("concurrency", "1,8,32", "bench --workload: concurrency levels (most "

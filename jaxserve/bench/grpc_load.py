@@ -4,7 +4,7 @@ For each concurrency level C, C asyncio workers share one ``AsyncClient``;
 each takes the next request from a shared list and streams it (DELTA
 outputs), so C requests are always in flight until the list runs out.
 Prompts are real English text (seeded shuffles of the sentences of
-``jaxserve.bench.throughput.ENGLISH_TEXT`` after a unique "Excerpt N:" opening,
+``jaxserve.bench.workloads.CORPUS`` after a unique "Excerpt N:" opening,
 so no two share prefix-cache pages), trimmed to ``--input_len`` tokens
 with the server's Tokenize/Detokenize RPCs and sent as text; sampling is
 greedy with ``ignore_eos`` so each request makes exactly ``--output_len``
@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
-import re
 import sys
 import time
 
@@ -37,11 +36,9 @@ import grpc
 import numpy as np
 
 from jaxserve.bench.serving import spawn_server, stop_server
-from jaxserve.bench.throughput import ENGLISH_TEXT
+from jaxserve.bench.workloads import SENTENCES
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.client import AsyncClient
-
-SENTENCES = re.split(r"(?<=[.;])\s+", ENGLISH_TEXT.strip())
 
 
 async def make_prompts(client: AsyncClient, n: int, input_len: int, rng) -> tuple[list, str]:
@@ -52,7 +49,7 @@ async def make_prompts(client: AsyncClient, n: int, input_len: int, rng) -> tupl
     # run or an earlier one on the same server, share a prefix-cache page.
     tags = np.random.default_rng().choice(10**6, size=n, replace=False)
     texts = [f"Excerpt {tag}: " + " ".join(
-        SENTENCES[i] for _ in range(1 + input_len // 50) for i in rng.permutation(len(SENTENCES)))
+        SENTENCES[i] for _ in range(1 + input_len // 1000) for i in rng.permutation(len(SENTENCES)))
         for tag in tags]
     try:
         stub = client.stub

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from jaxserve.bench.throughput import ENGLISH_TEXT
+from jaxserve.bench.workloads import CORPUS
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams
 
@@ -42,7 +42,7 @@ class PrefixResult:
 def _system_prompt(engine: Engine, trial: int, system_len: int) -> list[int]:
     tok = engine.tokenizer
     head = tok.encode(f"System prompt #{trial}. You are a careful assistant. Reference text:\n")
-    body = tok.encode(ENGLISH_TEXT * (2 + system_len // 100))
+    body = tok.encode(CORPUS * (1 + system_len // 500))
     return (head + body)[:system_len]
 
 

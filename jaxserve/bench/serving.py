@@ -216,7 +216,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def scrape(url: str | None) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page: {name: value} ({} on error)."""
+    """Unlabelled samples of a Prometheus ``/metrics`` page: {name: value}
+    (parsed with ``prometheus_client.parser``; {} when unreachable)."""
+    from prometheus_client.parser import text_string_to_metric_families
     if not url:
         return {}
     try:
@@ -224,15 +226,8 @@ def scrape(url: str | None) -> dict[str, float]:
             text = f.read().decode()
     except OSError:
         return {}
-    out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-            try:
-                out[parts[0]] = float(parts[1])
-            except ValueError:
-                pass
-    return out
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels}
 
 
 async def _poll(url, t0, series, stop: asyncio.Event):

@@ -18,18 +18,9 @@ import time
 
 import numpy as np
 
+from jaxserve.bench.workloads import CORPUS
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams
-
-ENGLISH_TEXT = (
-    "The history of computing is a story of people trying to make machines do arithmetic "
-    "faster than any clerk could. Early mechanical calculators used gears and levers; later, "
-    "relays and vacuum tubes replaced them, and the transistor made it possible to put "
-    "thousands, then billions, of switches on a single chip. Alongside the hardware grew the "
-    "software: assemblers, compilers, operating systems and finally the vast libraries that "
-    "let a programmer describe a neural network in a few lines. Language models are the latest "
-    "chapter. They read text as tokens, predict the next token, and repeat, and serving them "
-    "well is a problem of memory bandwidth as much as of arithmetic. ")
 
 
 @dataclasses.dataclass
@@ -53,7 +44,7 @@ def make_prompts(engine: Engine, num_requests: int, input_len: int, seed: int) -
     """Token-id prompts of about ``input_len`` tokens (+-10%), from real text."""
     rng = np.random.default_rng(seed)
     if engine.tokenizer is not None:
-        base = engine.tokenizer.encode(ENGLISH_TEXT * (2 + 2 * input_len // 100),
+        base = engine.tokenizer.encode(CORPUS * (2 + input_len // 500),
                                        add_special_tokens=False)
     else:
         base = list(rng.integers(0, engine.model_config.vocab_size, size=4 * input_len + 64))

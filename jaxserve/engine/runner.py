@@ -206,11 +206,7 @@ class ModelRunner:
                                     in_shardings=replicated, out_shardings=replicated)
         # Multi-host: process 0 broadcasts each plan, the others ``follow``.
         self.channel: multihost.StepChannel | None = None
-        if jax.process_count() > 1:
-            if self.mesh.devices.size != jax.device_count():
-                raise ValueError(f"a multi-host mesh must span every device of the job: the mesh "
-                                 f"has {self.mesh.devices.size}, the job {jax.device_count()} "
-                                 f"({jax.process_count()} processes)")
+        if jax.process_count() > 1:  # the Engine has checked that the mesh spans the job
             self.channel = multihost.StepChannel()
         empty_md = AttentionMetadata(*([np.zeros(1, np.int32)] * 9))
         empty_st = make_sampling_tensors([], 1)
