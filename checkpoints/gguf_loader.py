@@ -30,16 +30,18 @@ interleaved-pair order; ``unpermute_qk`` undoes it, so the params expect HF
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
+from checkpoints.gguf_check import GGUFLayout, check_gguf
 from checkpoints.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -108,42 +110,61 @@ def model_config_from_gguf(fields: Mapping[str, Any],
 
     Raises:
       ValueError: the architecture is not supported (message lists the supported
-        ones), or a required key is missing (message names it).
+        ones), a required key is missing or has the wrong type, a special token
+        id lies outside the vocabulary, or the values make no valid
+        ``ModelConfig`` (message names the key or field).
     """
     arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r:.80}; supported: "
                          f"{list(SUPPORTED_ARCHITECTURES)}")
 
-    def need(key: str) -> Any:
+    def get(key: str, default: Any = None, kind: type = int) -> Any:
+        """``fields[key]`` (or ``default``), checked to be an int (``kind=int``) or a number."""
         if key not in fields:
-            raise ValueError(f"GGUF metadata lacks required key {key!r}")
-        return fields[key]
+            if default is None:
+                raise ValueError(f"GGUF metadata lacks required key {key!r}")
+            return default
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+            raise ValueError(f"GGUF metadata {key!r} must be "
+                             f"{'an integer' if kind is int else 'a number'}, got {value!r:.80}")
+        return value
 
-    hidden = int(need(f"{arch}.embedding_length"))
-    heads = int(need(f"{arch}.attention.head_count"))
-    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
-    eos_ids: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        token_id = fields.get(f"tokenizer.ggml.{key}")
-        if token_id is not None and int(token_id) not in eos_ids:
-            eos_ids.append(int(token_id))
-    bos = fields.get("tokenizer.ggml.bos_token_id")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ValueError("GGUF metadata lacks the token list tokenizer.ggml.tokens")
+    hidden = get(f"{arch}.embedding_length")
+    heads = get(f"{arch}.attention.head_count")
+    kv_heads = get(f"{arch}.attention.head_count_kv", heads)
+    head_dim = get(f"{arch}.attention.key_length", hidden // heads if heads > 0 else 0)
+    if head_dim % 2:
+        raise ValueError(f"head dim {head_dim} ({arch}.attention.key_length) is odd; "
+                         "RoPE needs an even one")
+    special: dict[str, int] = {}
+    for key in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = get(f"tokenizer.ggml.{key}", -1)
+        if token_id != -1 and not 0 <= token_id < len(tokens):
+            raise ValueError(f"GGUF metadata tokenizer.ggml.{key} = {token_id} is outside "
+                             f"the vocabulary of {len(tokens)} tokens")
+        if token_id != -1:
+            special[key] = token_id
+    eos_ids = list(dict.fromkeys(special[k] for k in ("eos_token_id", "eot_token_id",
+                                                      "eom_token_id") if k in special))
     return ModelConfig(
         architecture=arch,
-        vocab_size=len(need("tokenizer.ggml.tokens")),
+        vocab_size=len(tokens),
         hidden_size=hidden,
-        intermediate_size=int(need(f"{arch}.feed_forward_length")),
-        num_layers=int(need(f"{arch}.block_count")),
+        intermediate_size=get(f"{arch}.feed_forward_length"),
+        num_layers=get(f"{arch}.block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(need(f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(need(f"{arch}.context_length")),
+        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0, float)),
+        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", kind=float)),
+        max_position_embeddings=get(f"{arch}.context_length"),
         tie_word_embeddings=tensor_names is None or "output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=special.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),
     )
 
@@ -199,15 +220,94 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
+@contextlib.contextmanager
+def _errors_name(path: str) -> Iterator[None]:
+    """Re-raise what reading ``path`` raises as a one-line ``ValueError`` that
+    starts with ``path``. ``check_gguf`` catches real corruption first with
+    precise messages; the non-ValueError branch is the last line of defence
+    against what ``gguf`` / numpy still raise on a header that passed it."""
+    try:
+        yield
+    except ValueError as e:
+        message = " ".join(str(e).split())
+        raise ValueError(message if message.startswith(f"{path}:")
+                         else f"{path}: {message}") from None
+    except (IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError,
+            AttributeError) as e:
+        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+
+
+def _read(path: str) -> tuple[GGUFLayout, gguf.GGUFReader, dict[str, Any]]:
+    """``check_gguf``, then the reader and its metadata (any error a ``ValueError``)."""
+    layout = check_gguf(path)
+    try:
+        reader = gguf.GGUFReader(path)
+        return layout, reader, read_fields(reader)
+    except Exception as e:  # noqa: BLE001 - last line of defence, see _errors_name
+        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+
+
+def load_gguf_fields(path: str | os.PathLike) -> dict[str, Any]:
+    """Every metadata field of a GGUF file (``read_fields``), after ``check_gguf``.
+
+    Raises:
+      ValueError: a missing, truncated or corrupt file; the message starts with the path.
+    """
+    return _read(os.fspath(path))[2]
+
+
+def _open(path: str) -> tuple[gguf.GGUFReader, dict[str, Any], ModelConfig]:
+    """Check the file (``check_gguf``), open it, read its metadata and config,
+    and check its tensor table against the config (inside ``_errors_name``)."""
+    layout, reader, fields = _read(path)
+    config = model_config_from_gguf(fields, {t.name for t in layout.tensors})
+    check_tensor_shapes(config, {t.name: tuple(reversed(t.dims)) for t in layout.tensors})
+    return reader, fields, config
+
+
+def check_tensor_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Check that a llama GGUF file holds every tensor ``config`` needs, in its shape.
+
+    Args:
+      config: from ``model_config_from_gguf``.
+      shapes: GGUF tensor name -> numpy shape (ggml ``ne`` reversed).
+
+    Raises:
+      ValueError: an unknown tensor name, a missing tensor, or a tensor whose
+        shape differs from the one the metadata implies (names it and both shapes).
+    """
+    from checkpoints.hf_loader import expected_tensors  # local: hf_loader imports ml_dtypes
+
+    expected = expected_tensors(config)
+    found = {}
+    for gguf_name, shape in shapes.items():
+        name = hf_name(gguf_name)
+        if name is None:
+            continue
+        found[name] = gguf_name
+        if name in expected and tuple(shape) != expected[name]:
+            raise ValueError(f"tensor {gguf_name!r} has shape {tuple(shape)}, the metadata "
+                             f"implies {expected[name]}")
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise ValueError(f"the file lacks tensor {missing[0]!r} (HF name; {len(missing)} "
+                         "missing) that its metadata implies")
+
+
 def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` of a GGUF file from its metadata alone (the file is
     memory-mapped; no tensor is dequantized).
 
     Raises:
-      ValueError: unsupported architecture or missing metadata.
+      ValueError: a missing, truncated or corrupt file (``check_gguf``), an
+        unsupported architecture, missing or mistyped metadata, or a tensor
+        table that does not match the metadata; the message starts with the path.
     """
-    reader = gguf.GGUFReader(os.fspath(path))
-    return model_config_from_gguf(read_fields(reader), {t.name for t in reader.tensors})
+    path = os.fspath(path)
+    with _errors_name(path):
+        return _open(path)[2]
 
 
 def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
@@ -224,34 +324,35 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
       A ``GGUFCheckpoint``; params are fresh arrays (not views of the file).
 
     Raises:
-      ValueError: unsupported architecture, unknown tensor name, a tensor type
-        ``gguf.quants`` cannot dequantize, or an unsupported tokenizer kind.
+      ValueError: as ``load_gguf_config``, or an unknown tensor name, a tensor
+        type ``gguf.quants`` cannot dequantize, or an unsupported or
+        inconsistent tokenizer; the message starts with the path.
     """
-    reader = gguf.GGUFReader(os.fspath(path))
-    fields = read_fields(reader)
-    names = {t.name for t in reader.tensors}
-    config = model_config_from_gguf(fields, names)
-    params: dict[str, np.ndarray] = {}
-    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors",
-                       disable=not show_progress):
-        name = hf_name(tensor.name)
-        if name is None:
-            continue
-        values = dequantize_tensor(tensor)
-        if ".self_attn.q_proj." in name:
-            values = unpermute_qk(values, config.num_heads)
-        elif ".self_attn.k_proj." in name:
-            values = unpermute_qk(values, config.num_kv_heads)
-        params[name] = np.array(values, dtype=dtype)  # copies: never a view of the mmap
-    metadata = {k: v for k, v in fields.items() if not isinstance(v, list)}
-    return GGUFCheckpoint(
-        config=config,
-        params=params,
-        tokenizer=Tokenizer.from_gguf_fields(fields),
-        chat_template=fields.get("tokenizer.chat_template"),
-        metadata=metadata,
-    )
+    path = os.fspath(path)
+    with _errors_name(path):
+        reader, fields, config = _open(path)
+        params: dict[str, np.ndarray] = {}
+        for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors",
+                           disable=not show_progress):
+            name = hf_name(tensor.name)
+            if name is None:
+                continue
+            values = dequantize_tensor(tensor)
+            if ".self_attn.q_proj." in name:
+                values = unpermute_qk(values, config.num_heads)
+            elif ".self_attn.k_proj." in name:
+                values = unpermute_qk(values, config.num_kv_heads)
+            params[name] = np.array(values, dtype=dtype)  # copies: never a view of the mmap
+        metadata = {k: v for k, v in fields.items() if not isinstance(v, list)}
+        return GGUFCheckpoint(
+            config=config,
+            params=params,
+            tokenizer=Tokenizer.from_gguf_fields(fields),
+            chat_template=fields.get("tokenizer.chat_template"),
+            metadata=metadata,
+        )
 
 
-__all__ = ["GGUFCheckpoint", "SUPPORTED_ARCHITECTURES", "dequantize_tensor", "hf_name",
+__all__ = ["GGUFCheckpoint", "SUPPORTED_ARCHITECTURES", "check_tensor_shapes",
+           "dequantize_tensor", "hf_name", "load_gguf_fields",
            "load_gguf", "model_config_from_gguf", "read_fields", "unpermute_qk"]

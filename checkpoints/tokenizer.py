@@ -84,6 +84,48 @@ def _byte_level_spelling(token: str, alphabet: frozenset[str]) -> str:
     return "".join(table[b] for b in token.encode("utf-8"))
 
 
+def check_tokenizer_fields(fields: Mapping[str, Any]) -> None:
+    """Check the types and lengths of the ``tokenizer.*`` GGUF metadata this
+    module reads: tokens a list of strings; merges a list of ``"a b"`` strings
+    (two parts, one space); ``token_type`` and ``scores``, when present, one
+    int / number per token; special token ids ints inside the vocabulary;
+    ``pre`` and ``chat_template`` strings.
+
+    Raises:
+      ValueError: the first field that is wrong, named with what is wrong.
+    """
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("tokenizer.ggml.tokens must be a list of strings")
+    merges = fields.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise ValueError("tokenizer.ggml.merges must be a list of strings")
+    bad = next((i for i, m in enumerate(merges) if len(m.split(" ")) != 2), None)
+    if bad is not None:
+        raise ValueError(f"tokenizer.ggml.merges[{bad}] = {merges[bad]!r:.80} is not two "
+                         "tokens separated by one space")
+    for key, kind in (("token_type", int), ("scores", (int, float))):
+        values = fields.get(f"tokenizer.ggml.{key}")
+        if values is None:
+            continue
+        if not isinstance(values, list) or len(values) != len(tokens):
+            length = len(values) if isinstance(values, list) else type(values).__name__
+            raise ValueError(f"tokenizer.ggml.{key} has {length} entries, "
+                             f"tokenizer.ggml.tokens {len(tokens)}")
+        if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"tokenizer.ggml.{key} must hold numbers")
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
+                "eot_token_id", "eom_token_id"):
+        i = fields.get(f"tokenizer.ggml.{key}")
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool)
+                              or not 0 <= i < len(tokens)):
+            raise ValueError(f"tokenizer.ggml.{key} = {i!r:.80} is not a token id in "
+                             f"[0, {len(tokens)})")
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if key in fields and not isinstance(fields[key], str):
+            raise ValueError(f"{key} must be a string, got {type(fields[key]).__name__}")
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF model, plus its chat template.
 
@@ -110,12 +152,20 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Read only the metadata of a GGUF file and build its tokenizer."""
-        import gguf  # local: the rest of this module does not need it
+        """Read only the metadata of a GGUF file and build its tokenizer.
 
-        reader = gguf.GGUFReader(os.fspath(path))
-        return cls.from_gguf_fields(
-            {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+        Raises:
+          ValueError: as ``from_gguf_fields``, or a truncated or corrupt file
+            (``checkpoints.gguf_check``); the message starts with the path.
+        """
+        from checkpoints.gguf_loader import load_gguf_fields  # local: gguf_loader imports us
+
+        path = os.fspath(path)
+        fields = load_gguf_fields(path)
+        try:
+            return cls.from_gguf_fields(fields)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
@@ -123,23 +173,29 @@ class Tokenizer:
 
         Raises:
           ValueError: no token list, a tokenizer kind other than ``"gpt2"`` (names it),
-            or a gpt2 vocabulary without merges.
+            a gpt2 vocabulary without merges, or metadata of the wrong type or
+            length (``check_tokenizer_fields``).
         """
         kind = fields.get("tokenizer.ggml.model")
-        if kind not in SUPPORTED_KINDS:
-            raise ValueError(f"unsupported GGUF tokenizer kind tokenizer.ggml.model={kind!r}; "
+        if not isinstance(kind, str) or kind not in SUPPORTED_KINDS:
+            raise ValueError(f"unsupported GGUF tokenizer kind tokenizer.ggml.model={kind!r:.80}; "
                              f"supported: {list(SUPPORTED_KINDS)}")
         tokens: list[str] = fields.get("tokenizer.ggml.tokens") or []
         merges: list[str] = fields.get("tokenizer.ggml.merges") or []
         if not tokens or not merges:
             raise ValueError("GGUF byte-level BPE tokenizer needs tokenizer.ggml.tokens and "
                              "tokenizer.ggml.merges")
+        check_tokenizer_fields(fields)
         token_types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         alphabet = frozenset(bytes_to_unicode().values())
         vocab = {_byte_level_spelling(t, alphabet): i for i, t in enumerate(tokens)}
-        backend = tokenizers.Tokenizer(models.BPE(
-            vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-            continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        try:
+            backend = tokenizers.Tokenizer(models.BPE(
+                vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ValueError(f"cannot build the BPE tokenizer from tokenizer.ggml.tokens / "
+                             f"merges: {' '.join(str(e).split())}") from None
         split = PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -228,4 +284,5 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-__all__ = ["PRE_TOKENIZER_SPLITS", "SUPPORTED_KINDS", "Tokenizer", "bytes_to_unicode"]
+__all__ = ["PRE_TOKENIZER_SPLITS", "SUPPORTED_KINDS", "Tokenizer", "bytes_to_unicode",
+           "check_tokenizer_fields"]
