@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ssl
 import sys
 from typing import AsyncIterator, Iterator
 
@@ -250,7 +251,29 @@ class AsyncClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
+def _read_ca(path: str) -> bytes:
+    """The ``--tls_ca`` PEM file's bytes, checked to hold a certificate.
+
+    Raises:
+      ValueError: naming ``--tls_ca``: unreadable, or no PEM certificate.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"--tls_ca {path!r}: cannot read: {e.strerror}") from None
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(f"--tls_ca {path!r}: not a PEM certificate ({e})") from None
+    return data
+
+
 def main(argv=None) -> int:
+    """The command: stream one answer. Exit status 0; 2 for bad arguments
+    (``error: ...`` on stderr); 1 when the call fails (the gRPC status code
+    and message, e.g. ``UNAVAILABLE`` for a server that cannot be reached);
+    130 on Ctrl-C (the stream is cancelled)."""
     ap = argparse.ArgumentParser(prog="python -m jaxserve.server.client",
                                  description="Stream one answer from a jaxserve server.")
     ap.add_argument("prompt")
@@ -263,21 +286,40 @@ def main(argv=None) -> int:
     ap.add_argument("--tls_ca", default=None, help="PEM file of the CA to trust (TLS)")
     ap.add_argument("--timeout", type=float, default=None, help="deadline, seconds")
     a = ap.parse_args(argv)
-    ca = open(a.tls_ca, "rb").read() if a.tls_ca else None
     kw = dict(messages=[{"role": "user", "content": a.prompt}]) if a.chat else \
         dict(prompt=a.prompt)
     try:
+        ca = _read_ca(a.tls_ca) if a.tls_ca else None
+        request = make_request(max_tokens=a.max_tokens, temperature=a.temperature,
+                               seed=a.seed, **kw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    wrote = False
+    last = None
+    try:
         with Client(a.target, token=a.token, root_certificates=ca) as c:
-            last = None
-            for resp in c.generate(timeout=a.timeout, max_tokens=a.max_tokens,
-                                   temperature=a.temperature, seed=a.seed, **kw):
-                for comp in resp.completions:
-                    sys.stdout.write(comp.text)
-                sys.stdout.flush()
-                last = resp
+            stream = c.stub.Generate(request, timeout=a.timeout, metadata=c.metadata)
+            try:
+                for resp in stream:
+                    for comp in resp.completions:
+                        sys.stdout.write(comp.text)
+                        wrote = wrote or bool(comp.text)
+                    sys.stdout.flush()
+                    last = resp
+            except KeyboardInterrupt:
+                stream.cancel()  # the server aborts the request
+                raise
     except grpc.RpcError as e:
-        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        if wrote:
+            print()
+        where = f" ({a.target})" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+        print(f"error: {e.code().name}{where}: {e.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if wrote:
+            print()
+        return 130
     print()
     if last is not None and last.finished:
         u, t = last.usage, last.timing

@@ -5,12 +5,23 @@ Start-up order: the grpc.aio server starts at once with the standard
 while the weights load in a worker thread; then the engine thread starts and
 health turns SERVING. ``Generate`` before that answers UNAVAILABLE.
 
-Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and new calls are
-refused (UNAVAILABLE); running requests get ``grace_period_s`` minus 1.5 s
-to finish, then every one still running is aborted: its stream ends at once
-with a final message (``finish_reason`` "abort", usage and timing so far)
-and status OK, even while the engine thread is inside a long step. The
-server stops and the process exits 0 (``os._exit``, skipping the slow
+Start-up failures are ``ValueError``s naming the flag and its value (the
+caller prints ``error: ...`` and exits 2): TLS files missing, unreadable or
+not a PEM certificate/key pair (checked with ``ssl`` before gRPC sees them,
+since gRPC reports only "failed to bind"); a gRPC or metrics port in use or
+refused; a ``--host`` that does not resolve or is not an address of this
+machine (gRPC gives no reason, so a plain socket bind of the same address
+finds it); a model that fails to load. The gRPC server is stopped before the
+error leaves ``run``, so nothing else reaches stderr.
+
+Shutdown (SIGTERM or SIGINT) drains with the port open: health answers
+NOT_SERVING and new ``Generate`` calls get UNAVAILABLE ("the server is
+shutting down"; other calls still answer), while running requests get
+``grace_period_s`` minus 1.5 s to finish. Then every one still running is
+aborted: its stream ends at once with a final message (``finish_reason``
+"abort", usage and timing so far) and status OK, even while the engine
+thread is inside a long step. Only then does the gRPC server stop (refusing
+connections), and the process exits 0 (``os._exit``, skipping the slow
 interpreter teardown) within the grace period.
 
 Multi-host (``--multihost``, process 0): the engine broadcasts every step to
@@ -22,10 +33,13 @@ every open stream ends with INTERNAL, the server stops, and the process exits 1.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import os
 import logging
 import signal
+import socket
+import ssl
 import sys
 import threading
 import time
@@ -40,6 +54,7 @@ from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.checks import add_generation_servicer
 from jaxserve.server.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
@@ -93,12 +108,80 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
 
 
-def _read(path: str) -> bytes:
+def _read(path: str, flag: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
-        raise ValueError(f"cannot read {path!r}: {e.strerror}") from None
+        raise ValueError(f"{flag} {path!r}: cannot read: {e.strerror}") from None
+
+
+def _tls_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
+    """Read and check a PEM certificate chain and its private key.
+
+    Returns:
+      (key PEM, cert PEM) bytes, as ``grpc.ssl_server_credentials`` takes them.
+
+    Raises:
+      ValueError: naming ``--tls_cert`` or ``--tls_key``: unreadable, not PEM,
+        an encrypted key, or a key that does not match the certificate.
+    """
+    cert, key = _read(cert_path, "--tls_cert"), _read(key_path, "--tls_key")
+    if b"-----BEGIN CERTIFICATE-----" not in cert:
+        raise ValueError(f"--tls_cert {cert_path!r}: not a PEM certificate (no "
+                         f"'-----BEGIN CERTIFICATE-----' line)")
+    if b"PRIVATE KEY-----" not in key:
+        raise ValueError(f"--tls_key {key_path!r}: not a PEM private key (no "
+                         f"'-----BEGIN ... PRIVATE KEY-----' line)")
+    if b"ENCRYPTED" in key:
+        raise ValueError(f"--tls_key {key_path!r}: the key is encrypted; gRPC needs it "
+                         f"unencrypted")
+
+    def no_password():  # never prompt on the terminal
+        raise ValueError(f"--tls_key {key_path!r}: the key is encrypted; gRPC needs it "
+                         f"unencrypted")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path,
+                                                                password=no_password)
+    except ssl.SSLError as e:
+        why = "the key does not match the certificate" if e.reason == "KEY_VALUES_MISMATCH" \
+            else f"not a valid certificate and private key ({e.reason or e})"
+        raise ValueError(f"--tls_cert {cert_path!r} / --tls_key {key_path!r}: {why}") from None
+    except OSError as e:  # changed since the read above
+        raise ValueError(f"--tls_cert {cert_path!r} / --tls_key {key_path!r}: cannot read: "
+                         f"{e.strerror}") from None
+    return key, cert
+
+
+def _bind_error(host: str, port: int, port_flag: str) -> str | None:
+    """Why ``host:port`` cannot be bound, found with a plain socket bind
+    (gRPC and the metrics server give no reason, and gRPC logs its own
+    failure on stderr, so this runs first); names the flag at fault. None
+    when the bind works."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host!r}: cannot resolve it ({e.strerror})"
+    error = None
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+                sock.bind(addr)
+                return None
+        except OSError as e:
+            error = e
+    if error is None:
+        return f"--host {host!r}: resolves to no address"
+    if error.errno == errno.EADDRINUSE:
+        return f"{port_flag} {port}: {host}:{port} is in use by another process"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host!r}: not an address of this machine ({error.strerror})"
+    if error.errno == errno.EACCES:
+        return f"{port_flag} {port}: cannot bind {host}:{port}: {error.strerror} (ports below " \
+               f"1024 need privileges)"
+    return f"--host {host!r} {port_flag} {port}: cannot bind: {error.strerror}"
 
 
 class Server:
@@ -119,6 +202,7 @@ class Server:
         self.servicer = GenerationServicer(model_name, config.max_prompt_len)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
+        self.server: grpc.aio.Server | None = None  # built by ``start``
         self.async_engine: AsyncEngine | None = None
         self.exit_code = 0  # 1 after a fatal multi-host error
         self.port: int | None = None
@@ -135,7 +219,8 @@ class Server:
         """Bind and start serving health (NOT_SERVING) and reflection.
 
         Raises:
-          ValueError: unreadable TLS files, or the port cannot be bound.
+          ValueError: bad TLS files, or the gRPC or metrics port cannot be
+            bound (the message names the flag at fault).
         """
         cfg = self.config
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -144,23 +229,37 @@ class Server:
         interceptors = [BearerTokenInterceptor(cfg.auth_token, self.metrics)] \
             if cfg.auth_token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        add_generation_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
-            creds = grpc.ssl_server_credentials([(_read(cfg.tls_key), _read(cfg.tls_cert))])
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        pair = _tls_pair(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics_port")):
+            error = _bind_error(cfg.host, port, flag) if port is not None else None
+            if error:
+                raise ValueError(error)
+        try:
+            if pair is not None:
+                self.port = self.server.add_secure_port(
+                    address, grpc.ssl_server_credentials([pair]))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc: "Failed to bind to address ..." (taken meanwhile)
+            self.port = 0
         if not self.port:
-            raise ValueError(f"cannot bind {address}")
+            raise ValueError(_bind_error(cfg.host, cfg.port, "--port") or
+                             f"--port {cfg.port}: cannot bind {address}")
         await self.server.start()
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
+            try:
+                self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
+            except OSError as e:
+                raise ValueError(_bind_error(cfg.host, cfg.metrics_port, "--metrics_port") or
+                                 f"--metrics_port {cfg.metrics_port}: cannot serve metrics "
+                                 f"on {cfg.host}: {e.strerror or e}") from None
         print(f"jaxserve: gRPC on {cfg.host}:{self.port} ({'TLS' if cfg.tls_cert else 'plaintext'}"
               f"{', bearer token' if cfg.auth_token else ''}); metrics on "
               f"{f'http://{cfg.host}:{self.metrics_port}/metrics' if self.metrics_port else 'off'}"
@@ -193,28 +292,29 @@ class Server:
             self._stopping.set()
 
     async def shutdown(self) -> bool:
-        """Refuse new calls, let running requests finish until the grace
-        period (less a margin) ends, abort the rest, stop. Returns False when
-        the engine thread was still busy (e.g. compiling) at the deadline:
-        the caller then exits without waiting for it."""
+        """Drain: health NOT_SERVING and new ``Generate`` calls UNAVAILABLE
+        with the port still open; let running requests finish until the
+        grace period (less a margin) ends, abort the rest, then stop the gRPC
+        server. Returns False when the engine thread was still busy (e.g.
+        compiling) at the deadline: the caller then exits without waiting
+        for it."""
         t0 = time.monotonic()
         # Leave time for the process to exit inside the grace period.
         deadline = t0 + max(0.5, self.config.grace_period_s - _EXIT_MARGIN_S)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         ae = self.async_engine
-        if ae is not None:
-            ae.stop_accepting()
-        # Refuses new RPCs at once; cancels any still open just before the deadline.
-        stop = asyncio.create_task(self.server.stop(max(0.0, deadline - 0.3 - time.monotonic())))
         clean = True
         if ae is not None:
+            ae.stop_accepting()  # Generate raises ShuttingDownError -> UNAVAILABLE
             while ae.num_in_flight and time.monotonic() < deadline - _ABORT_MARGIN_S:
                 await asyncio.sleep(0.05)
             if ae.num_in_flight:
                 print(f"jaxserve: grace period over; aborting {ae.num_in_flight} requests",
                       file=sys.stderr, flush=True)
                 ae.abort_all()
-        await stop
+        # Refuses new RPCs from here; lets the last messages out, cancels any
+        # call still open just before the deadline.
+        await self.server.stop(max(0.0, deadline - 0.3 - time.monotonic()))
         if ae is not None:
             clean = await ae.stop(timeout_s=max(0.0, deadline - 0.1 - time.monotonic()))
         print(f"jaxserve: stopped in {time.monotonic() - t0:.1f} s"
@@ -229,15 +329,22 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
-        load = asyncio.create_task(self.load())
-        stopping = asyncio.create_task(self._stopping.wait())
-        done, _ = await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if load in done:
-            load.result()  # raises a load error
-            await stopping
-        else:
-            load.cancel()
+        try:
+            await self.start()
+            load = asyncio.create_task(self.load())
+            stopping = asyncio.create_task(self._stopping.wait())
+            done, _ = await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if load in done:
+                load.result()  # raises a load error (ValueError: a bad model)
+                await stopping
+            else:
+                load.cancel()
+        except BaseException:
+            # Stop the gRPC server inside the loop: left to the garbage
+            # collector it prints "Event loop is closed" tracebacks.
+            if self.server is not None:
+                await self.server.stop(None)
+            raise
         return await self.shutdown()
 
 
@@ -262,7 +369,8 @@ def serve(config: ServerConfig, load_engine: Callable, model_name: str) -> None:
     """Blocking entry point of ``--mode serve``.
 
     Raises:
-      ValueError: bad TLS files, an unbindable port, or a bad model.
+      ValueError: bad TLS files, an unbindable host or port (gRPC or
+        metrics), or a model that fails to load; the message names the flag.
     """
     server = Server(config, load_engine, model_name)
     clean = asyncio.run(server.run())
