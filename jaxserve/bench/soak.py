@@ -1,0 +1,974 @@
+"""Soak benchmark: hours of mixed, partly hostile gRPC traffic against one
+server, watching for leaks (RSS, KV pages) and for calls that end wrongly.
+
+    python -m jaxserve.bench.soak --minutes 30 --output /tmp/soak
+    python -m jaxserve.bench.soak --minutes 5 --clients 2 -- --max_num_seqs 16   # engine flags after --
+    python -m jaxserve.bench.soak --target 127.0.0.1:50051 \\
+        --metrics_url http://127.0.0.1:8000/metrics --server_pid 1234
+
+Processes::
+
+  main process                                   server (spawn_server, or --target)
+  ------------                                   ------
+  every --sample_s: RSS of the server pid  ◀──── /proc/PID/status (psutil if installed)
+  scrape /metrics (pages, running, waiting) ◀─── prometheus page
+  counts XLA compilations in the server's  ◀──── stderr (JAX_LOG_COMPILES=1 on a spawned
+    stderr (the compile lines are hidden)          server; every executable built or loaded)
+  K client processes (multiprocessing, spawn)
+    each: --inflight asyncio workers on one AsyncClient ──gRPC──▶ 127.0.0.1
+    each worker: draw a case (seeded), run it, record it; until --minutes have passed
+
+Cases, drawn per call with fixed weights (``CASES``), each with the gRPC codes
+it may end with (``EXPECTED``):
+
+* ``generate``: a streaming request of varied shape: text / token ids / chat,
+  greedy or seeded sampling, n = 1..2, logprobs and prompt logprobs sometimes,
+  stop strings, every output kind. OK (and the stream must end properly: a
+  final message with ``finished`` and a ``finish_reason`` for every choice,
+  else it is *lost*) or RESOURCE_EXHAUSTED (the waiting queue is shared, so a
+  burst elsewhere may fill it).
+* ``cancel``: a stream the client cancels after 1-3 messages or 0.05-2 s
+  (CANCELLED, or OK when it finished first). ``deadline``: a long request
+  with a 0.05-1.5 s gRPC timeout (DEADLINE_EXCEEDED or OK).
+* ``bad``: a malformed request (``BAD_CASES``: empty prompt, out-of-vocab id,
+  negative temperature, unknown role, ...) -> INVALID_ARGUMENT.
+  ``oversized``: a prompt of max_prompt_len + 1.. tokens -> INVALID_ARGUMENT.
+* ``burst``: ``--burst`` one-or-two-token requests at once, more than the
+  waiting-queue bound (a spawned server gets ``--max_waiting_requests 16``
+  unless the engine flags say otherwise): OK or RESOURCE_EXHAUSTED.
+* ``tokenize`` / ``detokenize`` / ``model_info`` / ``health``: OK.
+
+Not sent, because the server answers them wrongly today (known, being fixed):
+``n`` above ``max_num_seqs`` (RESOURCE_EXHAUSTED, not INVALID_ARGUMENT) and
+request ids with unusual characters (INTERNAL); request ids here are empty or
+``soak-<client>-<i>``.
+
+Every call is bounded: a gRPC timeout (``--request_timeout_s`` for normal
+streams) and, around it, ``asyncio.wait_for`` of that timeout +
+``--slack_s``; a call still running then is *hanging* (cancelled, counted).
+Workers stop drawing after ``--minutes``; the run then waits for the calls in
+flight (the drain, at most timeout + slack), lets the server settle (idle,
+``pages_free == pages_total``, up to ``--settle_s``), optionally probes glibc
+(``--malloc_probe``: a ``sitecustomize`` on the server's PYTHONPATH answers
+SIGUSR1 with ``mallinfo2`` before and after ``malloc_trim(0)``), then sends
+SIGTERM and records the exit status.
+
+Memory figures: RSS at start (server ready, no traffic), at the end of the
+warm-up (``--warmup_minutes``; default max(10% of the run, min(2 min, half
+of it))), at the end and the peak; drift = (end - end of warm-up) / end of
+warm-up; slope = least-squares MB/min over the samples after the warm-up.
+
+Pass criteria (exit 0, else 1 with the failing ones listed): no lost and no
+hanging call, every status code expected for its case, pages free == total
+after settling, RSS drift < ``--max_rss_drift``, server exit status 0.
+
+Output in ``--output`` (new or empty): ``soak.json`` (config, machine, every
+sample, counters per case x code, latency windows, anomalies), ``report.md``
+(printed too) and ``soak.png`` (RSS, pages used, TTFT p50/p99, errors per
+window; needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+# (case, weight): the draw of every call.
+CASES = (("generate", 0.50), ("cancel", 0.10), ("deadline", 0.08), ("bad", 0.10),
+         ("oversized", 0.03), ("burst", 0.015), ("tokenize", 0.06), ("detokenize", 0.04),
+         ("model_info", 0.035), ("health", 0.04))
+# Status codes each case may end with; anything else is an unexpected error.
+EXPECTED = {
+    "generate": {"OK", "RESOURCE_EXHAUSTED"},
+    "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
+    "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
+    "bad": {"INVALID_ARGUMENT"},
+    "oversized": {"INVALID_ARGUMENT"},
+    "burst": {"OK", "RESOURCE_EXHAUSTED"},
+    "tokenize": {"OK"}, "detokenize": {"OK"}, "model_info": {"OK"}, "health": {"OK"},
+}
+# Malformed requests (the ``bad`` case): name -> what is wrong.
+BAD_CASES = ("empty_text", "empty_token_ids", "no_prompt", "oov_token_id", "negative_token_id",
+             "negative_temperature", "unknown_role", "empty_chat", "max_tokens_zero",
+             "top_p_above_1", "logprobs_above_20", "unknown_output_kind", "oov_stop_token_id",
+             "n_zero", "detokenize_oov", "tokenize_unknown_role")
+STREAMING = ("generate", "cancel", "deadline", "burst")
+
+# glibc probe loaded into the server by --malloc_probe (PYTHONPATH sitecustomize):
+# SIGUSR1 -> append {"before": mallinfo2, "after": mallinfo2 after malloc_trim(0)}
+# as one JSON line to $SOAK_MALLOC_FILE; $SOAK_MALLOC_TRIM_S > 0 also trims
+# every that many seconds from a daemon thread (what a periodic trim would buy).
+_SITECUSTOMIZE = r'''
+import ctypes, json, os, signal, threading, time
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    class _MI2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _libc.mallinfo2.restype = _MI2
+    def _info():
+        m = _libc.mallinfo2()
+        return {f: getattr(m, f) for f, _ in _MI2._fields_}
+    def _rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    def _probe(*_):
+        rec = {"t": time.monotonic(), "rss_before": _rss(), "before": _info()}
+        _libc.malloc_trim(0)
+        rec.update(rss_after=_rss(), after=_info())
+        with open(os.environ["SOAK_MALLOC_FILE"], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    signal.signal(signal.SIGUSR1, _probe)
+    _every = float(os.environ.get("SOAK_MALLOC_TRIM_S", "0") or 0)
+    if _every > 0:
+        def _loop():
+            while True:
+                time.sleep(_every)
+                _libc.malloc_trim(0)
+        threading.Thread(target=_loop, daemon=True, name="soak-malloc-trim").start()
+except (OSError, AttributeError):
+    pass
+'''
+
+
+# ---- the server's memory ----------------------------------------------------------
+
+def process_memory(pid: int) -> dict:
+    """Memory of process ``pid``, MB: ``rss`` (psutil if installed, else
+    /proc VmRSS), and from /proc/PID/status where it exists ``rss_anon``,
+    ``rss_file``, ``hwm`` (peak RSS so far) and ``threads`` (a count); {} when
+    the process is gone."""
+    out = {}
+    try:
+        import psutil
+        out["rss"] = psutil.Process(pid).memory_info().rss / 2**20
+    except ImportError:
+        pass
+    except Exception:  # psutil.NoSuchProcess and friends
+        return {}
+    keys = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "VmHWM": "hwm",
+            "Threads": "threads"}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in keys and (keys[k] != "rss" or "rss" not in out):
+                    n = int(v.split()[0])
+                    out[keys[k]] = n if k == "Threads" else n / 1024
+    except OSError:
+        pass
+    return out
+
+
+class CompileCounter:
+    """Stands in for ``sys.stderr`` while a spawned server runs:
+    ``spawn_server`` echoes the server's stderr through it; lines of
+    ``JAX_LOG_COMPILES`` are counted (``Finished XLA compilation of NAME``:
+    one executable built or loaded from the persistent cache) and hidden,
+    the rest pass through."""
+
+    _FINISHED = re.compile(r"Finished XLA compilation of (\S+)")
+    _CACHE_HIT = re.compile(r"Persistent compilation cache hit")
+    _HIDE = re.compile(r"Finished XLA compilation|Finished tracing|Finished jaxpr to MLIR|"
+                       r"Compiling \S+ with global shapes|Persistent compilation cache|"
+                       r"compilation cache (hit|miss)|Not writing persistent cache")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.events: list[tuple[float, str]] = []  # (monotonic s, jit name)
+        self.cache_hits = 0
+        self._lock = threading.Lock()
+
+    def write(self, s: str) -> int:
+        if m := self._FINISHED.search(s):
+            with self._lock:
+                self.events.append((time.monotonic(), m[1]))
+        if self._CACHE_HIT.search(s):
+            self.cache_hits += 1
+        if self._HIDE.search(s):
+            return len(s)
+        return self.stream.write(s)
+
+    def count(self, until: float = float("inf")) -> int:
+        """Executables built (or loaded) by monotonic time ``until``."""
+        with self._lock:
+            return sum(1 for t, _ in self.events if t <= until)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+# ---- the client processes -----------------------------------------------------------
+
+class _Ctx:
+    """One client process's fixed inputs and its records."""
+
+    def __init__(self, cfg: dict, client_id: int):
+        self.cfg = cfg
+        self.cid = client_id
+        self.rng = np.random.default_rng([cfg["seed"], client_id])
+        self.records: list[dict] = []
+        self.n = 0
+        names, w = zip(*CASES)
+        self.case_names, self.case_p = names, np.array(w) / sum(w)
+        from jaxserve.bench.workloads import SENTENCES
+        self.sentences = SENTENCES
+
+    def text(self, lo: int, hi: int) -> str:
+        k = int(self.rng.integers(lo, hi + 1))
+        return " ".join(self.sentences[i] for i in self.rng.integers(0, len(self.sentences), k))
+
+    def ids(self, lo: int, hi: int) -> list[int]:
+        return self.rng.integers(0, self.cfg["vocab_size"], int(self.rng.integers(lo, hi + 1))).tolist()
+
+
+def _normal_request(ctx: _Ctx, max_tokens_hi: int = 40):
+    """A well-formed GenerateRequest of a drawn shape and its choice count."""
+    from jaxserve.server import jaxserve_pb2 as pb
+    r = ctx.rng
+    form = r.choice(["text", "text", "ids", "chat"])
+    if form == "text":
+        prompt = dict(prompt=ctx.text(1, 60 if r.random() < 0.05 else 10))
+    elif form == "ids":
+        prompt = dict(token_ids=ctx.ids(1, 200))
+    else:
+        msgs = [{"role": "user", "content": ctx.text(1, 4)}]
+        if r.random() < 0.5:
+            msgs.insert(0, {"role": "system", "content": ctx.text(1, 3)})
+        if r.random() < 0.3:
+            msgs += [{"role": "assistant", "content": ctx.text(1, 2)},
+                     {"role": "user", "content": ctx.text(1, 2)}]
+        prompt = dict(messages=msgs)
+    n = 2 if r.random() < 0.2 else 1
+    kw = dict(max_tokens=int(r.integers(1, max_tokens_hi + 1)), n=n)
+    if r.random() < 0.5:
+        kw["temperature"] = 0.0
+    else:
+        kw.update(temperature=float(r.uniform(0.5, 1.2)), seed=int(r.integers(0, 2**32)))
+        if r.random() < 0.3:
+            kw["top_p"] = 0.9
+        if r.random() < 0.2:
+            kw["top_k"] = int(r.integers(1, 50))
+    if r.random() < 0.2:
+        kw["logprobs"] = int(r.integers(0, 6))
+    if r.random() < 0.05:
+        kw["prompt_logprobs"] = int(r.integers(0, 3))
+    if r.random() < 0.1:
+        kw["stop"] = ["."]
+    if r.random() < 0.3:
+        kw["ignore_eos"] = True
+    kind = int(r.choice([pb.OUTPUT_KIND_DELTA] * 7 + [pb.OUTPUT_KIND_CUMULATIVE] * 2
+                        + [pb.OUTPUT_KIND_FINAL_ONLY]))
+    ctx.n += 1
+    rid = f"soak-{ctx.cid}-{ctx.n}" if r.random() < 0.3 else ""
+    from jaxserve.server.client import make_request
+    return make_request(**prompt, request_id=rid, output_kind=kind, **kw), n
+
+
+def _bad_request(ctx: _Ctx, sub: str):
+    """(rpc name, request) of the malformed case ``sub``."""
+    from jaxserve.server import jaxserve_pb2 as pb
+    from jaxserve.server.client import make_request
+    v = ctx.cfg["vocab_size"]
+    if sub == "detokenize_oov":
+        return "Detokenize", pb.DetokenizeRequest(token_ids=[1, v + 7])
+    if sub == "tokenize_unknown_role":
+        req = pb.TokenizeRequest()
+        req.chat.messages.add(role="wizard", content="hi")
+        return "Tokenize", req
+    req = make_request(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0)
+    if sub == "empty_text":
+        req.text = ""
+    elif sub == "empty_token_ids":
+        req.token_ids.Clear()
+        req.token_ids.SetInParent()
+    elif sub == "no_prompt":
+        req.ClearField("token_ids")
+    elif sub == "oov_token_id":
+        req.token_ids.ids.append(v + 5)
+    elif sub == "negative_token_id":
+        req.token_ids.ids.append(-1)
+    elif sub == "negative_temperature":
+        req.sampling.temperature = -1.0
+    elif sub == "unknown_role":
+        req.chat.messages.add(role="wizard", content="hi")
+    elif sub == "empty_chat":
+        req.chat.SetInParent()
+    elif sub == "max_tokens_zero":
+        req.sampling.max_tokens = 0
+    elif sub == "top_p_above_1":
+        req.sampling.top_p = 1.5
+    elif sub == "logprobs_above_20":
+        req.sampling.logprobs = 50
+    elif sub == "unknown_output_kind":
+        req.output_kind = 99
+    elif sub == "oov_stop_token_id":
+        req.sampling.stop_token_ids.append(v + 3)
+    elif sub == "n_zero":
+        req.sampling.n = 0
+    return "Generate", req
+
+
+async def _stream(call, n_choices: int, t0: float, rec: dict, cancel_at: float | None = None,
+                  cancel_after: int | None = None) -> None:
+    """Read a Generate call to its end into ``rec``: code, first-token and end
+    times, whether it ended properly (``finished`` and a finish_reason per
+    choice). Cancels it at monotonic ``cancel_at`` or after ``cancel_after``
+    messages."""
+    import grpc
+    msgs, finished, reasons = 0, False, set()
+    try:
+        while True:
+            wait = None if cancel_at is None else max(0.0, cancel_at - time.monotonic())
+            try:
+                msg = await asyncio.wait_for(call.read(), wait)
+            except asyncio.TimeoutError:
+                call.cancel()
+                break
+            if msg is grpc.aio.EOF:
+                break
+            msgs += 1
+            if rec.get("ttft") is None and any(c.token_ids for c in msg.completions):
+                rec["ttft"] = time.monotonic() - t0
+            reasons |= {c.index for c in msg.completions if c.finish_reason}
+            finished = finished or msg.finished
+            if cancel_after is not None and msgs >= cancel_after and not msg.finished:
+                call.cancel()
+                break
+        code = (await call.code()).name
+        if code != "OK":
+            rec["details"] = (await call.details() or "")[:300]
+    except grpc.aio.AioRpcError as e:
+        code = e.code().name
+        rec["details"] = (e.details() or "")[:300]
+    rec["code"] = code
+    rec["messages"] = msgs
+    if code == "OK":
+        rec["lost"] = not (finished and reasons >= set(range(n_choices)))
+
+
+async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
+    """Run one drawn call (a burst is several); returns its records."""
+    import grpc
+    from jaxserve.server import jaxserve_pb2 as pb
+    cfg, r = ctx.cfg, ctx.rng
+    t0 = time.monotonic()
+    rec = {"case": case, "client": ctx.cid, "t0": t0}
+    timeout = cfg["request_timeout_s"]
+    try:
+        if case in ("generate", "cancel", "deadline"):
+            req, n = _normal_request(ctx, 40 if case == "generate" else 64)
+            if case == "deadline":
+                timeout = float(r.uniform(0.05, 1.5))
+            call = client.stub.Generate(req, timeout=timeout, metadata=client.metadata)
+            kw = {}
+            if case == "cancel":
+                if r.random() < 0.5:
+                    kw["cancel_after"] = int(r.integers(1, 4))
+                else:
+                    kw["cancel_at"] = t0 + float(r.uniform(0.05, 2.0))
+            rec["n"] = n
+            await asyncio.wait_for(_stream(call, n, t0, rec, **kw), timeout + cfg["slack_s"])
+        elif case == "burst":
+            return await _burst(ctx, client)
+        elif case == "oversized":
+            over = cfg["max_prompt_len"] + int(r.integers(1, 65))
+            if r.random() < 0.2:  # as text: ~1.3 tokens per word, so this many words is enough
+                words = " ".join(ctx.sentences).split()
+                text = " ".join(words * (1 + over // len(words)))[:8 * over]
+                req = pb.GenerateRequest(text=text)
+                rec["sub"] = "text"
+            else:
+                req = pb.GenerateRequest()
+                req.token_ids.ids.extend(ctx.ids(over, over))
+                rec["sub"] = "token_ids"
+            call = client.stub.Generate(req, timeout=30, metadata=client.metadata)
+            await asyncio.wait_for(_stream(call, 1, t0, rec), 30 + cfg["slack_s"])
+        elif case == "bad":
+            sub = str(r.choice(BAD_CASES))
+            rec["sub"] = sub
+            rpc, req = _bad_request(ctx, sub)
+            if rpc == "Generate":
+                call = client.stub.Generate(req, timeout=30, metadata=client.metadata)
+                await asyncio.wait_for(_stream(call, 1, t0, rec), 30 + cfg["slack_s"])
+            else:
+                await asyncio.wait_for(getattr(client.stub, rpc)(
+                    req, timeout=30, metadata=client.metadata), 30 + cfg["slack_s"])
+                rec["code"] = "OK"
+        else:
+            if case == "tokenize":
+                c = client.tokenize(messages=[{"role": "user", "content": ctx.text(1, 3)}]) \
+                    if r.random() < 0.3 else client.tokenize(ctx.text(1, 8))
+            elif case == "detokenize":
+                c = client.detokenize(ctx.ids(1, 64))
+            elif case == "model_info":
+                c = client.model_info()
+            else:
+                c = client.health()
+            got = await asyncio.wait_for(c, 30)
+            rec["code"] = "OK"
+            if case == "health" and got != "SERVING":
+                rec["code"] = f"OK_{got}"
+    except grpc.aio.AioRpcError as e:
+        rec["code"], rec["details"] = e.code().name, (e.details() or "")[:300]
+    except asyncio.TimeoutError:
+        rec["code"], rec["hanging"] = "HANGING", True
+    except Exception as e:  # a client-side fault is a finding too, not a crash of the run
+        rec["code"], rec["error"] = "CLIENT_ERROR", f"{type(e).__name__}: {e}"[:300]
+    rec["t1"] = time.monotonic()
+    rec["e2e"] = rec["t1"] - t0
+    return [rec]
+
+
+async def _burst(ctx: _Ctx, client) -> list[dict]:
+    """``--burst`` tiny requests at once (1-2 tokens, short text prompts)."""
+    cfg, r = ctx.cfg, ctx.rng
+
+    async def one(i):
+        from jaxserve.server.client import make_request
+        t0 = time.monotonic()
+        rec = {"case": "burst", "client": ctx.cid, "t0": t0, "n": 1}
+        req = make_request(prompt=ctx.text(1, 2), max_tokens=int(r.integers(1, 3)),
+                           temperature=0.0)
+        call = client.stub.Generate(req, timeout=cfg["request_timeout_s"],
+                                    metadata=client.metadata)
+        try:
+            await asyncio.wait_for(_stream(call, 1, t0, rec),
+                                   cfg["request_timeout_s"] + cfg["slack_s"])
+        except asyncio.TimeoutError:
+            call.cancel()
+            rec["code"], rec["hanging"] = "HANGING", True
+        rec["t1"] = time.monotonic()
+        rec["e2e"] = rec["t1"] - t0
+        return rec
+    return list(await asyncio.gather(*(one(i) for i in range(cfg["burst"]))))
+
+
+async def _client_async(ctx: _Ctx) -> None:
+    from jaxserve.server.client import AsyncClient
+    cfg = ctx.cfg
+    async with AsyncClient(cfg["target"], token=cfg.get("token")) as client:
+        async def worker():
+            last_burst = -1e9
+            while time.monotonic() < cfg["stop_at"]:
+                case = str(ctx.rng.choice(ctx.case_names, p=ctx.case_p))
+                if case == "burst":  # at most one burst per worker per 20 s
+                    if time.monotonic() - last_burst < 20:
+                        case = "generate"
+                    else:
+                        last_burst = time.monotonic()
+                ctx.records.extend(await _one(ctx, client, case))
+                await asyncio.sleep(float(ctx.rng.uniform(0, 0.05)))
+        await asyncio.gather(*(worker() for _ in range(cfg["inflight"])))
+
+
+def client_main(cfg: dict, client_id: int, out) -> None:
+    """Body of one client process: run the drawn calls until
+    ``cfg["stop_at"]`` (monotonic, shared by every process on Linux), then
+    put ``(client_id, records)`` on ``out``."""
+    ctx = _Ctx(cfg, client_id)
+    try:
+        asyncio.run(_client_async(ctx))
+    except Exception as e:  # report what ran, and the fault
+        ctx.records.append({"case": "client", "client": client_id, "code": "CLIENT_ERROR",
+                            "error": f"{type(e).__name__}: {e}"[:300],
+                            "t0": time.monotonic(), "t1": time.monotonic(), "e2e": 0.0})
+    out.put((client_id, ctx.records))
+
+
+# ---- analysis ---------------------------------------------------------------------------
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def summarize(records: list[dict]) -> dict:
+    """Counters: per case {code: count} split expected / unexpected, and the
+    totals of calls, lost, hanging, unexpected; the malformed sub-cases by code."""
+    by = {}
+    subs = {}
+    tot = {"calls": len(records), "lost": 0, "hanging": 0, "unexpected": 0, "ok_streams": 0}
+    for rec in records:
+        case, code = rec["case"], rec.get("code", "NONE")
+        exp = code in EXPECTED.get(case, ())
+        rec["expected"] = exp
+        d = by.setdefault(case, {"expected": {}, "unexpected": {}, "lost": 0, "hanging": 0})
+        d["expected" if exp else "unexpected"][code] = \
+            d["expected" if exp else "unexpected"].get(code, 0) + 1
+        if rec.get("lost"):
+            d["lost"] += 1
+            tot["lost"] += 1
+        if rec.get("hanging"):
+            d["hanging"] += 1
+            tot["hanging"] += 1
+        if not exp:
+            tot["unexpected"] += 1
+        if case in STREAMING and code == "OK":
+            tot["ok_streams"] += 1
+        if "sub" in rec:
+            s = subs.setdefault(f"{case}:{rec['sub']}", {})
+            s[code] = s.get(code, 0) + 1
+    return {"totals": tot, "by_case": by, "sub_cases": subs}
+
+
+def windows(records: list[dict], samples: list[dict]) -> list[dict]:
+    """Per sample interval (previous sample, this one]: calls ended,
+    calls/s, TTFT and E2E p50/p99 (s) of OK ``generate`` streams, errors by
+    code (every non-OK code) and the unexpected ones."""
+    out = []
+    ends = np.array([r["t1"] for r in records]) if records else np.zeros(0)
+    for a, b in zip(samples, samples[1:]):
+        sel = [records[i] for i in np.nonzero((ends > a["t"]) & (ends <= b["t"]))[0]]
+        gen = [r for r in sel if r["case"] == "generate" and r.get("code") == "OK"]
+        ttft = [r["ttft"] for r in gen if r.get("ttft") is not None]
+        e2e = [r["e2e"] for r in gen]
+        errs = {}
+        for r in sel:
+            if r.get("code") != "OK":
+                errs[r.get("code")] = errs.get(r.get("code"), 0) + 1
+        out.append({"t": b["t_rel"], "calls": len(sel), "calls_per_s": len(sel) / (b["t"] - a["t"]),
+                    "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+                    "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99),
+                    "errors": errs, "unexpected": sum(not r["expected"] for r in sel)})
+    return out
+
+
+def rss_figures(samples: list[dict], warmup_end: float) -> dict:
+    """RSS (MB) at start, at the end of the warm-up (the last sample at or
+    before ``warmup_end`` s), at the end, the peak; drift (fraction) and the
+    least-squares slope (MB/min) over the samples after the warm-up."""
+    pts = [(s["t_rel"], s["rss"]) for s in samples if s.get("rss") is not None]
+    if len(pts) < 2:
+        return {}
+    start, end = pts[0][1], pts[-1][1]
+    warm = [p for p in pts if p[0] <= warmup_end][-1][1]
+    post = [p for p in pts if p[0] >= warmup_end]
+    slope = float(np.polyfit([p[0] / 60 for p in post], [p[1] for p in post], 1)[0]) \
+        if len(post) >= 3 else None
+    return {"start_mb": start, "warmup_end_mb": warm, "end_mb": end,
+            "peak_mb": max(p[1] for p in pts), "drift": (end - warm) / warm,
+            "slope_mb_per_min": slope, "post_warmup_samples": len(post)}
+
+
+def criteria(result: dict, max_drift: float) -> list[str]:
+    """The failed pass criteria, as sentences ([] = passed)."""
+    fails = []
+    t = result["counters"]["totals"]
+    if t["lost"]:
+        fails.append(f"{t['lost']} lost streams (OK status, no final message with finish_reason)")
+    if t["hanging"]:
+        fails.append(f"{t['hanging']} hanging calls (not ended by deadline + slack)")
+    if t["unexpected"]:
+        fails.append(f"{t['unexpected']} calls ended with a status code not expected for their case")
+    end = result["end"]
+    if end.get("pages_free") is None or end["pages_free"] != end.get("pages_total"):
+        fails.append(f"pages free {end.get('pages_free')} != total {end.get('pages_total')} "
+                     "after settling")
+    rss = result["rss"]
+    if rss and rss["drift"] >= max_drift:
+        fails.append(f"RSS drift {100 * rss['drift']:.1f}% >= {100 * max_drift:.1f}%")
+    if result["server"].get("exit_status") not in (0, None):
+        fails.append(f"server exit status {result['server']['exit_status']} after SIGTERM")
+    if result["client_processes_missing"]:
+        fails.append(f"client processes that never reported: {result['client_processes_missing']}")
+    return fails
+
+
+def _f(v, fmt="{:.1f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def markdown(res: dict) -> str:
+    """The report: verdict, calls per case x code, end state, memory, latency over time."""
+    c, cfg = res["counters"], res["config"]
+    lines = [f"# Soak: {cfg['model'] or cfg['target']}, {res['duration_s'] / 60:.1f} min, "
+             f"{cfg['clients']} clients x {cfg['inflight']} in flight",
+             "", f"Machine: {res['machine']['cpu']} ({res['machine']['cpus']} CPUs; "
+             f"{res['machine']['avx']}); load average at start/end "
+             f"{res['machine']['load_start']} / {res['machine']['load_end']}.",
+             f"Server flags: `{' '.join(cfg['engine_flags']) or '(defaults)'}`"
+             + (f"; env `{' '.join(cfg['server_env'])}`" if cfg["server_env"] else ""),
+             "", "**PASSED**" if not res["failed"] else
+             "**FAILED**: " + "; ".join(res["failed"]), "",
+             "## Calls by case and status code", "",
+             "| case | expected codes (count) | unexpected codes (count) | lost | hanging |",
+             "|---|---|---|---|---|"]
+    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+    for case, _ in CASES:
+        if case in c["by_case"]:
+            d = c["by_case"][case]
+            lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
+                         f"{d['lost']} | {d['hanging']} |")
+    for case in sorted(set(c["by_case"]) - {k for k, _ in CASES}):
+        d = c["by_case"][case]
+        lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
+                     f"{d['lost']} | {d['hanging']} |")
+    t = c["totals"]
+    lines += ["", f"{t['calls']} calls, {t['ok_streams']} streams ended OK; lost {t['lost']}, "
+              f"hanging {t['hanging']}, unexpected codes {t['unexpected']}.", ""]
+    bad_unexp = {k: v for k, v in c["sub_cases"].items()
+                 if set(v) - {"INVALID_ARGUMENT"}}
+    if bad_unexp:
+        lines += ["Malformed/oversized sub-cases not answered INVALID_ARGUMENT: "
+                  + "; ".join(f"{k}: {fmt(v)}" for k, v in sorted(bad_unexp.items())), ""]
+    e, s, rss = res["end"], res["server"], res["rss"]
+    lines += ["## End state and memory", "",
+              f"- KV pages free / total after settling: {e.get('pages_free')} / "
+              f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
+              f"settled in {_f(e.get('settle_s'))} s)",
+              f"- server exit status after SIGTERM: {s.get('exit_status')}"
+              f" ({_f(s.get('stop_s'))} s)"]
+    if rss:
+        lines += [f"- RSS, MB: start {rss['start_mb']:.0f}, end of warm-up "
+                  f"({res['warmup_s'] / 60:.1f} min) {rss['warmup_end_mb']:.0f}, end "
+                  f"{rss['end_mb']:.0f}, peak {rss['peak_mb']:.0f}; drift "
+                  f"{100 * rss['drift']:+.1f}% (limit {100 * cfg['max_rss_drift']:.0f}%); "
+                  f"slope after warm-up {_f(rss['slope_mb_per_min'], '{:+.2f}')} MB/min "
+                  f"over {rss['post_warmup_samples']} samples"]
+    else:
+        lines.append("- RSS: not measured (no server pid: give --server_pid with --target)")
+    if res.get("compilations") is not None:
+        cm = res["compilations"]
+        lines.append(f"- XLA executables built or loaded: {cm['total']} "
+                     f"({cm['after_warmup']} after the warm-up; persistent-cache hits "
+                     f"{cm['cache_hits']}); by jit: "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(cm["by_name"].items())))
+    if res.get("malloc_probe"):
+        p = res["malloc_probe"]
+        lines.append(f"- glibc after settling: heap in use {p['in_use_mb']:.0f} MB, free in "
+                     f"arenas {p['free_mb']:.0f} MB, mmapped {p['mmap_mb']:.0f} MB; "
+                     f"malloc_trim(0) took RSS {p['rss_before_mb']:.0f} -> "
+                     f"{p['rss_after_mb']:.0f} MB")
+    lines += ["", "## Over time", "",
+              "| t (min) | RSS MB | anon MB | pages used | running | waiting | XLA exes | "
+              "calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = list(zip(res["samples"][1:], res["windows"]))
+    step = max(1, len(rows) // 30)
+    for smp, w in rows[::step] + ([rows[-1]] if rows and (len(rows) - 1) % step else []):
+        lines.append(
+            f"| {smp['t_rel'] / 60:.2f} | {_f(smp.get('rss'), '{:.0f}')} | "
+            f"{_f(smp.get('rss_anon'), '{:.0f}')} | {smp.get('pages_used', '-')} | "
+            f"{smp.get('running', '-')} | {smp.get('waiting', '-')} | "
+            f"{smp.get('compilations', '-')} | {w['calls_per_s']:.1f} | "
+            f"{_f(w['ttft_p50'], '{:.2f}')} / {_f(w['ttft_p99'], '{:.2f}')} | "
+            f"{_f(w['e2e_p50'], '{:.2f}')} / {_f(w['e2e_p99'], '{:.2f}')} | "
+            f"{fmt(w['errors'])} |")
+    if step > 1:
+        lines.append(f"\n(every {step}th window of {res['config']['sample_s']} s; all in soak.json)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> bool:
+    """``soak.png``: RSS, pages used, TTFT p50/p99 and errors per window
+    against minutes; False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sm, ws = res["samples"], res["windows"]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    t = [s["t_rel"] / 60 for s in sm]
+    ax = axes[0]
+    ax.plot(t, [s.get("rss") for s in sm], label="RSS")
+    ax.plot(t, [s.get("rss_anon") for s in sm], label="anonymous", ls="--")
+    ax.axvline(res["warmup_s"] / 60, color="grey", ls=":", label="end of warm-up")
+    if any(s.get("compilations") is not None for s in sm):
+        ax2 = ax.twinx()
+        ax2.plot(t, [s.get("compilations") for s in sm], color="tab:red", lw=1,
+                 drawstyle="steps-post", label="XLA executables")
+        ax2.set_ylabel("XLA executables", color="tab:red")
+    ax.set(ylabel="server RSS, MB", title="Server memory")
+    ax.legend(fontsize=8, loc="lower right")
+    ax = axes[1]
+    ax.plot(t, [s.get("pages_used") for s in sm], drawstyle="steps-post", label="used")
+    if sm and sm[-1].get("pages_total"):
+        ax.axhline(sm[-1]["pages_total"], color="k", ls="--", lw=1, label="total")
+    ax.set(ylabel="KV pages", yscale="symlog", title="KV pages used")
+    ax.legend(fontsize=8)
+    tw = [w["t"] / 60 for w in ws]
+    ax = axes[2]
+    ax.plot(tw, [w["ttft_p50"] for w in ws], marker=".", label="TTFT p50")
+    ax.plot(tw, [w["ttft_p99"] for w in ws], marker=".", label="TTFT p99")
+    ax.set(ylabel="s", yscale="log", title="TTFT of OK generate streams, per window")
+    ax.legend(fontsize=8)
+    ax = axes[3]
+    codes = sorted({c for w in ws for c in w["errors"]})
+    bottom = np.zeros(len(ws))
+    width = (tw[1] - tw[0]) * 0.9 if len(tw) > 1 else 0.05
+    for code in codes:
+        ys = np.array([w["errors"].get(code, 0) for w in ws])
+        ax.bar(tw, ys, width, bottom=bottom, label=code)
+        bottom += ys
+    ax.plot(tw, [w["unexpected"] for w in ws], color="k", marker="x", ls="", label="unexpected")
+    ax.set(xlabel="minutes", ylabel="calls", title="Non-OK calls per window")
+    if codes:
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+def _machine() -> dict:
+    cpu = platform.processor() or ""
+    avx = ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                    if ln.startswith("Model name")), cpu)
+        flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines()
+                      if ln.startswith("Flags")), [])
+        avx = " ".join(sorted(f for f in flags if f.startswith("avx"))) or "no AVX"
+    except OSError:
+        pass
+    return {"cpu": cpu, "avx": avx, "cpus": os.cpu_count(),
+            "load_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter | None) -> dict:
+    from jaxserve.bench.serving import scrape
+    now = time.monotonic()
+    s = {"t": now, "t_rel": now - t0}
+    if pid is not None:
+        s.update(process_memory(pid))
+    m = scrape(url)
+    for key, name in (("pages_total", "jaxserve_kv_cache_pages_total"),
+                      ("pages_free", "jaxserve_kv_cache_pages_free"),
+                      ("pages_used", "jaxserve_kv_cache_pages_used"),
+                      ("running", "jaxserve_num_requests_running"),
+                      ("waiting", "jaxserve_num_requests_waiting"),
+                      ("steps", "jaxserve_engine_steps_total"),
+                      ("received", "jaxserve_request_received_total"),
+                      ("generation_tokens", "jaxserve_generation_tokens_total"),
+                      ("prompt_tokens", "jaxserve_prompt_tokens_total"),
+                      ("cached_tokens", "jaxserve_cached_prompt_tokens_total")):
+        if name in m:
+            s[key] = int(m[name])
+    if counter is not None:
+        s["compilations"] = counter.count(now)
+    return s
+
+
+def _malloc_probe(proc, path: str) -> dict | None:
+    """SIGUSR1 the server (its sitecustomize appends a JSON line to ``path``);
+    the figures in MB, or None when nothing came back within 10 s."""
+    n0 = sum(1 for _ in open(path)) if os.path.exists(path) else 0
+    proc.send_signal(signal.SIGUSR1)
+    for _ in range(100):
+        time.sleep(0.1)
+        if os.path.exists(path):
+            lines = open(path).read().splitlines()
+            if len(lines) > n0:
+                r = json.loads(lines[-1])
+                mb = lambda x: x / 2**20
+                return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
+                        "in_use_mb": mb(r["before"]["uordblks"]),
+                        "free_mb": mb(r["before"]["fordblks"]),
+                        "arena_mb": mb(r["before"]["arena"]), "mmap_mb": mb(r["before"]["hblkhd"]),
+                        "raw": r}
+    return None
+
+
+def run(a) -> dict:
+    """The whole soak (see the module docstring); returns the result dict."""
+    from jaxserve.bench.serving import spawn_server, stop_server
+    from jaxserve.server.client import Client
+    machine = _machine()
+    proc, counter, pid, saved_stderr, probe_file = None, None, a.server_pid, sys.stderr, None
+    flags = list(a.engine_flags)
+    if not a.target:
+        if not any(f.split("=")[0] == "--max_waiting_requests" for f in flags):
+            flags += ["--max_waiting_requests", "16"]
+        env_saved = dict(os.environ)
+        os.environ["JAX_LOG_COMPILES"] = "1"
+        for kv in a.server_env:
+            k, _, v = kv.partition("=")
+            os.environ[k] = v
+        if a.malloc_probe:
+            site = os.path.join(a.output, "_probe")
+            os.makedirs(site, exist_ok=True)
+            with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+                f.write(_SITECUSTOMIZE)
+            probe_file = os.path.join(a.output, "malloc_probe.jsonl")
+            os.environ["SOAK_MALLOC_FILE"] = probe_file
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [site] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        counter = CompileCounter(sys.stderr)
+        sys.stderr = counter
+        try:
+            t_spawn = time.monotonic()
+            proc, target, url = spawn_server(a.model, flags)
+            load_s = time.monotonic() - t_spawn
+        finally:
+            os.environ.clear()
+            os.environ.update(env_saved)
+        pid = proc.pid
+    else:
+        target, url, load_s = a.target, a.metrics_url, None
+    try:
+        with Client(target, token=a.token) as c:
+            info = c.model_info()
+        t0 = time.monotonic()
+        warmup_s = 60 * (a.warmup_minutes if a.warmup_minutes is not None
+                         else max(0.1 * a.minutes, min(2.0, 0.5 * a.minutes)))
+        samples = [_sample(t0, pid, url, counter)]
+        compiles_at_start = counter.count() if counter else None
+        cfg = {"target": target, "token": a.token, "seed": a.seed, "inflight": a.inflight,
+               "burst": a.burst, "request_timeout_s": a.request_timeout_s, "slack_s": a.slack_s,
+               "vocab_size": info.vocab_size, "max_prompt_len": info.max_prompt_len,
+               "stop_at": t0 + 60 * a.minutes}
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=client_main, args=(cfg, i, out), daemon=True)
+                 for i in range(a.clients)]
+        for p in procs:
+            p.start()
+        records, got = [], set()
+        hard_end = cfg["stop_at"] + a.request_timeout_s + a.slack_s + 60
+        next_sample = t0 + a.sample_s
+        while len(got) < a.clients and time.monotonic() < hard_end:
+            try:
+                cid, recs = out.get(timeout=max(0.05, next_sample - time.monotonic()))
+                got.add(cid)
+                records += recs
+            except queue_mod.Empty:
+                pass
+            if time.monotonic() >= next_sample:
+                samples.append(_sample(t0, pid, url, counter))
+                next_sample += a.sample_s
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        traffic_end = time.monotonic()
+        # Settle: idle and every page free, or --settle_s passed.
+        settle_deadline = time.monotonic() + a.settle_s
+        while True:
+            time.sleep(1.0)
+            s = _sample(t0, pid, url, counter)
+            idle = (s.get("running") == 0 and s.get("waiting") == 0
+                    and s.get("pages_free") == s.get("pages_total"))
+            if idle or time.monotonic() > settle_deadline:
+                break
+        time.sleep(min(3.0, a.settle_s))  # let freed memory settle too
+        s = _sample(t0, pid, url, counter)
+        samples.append(s)
+        end = {k: s.get(k) for k in ("pages_free", "pages_total", "pages_used", "running",
+                                     "waiting")}
+        end["settle_s"] = time.monotonic() - traffic_end
+        probe = _malloc_probe(proc, probe_file) if proc is not None and probe_file else None
+        if probe:
+            samples.append(_sample(t0, pid, url, counter) | {"after_malloc_trim": True})
+    finally:
+        server = {"load_s": load_s, "pid": pid}
+        if proc is not None:
+            t_stop = time.monotonic()
+            stop_server(proc)
+            server.update(exit_status=proc.returncode, stop_s=time.monotonic() - t_stop)
+            time.sleep(0.3)  # the last stderr lines
+        sys.stderr = saved_stderr
+    machine["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    records.sort(key=lambda r: r["t1"])
+    counters = summarize(records)
+    rss_samples = [x for x in samples if not x.get("after_malloc_trim")]
+    res = {"config": {**vars(a), "engine_flags": flags, "warmup_s": warmup_s},
+           "machine": machine, "server": server,
+           "model_info": {"vocab_size": info.vocab_size, "max_prompt_len": info.max_prompt_len,
+                          "max_model_len": info.max_model_len, "num_pages": info.num_pages,
+                          "page_size": info.page_size, "backend": info.backend},
+           "duration_s": traffic_end - t0, "warmup_s": warmup_s, "samples": samples,
+           "windows": windows(records, rss_samples), "counters": counters, "end": end,
+           "rss": rss_figures(rss_samples, warmup_s), "malloc_probe": probe,
+           "client_processes_missing": sorted(set(range(a.clients)) - got),
+           "anomalies": [r for r in records if not r["expected"] or r.get("lost")
+                         or r.get("hanging")][:200]}
+    if counter is not None:
+        by_name = {}
+        for _, name in counter.events:
+            by_name[name] = by_name.get(name, 0) + 1
+        res["compilations"] = {"total": len(counter.events), "at_start": compiles_at_start,
+                               "after_warmup": len(counter.events) - counter.count(t0 + warmup_s),
+                               "cache_hits": counter.cache_hits, "by_name": by_name,
+                               "times_s": [round(t - t0, 2) for t, _ in counter.events]}
+    res["config"].pop("token", None)
+    res["failed"] = criteria(res, a.max_rss_drift)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, required=True, help="traffic time, minutes")
+    ap.add_argument("--model", default="smollm2-135m", help="spawned server: alias or .gguf")
+    ap.add_argument("--target", help="host:port of a running server (default: spawn one)")
+    ap.add_argument("--metrics_url", help="--target: its /metrics URL")
+    ap.add_argument("--server_pid", type=int, help="--target: its pid, for RSS")
+    ap.add_argument("--token", help="bearer token of the server")
+    ap.add_argument("--clients", type=int, default=4, help="client processes")
+    ap.add_argument("--inflight", type=int, default=2, help="calls in flight per client")
+    ap.add_argument("--burst", type=int, default=40, help="requests per burst")
+    ap.add_argument("--sample_s", type=float, default=5.0, help="sampling period, s")
+    ap.add_argument("--warmup_minutes", type=float, default=None,
+                    help="default max(10%% of the run, min(2, half of it))")
+    ap.add_argument("--max_rss_drift", type=float, default=0.05,
+                    help="largest passing RSS drift after warm-up (fraction)")
+    ap.add_argument("--request_timeout_s", type=float, default=120.0,
+                    help="gRPC timeout of normal streams, s")
+    ap.add_argument("--slack_s", type=float, default=30.0,
+                    help="a call not ended by its timeout + this is hanging")
+    ap.add_argument("--settle_s", type=float, default=20.0,
+                    help="most seconds to wait for an idle server at the end")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server_env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of a spawned server, e.g. MALLOC_ARENA_MAX=2 (repeatable)")
+    ap.add_argument("--malloc_probe", action="store_true",
+                    help="spawned server: load a glibc probe (mallinfo2 + malloc_trim on "
+                    "SIGUSR1) and use it after settling")
+    ap.add_argument("--output", default=None, help="folder, new or empty "
+                    "(default soak-results/<time>)")
+    ap.add_argument("engine_flags", nargs="*", help="after --: flags of the spawned server")
+    a = ap.parse_args(argv)
+    if a.target and not a.metrics_url:
+        ap.error("--target needs --metrics_url (pages and running/waiting come from it)")
+    if a.clients < 1 or a.inflight < 1 or a.minutes <= 0 or a.sample_s <= 0:
+        ap.error("--clients, --inflight, --minutes and --sample_s must be positive")
+    a.output = a.output or os.path.join("soak-results", time.strftime("%Y%m%d-%H%M%S"))
+    if os.path.exists(a.output) and os.listdir(a.output):
+        ap.error(f"--output {a.output} is not empty")
+    os.makedirs(a.output, exist_ok=True)
+    res = run(a)
+    with open(os.path.join(a.output, "soak.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    md = markdown(res)
+    if not plot(res, os.path.join(a.output, "soak.png")):
+        md += "\nNo plot: matplotlib is not installed (pip install -e '.[bench]').\n"
+    with open(os.path.join(a.output, "report.md"), "w") as f:
+        f.write(md)
+    print(md)
+    if res["failed"]:
+        print("FAILED:\n" + "\n".join(f"- {x}" for x in res["failed"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
