@@ -240,11 +240,15 @@ def _normal_request(ctx: _Ctx, max_tokens_hi: int = 40):
     """A well-formed GenerateRequest of a drawn shape and its choice count."""
     from jaxserve.server import jaxserve_pb2 as pb
     r = ctx.rng
+    # Prompt budget in characters: a token covers at least one byte of ASCII
+    # text, so this many characters (less the chat template's margin) fit
+    # max_prompt_len and leave room for the longest output.
+    budget = min(ctx.cfg["max_prompt_len"], ctx.cfg["max_model_len"] - max_tokens_hi) - 32
     form = r.choice(["text", "text", "ids", "chat"])
     if form == "text":
-        prompt = dict(prompt=ctx.text(1, 60 if r.random() < 0.05 else 10))
+        prompt = dict(prompt=ctx.text(1, 60 if r.random() < 0.05 else 10)[:budget])
     elif form == "ids":
-        prompt = dict(token_ids=ctx.ids(1, 200))
+        prompt = dict(token_ids=ctx.ids(1, min(200, budget)))
     else:
         msgs = [{"role": "user", "content": ctx.text(1, 4)}]
         if r.random() < 0.5:
@@ -252,7 +256,8 @@ def _normal_request(ctx: _Ctx, max_tokens_hi: int = 40):
         if r.random() < 0.3:
             msgs += [{"role": "assistant", "content": ctx.text(1, 2)},
                      {"role": "user", "content": ctx.text(1, 2)}]
-        prompt = dict(messages=msgs)
+        each = max(1, budget // len(msgs) - 32)
+        prompt = dict(messages=[{**m, "content": m["content"][:each]} for m in msgs])
     n = 2 if r.random() < 0.2 else 1
     kw = dict(max_tokens=int(r.integers(1, max_tokens_hi + 1)), n=n)
     if r.random() < 0.5:
@@ -835,7 +840,7 @@ def run(a) -> dict:
         cfg = {"target": target, "token": a.token, "seed": a.seed, "inflight": a.inflight,
                "burst": a.burst, "request_timeout_s": a.request_timeout_s, "slack_s": a.slack_s,
                "vocab_size": info.vocab_size, "max_prompt_len": info.max_prompt_len,
-               "stop_at": t0 + 60 * a.minutes}
+               "max_model_len": info.max_model_len, "stop_at": t0 + 60 * a.minutes}
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         procs = [ctx.Process(target=client_main, args=(cfg, i, out), daemon=True)
