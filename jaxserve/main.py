@@ -21,14 +21,22 @@ Modes:
     restores it straight into the mesh's shardings.
 
 Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
-input (unknown model, empty prompt, out-of-range sampling values) prints
-``error: ...`` on stderr and exits with status 2.
+input (unknown model, empty prompt, a prompt that is not valid Unicode,
+out-of-range sampling values, a busy port, unreadable TLS files) prints one
+``error: ...`` line on stderr and exits with status 2. Ctrl-C (SIGINT)
+exits 130 without a traceback: while generating, after the current step,
+with the requests aborted (process 0 of a multi-host job then releases the
+others as at a normal end); anywhere else (model load, bench), at once. A
+second Ctrl-C leaves at once. ``--mode serve`` instead shuts down gracefully
+on SIGINT, as on SIGTERM, and exits 0.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import sys
 import time
 
@@ -186,10 +194,43 @@ def _generate(llm, SamplingParams) -> None:
     reqs = _requests(llm, SamplingParams)
     ids = [engine.add_request(None, prompt, p) for _, prompt, p in reqs]
     single = len(ids) == 1
-    pending = {rid: "" for rid in ids}
     finals = {}
     t0 = time.monotonic()
-    while engine.has_unfinished_requests():
+    _INTERRUPT["defer"] = True  # Ctrl-C now ends the loop below between two steps
+    try:
+        _stream(engine, ids, finals)
+    finally:
+        _INTERRUPT["defer"] = False
+    if _INTERRUPT["requested"]:
+        engine.abort(ids)  # frees their pages; every process is between steps
+        if single and not FLAGS.json:
+            print(flush=True)  # end the partial line
+        _leave_job_after_interrupt(engine)
+        _interrupted()
+    wall = time.monotonic() - t0
+    if single and not FLAGS.json:
+        print()
+    if FLAGS.json:
+        for rid, (text, _, _) in zip(ids, reqs):
+            o = finals[rid]
+            m = o.metrics
+            print(json.dumps({"request_id": rid, "prompt": text, "text": o.outputs[0].text,
+                              "token_ids": o.outputs[0].token_ids,
+                              "finish_reason": o.outputs[0].finish_reason,
+                              "prompt_tokens": len(o.prompt_token_ids),
+                              "output_tokens": len(o.outputs[0].token_ids),
+                              "cached_tokens": m.num_cached_tokens, "queue_ms": m.queue_ms,
+                              "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms}))
+        return
+    _print_table([finals[r] for r in ids], wall, engine.runner.num_compilations)
+
+
+def _stream(engine, ids: list[str], finals: dict) -> None:
+    """Step until every request is done (or Ctrl-C), printing text as it
+    comes; fills ``finals`` with each request's last output."""
+    single = len(ids) == 1
+    pending = {rid: "" for rid in ids}
+    while engine.has_unfinished_requests() and not _INTERRUPT["requested"]:
         for out in engine.step():
             rid, comp = out.request_id, out.outputs[0]
             if out.finished:
@@ -208,22 +249,6 @@ def _generate(llm, SamplingParams) -> None:
                 pending[rid] = rest if sep else ""
             if out.finished:
                 print(f"[{rid}] <{comp.finish_reason}>", flush=True)
-    wall = time.monotonic() - t0
-    if single and not FLAGS.json:
-        print()
-    if FLAGS.json:
-        for rid, (text, _, _) in zip(ids, reqs):
-            o = finals[rid]
-            m = o.metrics
-            print(json.dumps({"request_id": rid, "prompt": text, "text": o.outputs[0].text,
-                              "token_ids": o.outputs[0].token_ids,
-                              "finish_reason": o.outputs[0].finish_reason,
-                              "prompt_tokens": len(o.prompt_token_ids),
-                              "output_tokens": len(o.outputs[0].token_ids),
-                              "cached_tokens": m.num_cached_tokens, "queue_ms": m.queue_ms,
-                              "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms}))
-        return
-    _print_table([finals[r] for r in ids], wall, engine.runner.num_compilations)
 
 
 def _print_table(outs, wall: float, compilations: int) -> None:
@@ -385,6 +410,9 @@ def _convert() -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # absl shows INFO logs; JAX's "Unable to initialize backend 'tpu'" is noise
+    # before every start-up (and every one-line error).
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     if FLAGS.mode == "convert":
         try:
             _convert()
@@ -411,6 +439,8 @@ def main(argv) -> None:
                        top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
+        for i, p in enumerate(FLAGS.prompt or ()):
+            _check_unicode(p, "--prompt" if len(FLAGS.prompt) == 1 else f"--prompt #{i + 1}")
         if FLAGS.mode == "bench" and FLAGS.workload is not None:
             _serving_bench()
             return
@@ -431,6 +461,75 @@ def main(argv) -> None:
     shutdown()
 
 
+def _check_unicode(text: str, flag: str) -> None:
+    """Reject text UTF-8 cannot encode: bytes that were not UTF-8 on the
+    command line (Python decodes argv with ``surrogateescape``, so byte 0xff
+    arrives as the lone surrogate U+DCFF).
+
+    Raises:
+      ValueError: naming the flag and the first bad character's position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x} that is not UTF-8" if 0xDC80 <= c <= 0xDCFF else \
+            f"lone surrogate U+{c:04X}"
+        raise ValueError(f"{flag}: not valid Unicode: character {e.start} is a {what} "
+                         f"(pass UTF-8 text)") from None
+
+
+# Ctrl-C (SIGINT) in the CLI, handled by ``_on_sigint`` rather than as a
+# KeyboardInterrupt (which a gc callback or ``__del__`` can swallow, printing a
+# traceback, and which can land between a multi-host step's broadcast and its
+# collectives). "defer": the generation loop is running and ends itself
+# between two steps (its requests aborted); "requested": Ctrl-C came.
+_INTERRUPT = {"defer": False, "requested": False}
+
+
+def _on_sigint(signum, frame) -> None:
+    if _INTERRUPT["defer"] and not _INTERRUPT["requested"]:
+        _INTERRUPT["requested"] = True
+        return
+    _interrupted()  # loading, or a second Ctrl-C: nothing to abort, leave now
+
+
+def _leave_job_after_interrupt(engine) -> None:
+    """Multi-host, process 0 after Ctrl-C between steps: release the other
+    processes and leave the job, as at a normal end. When they are gone
+    already (Ctrl-C reached the whole process group), leave without them."""
+    from jaxserve.engine import multihost
+    if engine.runner.channel is None:
+        return
+    try:
+        engine.stop_followers()
+        multihost.shutdown()
+    except Exception:  # noqa: BLE001 - the job is broken: exit anyway
+        pass
+
+
+def _interrupted() -> None:
+    """Ctrl-C: exit 130 (128 + SIGINT, as shells report it), no traceback.
+
+    ``os._exit``: interpreter teardown after an interrupt inside JAX can take
+    seconds or print noise. In a multi-host job the reason is recorded first,
+    so the other processes can name it when their collectives fail."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - e.g. a reentrant flush from the handler
+        pass
+    try:
+        if "jax" in sys.modules:
+            from jaxserve.engine import multihost
+            if multihost.in_job():
+                import jax
+                multihost.record_failure(f"process {jax.process_index()}: interrupted (Ctrl-C)")
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    os._exit(130)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parse, but a bad flag value (an unknown enum choice, a string
     where a number belongs, an unknown flag) is a usage error like any other:
@@ -443,7 +542,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def run() -> None:
-    app.run(main, flags_parser=_parse_flags)
+    """The command. Ctrl-C: see ``_on_sigint`` (``--mode serve`` installs its
+    own handler for its event loop: a graceful shutdown)."""
+    signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt:  # raised by code that re-raises SIGINT itself
+        _interrupted()
 
 
 if __name__ == "__main__":
