@@ -121,6 +121,12 @@ class _Cursor:
                             f"{raw[:40]!r}") from None
 
 
+def _q(name: str) -> str:
+    """``repr`` of a key or tensor name, cut to 60 characters (a corrupt length
+    can make a "name" of the whole header)."""
+    return repr(name) if len(name) <= 60 else repr(name[:57]) + "..."
+
+
 def _value_type(cur: _Cursor, raw: int, what: str) -> GGUFValueType:
     try:
         return GGUFValueType(raw)
@@ -160,22 +166,22 @@ def _check_tensor(cur: _Cursor, index: int, count: int,
                   names: set[str]) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
     name = cur.string(f"tensor {index} (of {count} the header claims) name")
     if name in names:
-        raise cur.fail(f"tensor {name!r} appears twice in the tensor table")
+        raise cur.fail(f"tensor {_q(name)} appears twice in the tensor table")
     names.add(name)
-    n_dims = cur.unpack("I", f"tensor {name!r} n_dims")
+    n_dims = cur.unpack("I", f"tensor {_q(name)} n_dims")
     if n_dims > _MAX_DIMS:
-        raise cur.fail(f"tensor {name!r} has n_dims {n_dims}; GGUF allows at most {_MAX_DIMS}")
-    dims = tuple(cur.unpack("Q", f"tensor {name!r} dim {d}") for d in range(n_dims))
-    raw = cur.unpack("I", f"tensor {name!r} type")
+        raise cur.fail(f"tensor {_q(name)} has n_dims {n_dims}; GGUF allows at most {_MAX_DIMS}")
+    dims = tuple(cur.unpack("Q", f"tensor {_q(name)} dim {d}") for d in range(n_dims))
+    raw = cur.unpack("I", f"tensor {_q(name)} type")
     try:
         ggml_type = GGMLQuantizationType(raw)
         block, _ = GGML_QUANT_SIZES[ggml_type]
     except (ValueError, KeyError):
-        raise cur.fail(f"tensor {name!r} has unknown ggml type {raw}") from None
+        raise cur.fail(f"tensor {_q(name)} has unknown ggml type {raw}") from None
     if dims and dims[0] % block:
-        raise cur.fail(f"tensor {name!r} row length {dims[0]} is not a multiple of "
+        raise cur.fail(f"tensor {_q(name)} row length {dims[0]} is not a multiple of "
                        f"{ggml_type.name}'s block of {block}")
-    offset = cur.unpack("Q", f"tensor {name!r} offset")
+    offset = cur.unpack("Q", f"tensor {_q(name)} offset")
     return name, ggml_type, dims, offset
 
 
@@ -207,10 +213,10 @@ def check_gguf_buffer(buf, path: str) -> GGUFLayout:
     for i in range(n_kv):
         key = cur.string(f"metadata key {i} (of {n_kv} the header claims)")
         if key in kv_types:
-            raise cur.fail(f"metadata key {key!r} appears twice")
-        vtype = _value_type(cur, cur.unpack("I", f"metadata {key!r} type"), f"metadata {key!r}")
+            raise cur.fail(f"metadata key {_q(key)} appears twice")
+        vtype = _value_type(cur, cur.unpack("I", f"metadata {_q(key)} type"), f"metadata {_q(key)}")
         kv_types[key] = vtype
-        value = _skip_value(cur, vtype, f"metadata {key!r}")
+        value = _skip_value(cur, vtype, f"metadata {_q(key)}")
         if key == "general.alignment":
             if vtype != GGUFValueType.UINT32:
                 raise cur.fail(f"general.alignment has type {vtype.name}, not UINT32")
@@ -232,17 +238,17 @@ def check_gguf_buffer(buf, path: str) -> GGUFLayout:
         nbytes = elements // block * type_size
         start, end = data_start + offset, data_start + offset + nbytes
         if offset % alignment:
-            raise cur.fail(f"tensor {name!r} data offset {offset} is not a multiple of the "
+            raise cur.fail(f"tensor {_q(name)} data offset {offset} is not a multiple of the "
                            f"alignment {alignment}")
         if end > cur.size:
-            raise cur.fail(f"tensor {name!r} data [{start}, {end}) runs past the end of the "
+            raise cur.fail(f"tensor {_q(name)} data [{start}, {end}) runs past the end of the "
                            f"file ({cur.size} bytes; truncated?)")
         tensors.append(TensorExtent(name, ggml_type, dims, start, nbytes))
     previous = None
     for t in sorted(tensors, key=lambda t: t.start):
         if previous is not None and t.start < previous.start + previous.nbytes:
-            raise cur.fail(f"tensor {t.name!r} data at byte {t.start} overlaps tensor "
-                           f"{previous.name!r} [{previous.start}, "
+            raise cur.fail(f"tensor {_q(t.name)} data at byte {t.start} overlaps tensor "
+                           f"{_q(previous.name)} [{previous.start}, "
                            f"{previous.start + previous.nbytes})")
         previous = t if t.nbytes else previous
     return GGUFLayout(version=version, alignment=alignment, data_start=data_start,

@@ -281,48 +281,79 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # ---- safetensors ------------------------------------------------------------
 
+_MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on the JSON header
+
+
+def _entry_ok(info: Any) -> bool:
+    """A tensor entry has a string dtype, a list of non-negative int dims and
+    ``data_offsets`` ``[begin, end]`` of ints with ``0 <= begin <= end``."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return False
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    return (isinstance(shape, list) and all(map(is_int, shape)) and isinstance(offsets, list)
+            and len(offsets) == 2 and all(map(is_int, offsets)) and offsets[0] <= offsets[1])
+
+
 def read_safetensors_header(path: pathlib.Path) -> tuple[dict[str, dict[str, Any]], int]:
     """The tensor table of a safetensors file and where its data starts.
 
+    Checked before anything is read from the data section: the 8-byte header
+    length fits the file (and the format's 100 MiB limit), the header is a
+    UTF-8 JSON object, every entry has a string dtype, non-negative int dims
+    and ``data_offsets`` ``[begin, end]`` (``0 <= begin <= end``) inside the
+    data section, spanning exactly ``prod(shape) * itemsize`` bytes for the
+    dtypes this loader reads, and no two tensors overlap.
+
     Returns:
       (name -> {"dtype": str, "shape": [int], "data_offsets": [begin, end]},
-       byte offset of the data section). Offsets are checked against the file size.
+       byte offset of the data section).
 
     Raises:
-      ValueError: the file is missing, truncated or its header is corrupt (names it).
+      ValueError: the file is missing, truncated or its header is corrupt; the
+        message starts with the path and names the entry.
     """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < n <= size - 8:
-                raise ValueError(f"{path}: not a safetensors file (header length {n}, "
-                                 f"file size {size} bytes; truncated?)")
+            if len(head) < 8:
+                raise ValueError(f"{path}: not a safetensors file ({size} bytes, too short "
+                                 f"for the 8-byte header length; truncated?)")
+            n = int.from_bytes(head, "little")
+            if not 0 < n <= min(size - 8, _MAX_HEADER_BYTES):
+                raise ValueError(f"{path}: not a safetensors file (header length {n}, file "
+                                 f"size {size} bytes; truncated?)")
             header = json.loads(f.read(n))
     except OSError as e:
         raise ValueError(f"{path}: cannot read safetensors file: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: corrupt safetensors header: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: corrupt safetensors header: "
+                         f"{' '.join(str(e).split())[:200]}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     data_size = size - 8 - n
     for name, info in header.items():
-        try:
-            begin, end = info["data_offsets"]
-            nbytes = math.prod(info["shape"]) * (_DTYPES[info["dtype"]].itemsize
-                                                 if info["dtype"] in _DTYPES else 0)
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: corrupt safetensors header entry {name!r}: {info!r}") from None
-        if not 0 <= begin <= end:
-            raise ValueError(f"{path}: corrupt safetensors header entry {name!r}: {info!r}")
+        if not _entry_ok(info):
+            raise ValueError(f"{path}: corrupt safetensors header entry {name!r:.80}: "
+                             f"{info!r:.200}")
+        begin, end = info["data_offsets"]
         if end > data_size:
-            raise ValueError(f"{path}: truncated: tensor {name!r} ends at byte {end} of the "
-                             f"data section, which has {data_size} bytes")
-        if info["dtype"] in _DTYPES and end - begin != nbytes:
-            raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes, its dtype "
-                             f"and shape need {nbytes}")
+            raise ValueError(f"{path}: truncated: tensor {name!r:.80} ends at byte {end} of "
+                             f"the data section, which has {data_size} bytes")
+        dtype = _DTYPES.get(info["dtype"])
+        nbytes = math.prod(info["shape"]) * (dtype.itemsize if dtype is not None else 0)
+        if dtype is not None and end - begin != nbytes:
+            raise ValueError(f"{path}: tensor {name!r:.80} spans {end - begin} bytes, its "
+                             f"dtype and shape need {nbytes}")
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
+                   for name, info in header.items() if info["data_offsets"][1] > info["data_offsets"][0])
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"{path}: tensor {second!r:.80} overlaps tensor {first!r:.80} "
+                             f"in the data section (corrupt header)")
     return header, 8 + n
 
 

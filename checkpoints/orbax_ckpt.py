@@ -135,12 +135,57 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "") -> l
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    """A JSON object file.
+
+    Raises:
+      ValueError: missing, unreadable, not JSON or not an object (names the file).
+    """
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path}: missing; not a jaxserve Orbax checkpoint") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: cannot read: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_info(folder: pathlib.Path) -> dict[str, Any]:
+    """``jaxserve_orbax.json``, checked: ``format_version`` an int no newer than
+    ``FORMAT_VERSION``; ``source`` a string; ``metadata`` an object;
+    ``params_files`` (relative path -> size) and ``params_crc32`` (relative
+    path -> CRC32) objects of non-negative ints whose paths stay inside
+    ``params/``. ``{}`` when the file is absent (a folder another tool wrote).
+
+    Raises:
+      ValueError: the file is unreadable or any of the above is wrong (names the file).
+    """
+    path = folder / _INFO
+    if not path.is_file():
+        return {}
+    info = _read_json(path)
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: {what} (corrupt file)")
+    version = info.get("format_version", FORMAT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        raise bad(f"format_version {version!r:.40} is not an int <= {FORMAT_VERSION}")
+    if not isinstance(info.get("source", ""), str):
+        raise bad("source is not a string")
+    if not isinstance(info.get("metadata", {}), dict):
+        raise bad("metadata is not an object")
+    for key in ("params_files", "params_crc32"):
+        table = info.get(key, {})
+        if not isinstance(table, dict):
+            raise bad(f"{key} is not an object")
+        for rel, value in table.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(f"{key}[{rel!r:.80}] = {value!r:.40} is not a non-negative int")
+            parts = pathlib.PurePosixPath(rel).parts
+            if not parts or rel.startswith("/") or ".." in parts:
+                raise bad(f"{key} names {rel!r:.80}, which is not a path inside params/")
+    return info
 
 
 def load_orbax_config(path: str | os.PathLike) -> ModelConfig:
@@ -159,10 +204,10 @@ def load_orbax_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{file}: {e}") from None
 
 
-def check_params_files(path: str | os.PathLike) -> None:
-    """Check every file under ``<path>/params`` against the sizes and CRC32s
-    recorded at save time (the CRC pass streams every file once: about 1 s
-    per GB here; no copy is kept).
+def check_params_files(path: str | os.PathLike, crc: bool = True) -> None:
+    """Check every file under ``<path>/params`` against the sizes and (with
+    ``crc``) CRC32s recorded at save time (the CRC pass streams every file
+    once: about 1 s per GB here; no copy is kept).
 
     Raises:
       ValueError: ``params/`` is missing, or a recorded file is missing, has
@@ -173,19 +218,19 @@ def check_params_files(path: str | os.PathLike) -> None:
     params = folder / _PARAMS
     if not params.is_dir():
         raise ValueError(f"{params}: missing; not an Orbax checkpoint folder")
-    info = folder / _INFO
-    if not info.is_file():  # written by another tool: Orbax's own errors will have to do
-        return
-    for rel, size in _read_json(info).get("params_files", {}).items():
+    info = _read_info(folder)  # {} when written by another tool: Orbax's errors will do
+    for rel, size in info.get("params_files", {}).items():
         file = params / rel
         if not file.is_file():
             raise ValueError(f"{file}: missing from the Orbax checkpoint")
         if file.stat().st_size != size:
             raise ValueError(f"{file}: {file.stat().st_size} bytes, {size} when saved "
                              f"(truncated or corrupted)")
-    for rel, crc in _read_json(info).get("params_crc32", {}).items():
+    for rel, saved in (info.get("params_crc32", {}) if crc else {}).items():
         file = params / rel
-        if _crc32(file) != crc:
+        if not file.is_file():
+            raise ValueError(f"{file}: missing from the Orbax checkpoint")
+        if _crc32(file) != saved:
             raise ValueError(f"{file}: CRC32 differs from the one recorded when saved "
                              f"(the file is corrupted)")
 
@@ -217,11 +262,8 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
 
     folder = pathlib.Path(path).expanduser().absolute()
     check_params_files(folder)
+    tree = _metadata_tree(folder)
     with ocp.PyTreeCheckpointer() as ckptr:
-        try:
-            tree = ckptr.metadata(folder / _PARAMS).item_metadata.tree
-        except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
-            raise ValueError(f"{folder / _PARAMS}: cannot read the Orbax metadata: {e}") from None
         if shardings is not None:
             missing = [name for name in shardings if name not in tree]
             if missing:
@@ -258,6 +300,49 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
     return params
 
 
+def _metadata_tree(folder: pathlib.Path) -> dict[str, Any]:
+    """Orbax's metadata of ``<folder>/params``: name -> object with ``shape`` and ``dtype``.
+
+    Raises:
+      ValueError: Orbax cannot read it, or it is not such a mapping (names the folder).
+    """
+    import orbax.checkpoint as ocp
+
+    params = folder / _PARAMS
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            tree = ckptr.metadata(params).item_metadata.tree
+        for meta in tree.values():  # every entry must have a shape and a dtype
+            [int(d) for d in meta.shape], np.dtype(meta.dtype)
+    except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
+        raise ValueError(f"{params}: cannot read the Orbax metadata: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    return tree
+
+
+def check_orbax_shapes(path: str | os.PathLike, config: ModelConfig) -> None:
+    """Check that the Orbax params hold every tensor ``config`` needs
+    (``hf_loader.expected_tensors``) in its shape, from the metadata alone.
+
+    Raises:
+      ValueError: unreadable metadata, a missing tensor or another shape; the
+        message names the params folder, the tensor and both shapes.
+    """
+    from checkpoints.hf_loader import expected_tensors
+
+    params = pathlib.Path(path).expanduser().absolute() / _PARAMS
+    tree = _metadata_tree(params.parent)
+    expected = expected_tensors(config)
+    missing = [name for name in expected if name not in tree]
+    if missing:
+        raise ValueError(f"{params}: lacks tensor {missing[0]!r} ({len(missing)} missing) "
+                         f"that model_config.json implies")
+    for name, shape in expected.items():
+        if tuple(tree[name].shape) != shape:
+            raise ValueError(f"{params}: tensor {name!r} has shape {tuple(tree[name].shape)}, "
+                             f"model_config.json implies {shape}")
+
+
 def load_orbax_tokenizer(path: str | os.PathLike):
     """(``Tokenizer``, chat template) saved in the folder; (None, None) if none.
 
@@ -276,22 +361,34 @@ def load_orbax_tokenizer(path: str | os.PathLike):
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
         raise ValueError(f"{folder / _TOKENIZER}: cannot load tokenizer: {e}") from None
     meta = _read_json(folder / _TOKENIZER_META)
-    template = meta.get("chat_template")
-    return Tokenizer(backend, meta.get("special_ids", {}), template), template
+    template, ids = meta.get("chat_template"), meta.get("special_ids", {})
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{folder / _TOKENIZER_META}: chat_template is not a string")
+    if not isinstance(ids, dict) or not all(
+            i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+            for i in ids.values()):
+        raise ValueError(f"{folder / _TOKENIZER_META}: special_ids is not an object of "
+                         "token ids")
+    return Tokenizer(backend, ids, template), template
 
 
 def load_orbax(path: str | os.PathLike, dtype: Any = np.float32,
                shardings: Mapping[str, Any] | None = None, show_progress: bool = True,
                with_params: bool = True) -> OrbaxCheckpoint:
     """Load an Orbax checkpoint folder: config, tokenizer and (unless
-    ``with_params=False``) params via ``restore_orbax(path, shardings, dtype)``.
+    ``with_params=False``) params via ``restore_orbax(path, shardings, dtype)``;
+    the params' shapes are checked against the config first (``check_orbax_shapes``).
 
     Raises:
-      ValueError: see ``load_orbax_config``, ``restore_orbax``, ``load_orbax_tokenizer``.
+      ValueError: see ``load_orbax_config``, ``check_orbax_shapes``,
+        ``restore_orbax``, ``load_orbax_tokenizer``; every message names the
+        file or folder.
     """
     folder = pathlib.Path(path).expanduser()
     config = load_orbax_config(folder)
-    info = _read_json(folder / _INFO) if (folder / _INFO).is_file() else {}
+    check_params_files(folder, crc=False)  # sizes; restore_orbax checks the CRC32s too
+    check_orbax_shapes(folder, config)
+    info = _read_info(folder)
     tokenizer, template = load_orbax_tokenizer(folder)
     params = restore_orbax(folder, shardings, dtype, show_progress) if with_params else None
     return OrbaxCheckpoint(config=config, params=params, tokenizer=tokenizer,
@@ -299,5 +396,5 @@ def load_orbax(path: str | os.PathLike, dtype: Any = np.float32,
                            metadata={**info.get("metadata", {}), "source": info.get("source", "")})
 
 
-__all__ = ["OrbaxCheckpoint", "check_params_files", "is_orbax_checkpoint", "load_orbax",
+__all__ = ["OrbaxCheckpoint", "check_orbax_shapes", "check_params_files", "is_orbax_checkpoint", "load_orbax",
            "load_orbax_config", "load_orbax_tokenizer", "restore_orbax", "save_orbax"]
