@@ -102,7 +102,7 @@ def test_client_to_a_dead_port():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     p = _run(["--target", f"127.0.0.1:{port}", "hi"], "jaxserve.server.client")
-    _assert_one_error(p, 1, "UNAVAILABLE", f"127.0.0.1:{port}")
+    _assert_one_error(p, 1, f"UNAVAILABLE (127.0.0.1:{port})")
 
 
 def test_prompt_not_valid_unicode(tiny_gguf):
