@@ -476,8 +476,12 @@ async def _client_async(ctx: _Ctx) -> None:
                         case = "generate"
                     else:
                         last_burst = time.monotonic()
-                ctx.records.extend(await _one(ctx, client, case))
-                await asyncio.sleep(float(ctx.rng.uniform(0, 0.05)))
+                recs = await _one(ctx, client, case)
+                ctx.records.extend(recs)
+                # A full queue answers at once: back off as a client would, not spin.
+                full = case != "burst" and recs[-1].get("code") == "RESOURCE_EXHAUSTED"
+                await asyncio.sleep(float(ctx.rng.uniform(0.5, 1.0) if full
+                                          else ctx.rng.uniform(0, 0.05)))
         await asyncio.gather(*(worker() for _ in range(cfg["inflight"])))
 
 
@@ -674,7 +678,7 @@ def markdown(res: dict) -> str:
             f"{_f(w['e2e_p50'], '{:.2f}')} / {_f(w['e2e_p99'], '{:.2f}')} | "
             f"{fmt(w['errors'])} |")
     if step > 1:
-        lines.append(f"\n(every {step}th window of {res['config']['sample_s']} s; all in soak.json)")
+        lines.append(f"\n(one row every {step} windows of {res['config']['sample_s']} s; all in soak.json)")
     return "\n".join(lines) + "\n"
 
 
@@ -687,13 +691,18 @@ def plot(res: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    sm, ws = res["samples"], res["windows"]
+    trimmed = [s for s in res["samples"] if s.get("after_malloc_trim")]
+    sm = [s for s in res["samples"] if not s.get("after_malloc_trim")]
+    ws = res["windows"]
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     t = [s["t_rel"] / 60 for s in sm]
     ax = axes[0]
     ax.plot(t, [s.get("rss") for s in sm], label="RSS")
     ax.plot(t, [s.get("rss_anon") for s in sm], label="anonymous", ls="--")
     ax.axvline(res["warmup_s"] / 60, color="grey", ls=":", label="end of warm-up")
+    if trimmed:
+        ax.plot([s["t_rel"] / 60 for s in trimmed], [s.get("rss") for s in trimmed], "v",
+                color="tab:green", label="after malloc_trim(0)")
     if any(s.get("compilations") is not None for s in sm):
         ax2 = ax.twinx()
         ax2.plot(t, [s.get("compilations") for s in sm], color="tab:red", lw=1,
@@ -721,9 +730,11 @@ def plot(res: dict, path: str) -> bool:
         ys = np.array([w["errors"].get(code, 0) for w in ws])
         ax.bar(tw, ys, width, bottom=bottom, label=code)
         bottom += ys
-    ax.plot(tw, [w["unexpected"] for w in ws], color="k", marker="x", ls="", label="unexpected")
+    bad = [(x, w["unexpected"]) for x, w in zip(tw, ws) if w["unexpected"]]
+    if bad:
+        ax.plot(*zip(*bad), color="k", marker="x", ls="", label="unexpected")
     ax.set(xlabel="minutes", ylabel="calls", title="Non-OK calls per window")
-    if codes:
+    if codes or bad:
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -752,7 +763,7 @@ def _machine() -> dict:
 def _sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter | None) -> dict:
     from jaxserve.bench.serving import scrape
     now = time.monotonic()
-    s = {"t": now, "t_rel": now - t0}
+    s = {"t": now, "t_rel": now - t0, "wall": time.time()}
     if pid is not None:
         s.update(process_memory(pid))
     m = scrape(url)
