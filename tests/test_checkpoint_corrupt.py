@@ -1,6 +1,7 @@
 """Corrupt checkpoints end in one ``ValueError`` naming the file, never another exception.
 
-1. Hypothesis fuzz over a tiny GGUF (~25 KB; ``write_tiny_gguf``): truncation at
+1. Hypothesis fuzz over a tiny GGUF (25 KB; ``write_tiny_gguf``), 1,500 mutated
+   files (300 + 500 + 700), each read four ways in a few ms: truncation at
    any offset, byte overwrites and bit flips in the header region, and
    structured edits of every count, length, type tag, n_dims, dim and offset
    (``_slots`` lists where they are) to boundary values. Every outcome of
@@ -11,7 +12,7 @@
    claiming more tensors / keys, cut to 60%), through the API and through
    ``python -m jaxserve.main`` (generate and ``--mode serve``): exit 2, one
    ``error:`` line naming the file.
-3. Safetensors (HF folder) and Orbax corruptions.
+3. Safetensors (HF folder; 60 fuzzed files too) and Orbax corruptions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import signal
 import struct
 import subprocess
@@ -27,7 +29,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from checkpoints import loader
 from checkpoints.gguf_check import check_gguf
@@ -88,10 +90,9 @@ def _slots(data: bytes) -> tuple[list[tuple[str, int, int]], int]:
         pos += struct.calcsize(fmt)
         return value
 
-    def string(kind):
+    def string(kind):  # records the length field; returns the length
         slots.append((kind, pos, 8))
-        pos_len = u("Q")
-        return pos_len
+        return u("Q")
 
     def skip(n):
         nonlocal pos
@@ -155,6 +156,11 @@ def _assert_loads_or_names_file(path: pathlib.Path, readers=None) -> None:
                 assert message.startswith(f"{path}: "), message
                 assert "\n" not in message, message
                 assert len(message) < 600, message
+                # --hypothesis-show-statistics: which checks the examples reach
+                event(" ".join(re.sub(r"'[^']*'|\d+", "_", message[len(f"{path}: "):])
+                               .split()[:4]))
+            else:
+                event("loads")
 
 
 def _write(work_dir: pathlib.Path, data: bytes) -> pathlib.Path:
@@ -166,8 +172,10 @@ def _write(work_dir: pathlib.Path, data: bytes) -> pathlib.Path:
 @_fuzz(300)
 @given(st.data())
 def test_fuzz_truncated(tiny_bytes, work_dir, data):
-    _, table_end = _slots(tiny_bytes)
-    cut = data.draw(st.one_of(st.integers(0, table_end), st.integers(0, len(tiny_bytes) - 1)))
+    slots, table_end = _slots(tiny_bytes)
+    edges = sorted({pos + k for _, pos, width in slots for k in (0, 1, width - 1, width)})
+    cut = data.draw(st.one_of(st.integers(0, table_end), st.integers(0, len(tiny_bytes) - 1),
+                              st.sampled_from(edges)))  # inside / at the end of every field
     _assert_loads_or_names_file(_write(work_dir, tiny_bytes[:cut]))
 
 
@@ -396,10 +404,11 @@ def test_safetensors_corrupt(tmp_path, name, content, match):
     from checkpoints.hf_loader import read_safetensors, read_safetensors_header
     file = _hf_folder(tmp_path / name)
     file.write_bytes(content(file.read_bytes()))
-    with pytest.raises(ValueError, match=match) as e:
+    with pytest.raises(ValueError) as e:
         read_safetensors_header(file)
     message = str(e.value)
     assert message.startswith(f"{file}: ") and "\n" not in message, message
+    assert re.search(match, message[len(f"{file}: "):]), message  # not in the path
     with pytest.raises(ValueError):
         read_safetensors(file, {"a": (4, 8)}, np.float32)
 
