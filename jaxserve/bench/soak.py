@@ -128,8 +128,9 @@ try:
                 return int(line.split()[1]) * 1024
     def _probe(*_):
         rec = {"t": time.monotonic(), "rss_before": _rss(), "before": _info()}
+        t = time.perf_counter()
         _libc.malloc_trim(0)
-        rec.update(rss_after=_rss(), after=_info())
+        rec.update(trim_s=time.perf_counter() - t, rss_after=_rss(), after=_info())
         with open(os.environ["SOAK_MALLOC_FILE"], "a") as f:
             f.write(json.dumps(rec) + "\n")
     signal.signal(signal.SIGUSR1, _probe)
@@ -661,7 +662,7 @@ def markdown(res: dict) -> str:
         lines.append(f"- glibc after settling: heap in use {p['in_use_mb']:.0f} MB, free in "
                      f"arenas {p['free_mb']:.0f} MB, mmapped {p['mmap_mb']:.0f} MB; "
                      f"malloc_trim(0) took RSS {p['rss_before_mb']:.0f} -> "
-                     f"{p['rss_after_mb']:.0f} MB")
+                     f"{p['rss_after_mb']:.0f} MB in {_f(p.get('trim_s'), '{:.2f}')} s")
     lines += ["", "## Over time", "",
               "| t (min) | RSS MB | anon MB | pages used | running | waiting | XLA exes | "
               "calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |",
@@ -797,6 +798,7 @@ def _malloc_probe(proc, path: str) -> dict | None:
                 r = json.loads(lines[-1])
                 mb = lambda x: x / 2**20
                 return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
+                        "trim_s": r.get("trim_s"),
                         "in_use_mb": mb(r["before"]["uordblks"]),
                         "free_mb": mb(r["before"]["fordblks"]),
                         "arena_mb": mb(r["before"]["arena"]), "mmap_mb": mb(r["before"]["hblkhd"]),
