@@ -24,14 +24,14 @@ def test_soak_smoke_accounts_for_every_call(tiny_gguf, tmp_path):
          "--model", tiny_gguf, "--sample_s", "2", "--settle_s", "10", "--burst", "24",
          "--max_rss_drift", "10", "--output", str(out), "--",
          "--num_pages", "128", "--page_size", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=180)
+        cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "## Calls by case and status code" in res.stdout  # report.md is printed
     r = json.loads((out / "soak.json").read_text())
     c = r["counters"]
     counted = sum(sum(d["expected"].values()) + sum(d["unexpected"].values())
                   for d in c["by_case"].values())
-    assert counted == c["totals"]["calls"] > 10
+    assert counted == c["totals"]["calls"] == c["totals"]["started"] > 10
     assert c["totals"]["unexpected"] == 0, r["anomalies"][:5]
     assert c["totals"]["lost"] == c["totals"]["hanging"] == 0
     assert c["totals"]["ok_streams"] > 0

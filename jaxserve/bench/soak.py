@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -159,7 +160,7 @@ def process_memory(pid: int) -> dict:
         out["rss"] = psutil.Process(pid).memory_info().rss / 2**20
     except ImportError:
         pass
-    except Exception:  # psutil.NoSuchProcess and friends
+    except Exception:  # noqa: BLE001 (psutil.NoSuchProcess, AccessDenied, ...)
         return {}
     keys = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "VmHWM": "hwm",
             "Threads": "threads"}
@@ -223,6 +224,7 @@ class _Ctx:
         self.cid = client_id
         self.rng = np.random.default_rng([cfg["seed"], client_id])
         self.records: list[dict] = []
+        self.started = 0  # calls begun; each must end as one record
         self.n = 0
         names, w = zip(*CASES)
         self.case_names, self.case_p = names, np.array(w) / sum(w)
@@ -247,9 +249,9 @@ def _normal_request(ctx: _Ctx, max_tokens_hi: int = 40):
     budget = min(ctx.cfg["max_prompt_len"], ctx.cfg["max_model_len"] - max_tokens_hi) - 32
     form = r.choice(["text", "text", "ids", "chat"])
     if form == "text":
-        prompt = dict(prompt=ctx.text(1, 60 if r.random() < 0.05 else 10)[:budget])
+        prompt = {"prompt": ctx.text(1, 60 if r.random() < 0.05 else 10)[:budget]}
     elif form == "ids":
-        prompt = dict(token_ids=ctx.ids(1, min(200, budget)))
+        prompt = {"token_ids": ctx.ids(1, min(200, budget))}
     else:
         msgs = [{"role": "user", "content": ctx.text(1, 4)}]
         if r.random() < 0.5:
@@ -258,9 +260,9 @@ def _normal_request(ctx: _Ctx, max_tokens_hi: int = 40):
             msgs += [{"role": "assistant", "content": ctx.text(1, 2)},
                      {"role": "user", "content": ctx.text(1, 2)}]
         each = max(1, budget // len(msgs) - 32)
-        prompt = dict(messages=[{**m, "content": m["content"][:each]} for m in msgs])
+        prompt = {"messages": [{**m, "content": m["content"][:each]} for m in msgs]}
     n = 2 if r.random() < 0.2 else 1
-    kw = dict(max_tokens=int(r.integers(1, max_tokens_hi + 1)), n=n)
+    kw = {"max_tokens": int(r.integers(1, max_tokens_hi + 1)), "n": n}
     if r.random() < 0.5:
         kw["temperature"] = 0.0
     else:
@@ -342,7 +344,7 @@ async def _stream(call, n_choices: int, t0: float, rec: dict, cancel_at: float |
             wait = None if cancel_at is None else max(0.0, cancel_at - time.monotonic())
             try:
                 msg = await asyncio.wait_for(call.read(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 call.cancel()
                 break
             if msg is grpc.aio.EOF:
@@ -370,11 +372,15 @@ async def _stream(call, n_choices: int, t0: float, rec: dict, cancel_at: float |
 async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
     """Run one drawn call (a burst is several); returns its records."""
     import grpc
+
     from jaxserve.server import jaxserve_pb2 as pb
     cfg, r = ctx.cfg, ctx.rng
     t0 = time.monotonic()
     rec = {"case": case, "client": ctx.cid, "t0": t0}
     timeout = cfg["request_timeout_s"]
+    call = None
+    if case != "burst":
+        ctx.started += 1
     try:
         if case in ("generate", "cancel", "deadline"):
             req, n = _normal_request(ctx, 40 if case == "generate" else 64)
@@ -431,9 +437,11 @@ async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
                 rec["code"] = f"OK_{got}"
     except grpc.aio.AioRpcError as e:
         rec["code"], rec["details"] = e.code().name, (e.details() or "")[:300]
-    except asyncio.TimeoutError:
+    except TimeoutError:
         rec["code"], rec["hanging"] = "HANGING", True
-    except Exception as e:  # a client-side fault is a finding too, not a crash of the run
+        if call is not None:
+            call.cancel()
+    except Exception as e:  # noqa: BLE001 (a client-side fault is a finding, not a crash)
         rec["code"], rec["error"] = "CLIENT_ERROR", f"{type(e).__name__}: {e}"[:300]
     rec["t1"] = time.monotonic()
     rec["e2e"] = rec["t1"] - t0
@@ -446,6 +454,7 @@ async def _burst(ctx: _Ctx, client) -> list[dict]:
 
     async def one(i):
         from jaxserve.server.client import make_request
+        ctx.started += 1
         t0 = time.monotonic()
         rec = {"case": "burst", "client": ctx.cid, "t0": t0, "n": 1}
         req = make_request(prompt=ctx.text(1, 2), max_tokens=int(r.integers(1, 3)),
@@ -455,7 +464,7 @@ async def _burst(ctx: _Ctx, client) -> list[dict]:
         try:
             await asyncio.wait_for(_stream(call, 1, t0, rec),
                                    cfg["request_timeout_s"] + cfg["slack_s"])
-        except asyncio.TimeoutError:
+        except TimeoutError:
             call.cancel()
             rec["code"], rec["hanging"] = "HANGING", True
         rec["t1"] = time.monotonic()
@@ -489,15 +498,15 @@ async def _client_async(ctx: _Ctx) -> None:
 def client_main(cfg: dict, client_id: int, out) -> None:
     """Body of one client process: run the drawn calls until
     ``cfg["stop_at"]`` (monotonic, shared by every process on Linux), then
-    put ``(client_id, records)`` on ``out``."""
+    put ``(client_id, records, calls started)`` on ``out``."""
     ctx = _Ctx(cfg, client_id)
     try:
         asyncio.run(_client_async(ctx))
-    except Exception as e:  # report what ran, and the fault
+    except Exception as e:  # noqa: BLE001 (report what ran, and the fault)
         ctx.records.append({"case": "client", "client": client_id, "code": "CLIENT_ERROR",
                             "error": f"{type(e).__name__}: {e}"[:300],
                             "t0": time.monotonic(), "t1": time.monotonic(), "e2e": 0.0})
-    out.put((client_id, ctx.records))
+    out.put((client_id, ctx.records, ctx.started))
 
 
 # ---- analysis ---------------------------------------------------------------------------
@@ -511,7 +520,8 @@ def summarize(records: list[dict]) -> dict:
     totals of calls, lost, hanging, unexpected; the malformed sub-cases by code."""
     by = {}
     subs = {}
-    tot = {"calls": len(records), "lost": 0, "hanging": 0, "unexpected": 0, "ok_streams": 0}
+    tot = {"calls": len(records), "lost": 0, "hanging": 0, "unexpected": 0, "ok_streams": 0,
+           "client_faults": sum(r["case"] == "client" for r in records)}
     for rec in records:
         case, code = rec["case"], rec.get("code", "NONE")
         exp = code in EXPECTED.get(case, ())
@@ -541,7 +551,7 @@ def windows(records: list[dict], samples: list[dict]) -> list[dict]:
     code (every non-OK code) and the unexpected ones."""
     out = []
     ends = np.array([r["t1"] for r in records]) if records else np.zeros(0)
-    for a, b in zip(samples, samples[1:]):
+    for a, b in itertools.pairwise(samples):
         sel = [records[i] for i in np.nonzero((ends > a["t"]) & (ends <= b["t"]))[0]]
         gen = [r for r in sel if r["case"] == "generate" and r.get("code") == "OK"]
         ttft = [r["ttft"] for r in gen if r.get("ttft") is not None]
@@ -580,6 +590,8 @@ def criteria(result: dict, max_drift: float) -> list[str]:
     t = result["counters"]["totals"]
     if t["lost"]:
         fails.append(f"{t['lost']} lost streams (OK status, no final message with finish_reason)")
+    if t.get("started", t["calls"]) != t["calls"] - t.get("client_faults", 0):
+        fails.append(f"{t['started']} calls started but {t['calls']} recorded")
     if t["hanging"]:
         fails.append(f"{t['hanging']} hanging calls (not ended by deadline + slack)")
     if t["unexpected"]:
@@ -605,11 +617,11 @@ def _f(v, fmt="{:.1f}"):
 def markdown(res: dict) -> str:
     """The report: verdict, calls per case x code, end state, memory, latency over time."""
     c, cfg = res["counters"], res["config"]
-    lines = [f"# Soak: {cfg['model'] or cfg['target']}, {res['duration_s'] / 60:.1f} min, "
-             f"{cfg['clients']} clients x {cfg['inflight']} in flight",
-             "", f"Machine: {res['machine']['cpu']} ({res['machine']['cpus']} CPUs; "
+    lines = [(f"# Soak: {cfg['model'] or cfg['target']}, {res['duration_s'] / 60:.1f} min, "
+             f"{cfg['clients']} clients x {cfg['inflight']} in flight"),
+             "", (f"Machine: {res['machine']['cpu']} ({res['machine']['cpus']} CPUs; "
              f"{res['machine']['avx']}); load average at start/end "
-             f"{res['machine']['load_start']} / {res['machine']['load_end']}.",
+             f"{res['machine']['load_start']} / {res['machine']['load_end']}."),
              f"Server flags: `{' '.join(cfg['engine_flags']) or '(defaults)'}`"
              + (f"; env `{' '.join(cfg['server_env'])}`" if cfg["server_env"] else ""),
              "", "**PASSED**" if not res["failed"] else
@@ -628,8 +640,9 @@ def markdown(res: dict) -> str:
         lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
                      f"{d['lost']} | {d['hanging']} |")
     t = c["totals"]
-    lines += ["", f"{t['calls']} calls, {t['ok_streams']} streams ended OK; lost {t['lost']}, "
-              f"hanging {t['hanging']}, unexpected codes {t['unexpected']}.", ""]
+    lines += ["", (f"{t['calls']} calls ({t.get('started')} started), {t['ok_streams']} streams "
+              f"ended OK; lost {t['lost']}, "
+              f"hanging {t['hanging']}, unexpected codes {t['unexpected']}."), ""]
     bad_unexp = {k: v for k, v in c["sub_cases"].items()
                  if set(v) - {"INVALID_ARGUMENT"}}
     if bad_unexp:
@@ -637,18 +650,18 @@ def markdown(res: dict) -> str:
                   + "; ".join(f"{k}: {fmt(v)}" for k, v in sorted(bad_unexp.items())), ""]
     e, s, rss = res["end"], res["server"], res["rss"]
     lines += ["## End state and memory", "",
-              f"- KV pages free / total after settling: {e.get('pages_free')} / "
+              (f"- KV pages free / total after settling: {e.get('pages_free')} / "
               f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
-              f"settled in {_f(e.get('settle_s'))} s)",
-              f"- server exit status after SIGTERM: {s.get('exit_status')}"
-              f" ({_f(s.get('stop_s'))} s)"]
+              f"settled in {_f(e.get('settle_s'))} s)"),
+              (f"- server exit status after SIGTERM: {s.get('exit_status')}"
+              f" ({_f(s.get('stop_s'))} s)")]
     if rss:
-        lines += [f"- RSS, MB: start {rss['start_mb']:.0f}, end of warm-up "
+        lines += [(f"- RSS, MB: start {rss['start_mb']:.0f}, end of warm-up "
                   f"({res['warmup_s'] / 60:.1f} min) {rss['warmup_end_mb']:.0f}, end "
                   f"{rss['end_mb']:.0f}, peak {rss['peak_mb']:.0f}; drift "
                   f"{100 * rss['drift']:+.1f}% (limit {100 * cfg['max_rss_drift']:.0f}%); "
                   f"slope after warm-up {_f(rss['slope_mb_per_min'], '{:+.2f}')} MB/min "
-                  f"over {rss['post_warmup_samples']} samples"]
+                  f"over {rss['post_warmup_samples']} samples")]
     else:
         lines.append("- RSS: not measured (no server pid: give --server_pid with --target)")
     if res.get("compilations") is not None:
@@ -664,8 +677,8 @@ def markdown(res: dict) -> str:
                      f"malloc_trim(0) took RSS {p['rss_before_mb']:.0f} -> "
                      f"{p['rss_after_mb']:.0f} MB in {_f(p.get('trim_s'), '{:.2f}')} s")
     lines += ["", "## Over time", "",
-              "| t (min) | RSS MB | anon MB | pages used | running | waiting | XLA exes | "
-              "calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |",
+              ("| t (min) | RSS MB | anon MB | pages used | running | waiting | XLA exes | "
+              "calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |"),
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = list(zip(res["samples"][1:], res["windows"]))
     step = max(1, len(rows) // 30)
@@ -749,7 +762,7 @@ def _machine() -> dict:
     cpu = platform.processor() or ""
     avx = ""
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
                     if ln.startswith("Model name")), cpu)
         flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines()
@@ -788,21 +801,23 @@ def _sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter
 def _malloc_probe(proc, path: str) -> dict | None:
     """SIGUSR1 the server (its sitecustomize appends a JSON line to ``path``);
     the figures in MB, or None when nothing came back within 10 s."""
-    n0 = sum(1 for _ in open(path)) if os.path.exists(path) else 0
+    def lines():
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return f.read().splitlines()
+    n0 = len(lines())
     proc.send_signal(signal.SIGUSR1)
     for _ in range(100):
         time.sleep(0.1)
-        if os.path.exists(path):
-            lines = open(path).read().splitlines()
-            if len(lines) > n0:
-                r = json.loads(lines[-1])
-                mb = lambda x: x / 2**20
-                return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
-                        "trim_s": r.get("trim_s"),
-                        "in_use_mb": mb(r["before"]["uordblks"]),
-                        "free_mb": mb(r["before"]["fordblks"]),
-                        "arena_mb": mb(r["before"]["arena"]), "mmap_mb": mb(r["before"]["hblkhd"]),
-                        "raw": r}
+        if len(got := lines()) > n0:
+            r = json.loads(got[-1])
+            mb = lambda x: x / 2**20
+            return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
+                    "trim_s": r.get("trim_s"), "in_use_mb": mb(r["before"]["uordblks"]),
+                    "free_mb": mb(r["before"]["fordblks"]),
+                    "arena_mb": mb(r["before"]["arena"]), "mmap_mb": mb(r["before"]["hblkhd"]),
+                    "raw": r}
     return None
 
 
@@ -860,14 +875,15 @@ def run(a) -> dict:
                  for i in range(a.clients)]
         for p in procs:
             p.start()
-        records, got = [], set()
+        records, got, started = [], set(), 0
         hard_end = cfg["stop_at"] + a.request_timeout_s + a.slack_s + 60
         next_sample = t0 + a.sample_s
         while len(got) < a.clients and time.monotonic() < hard_end:
             try:
-                cid, recs = out.get(timeout=max(0.05, next_sample - time.monotonic()))
+                cid, recs, n = out.get(timeout=max(0.05, next_sample - time.monotonic()))
                 got.add(cid)
                 records += recs
+                started += n
             except queue_mod.Empty:
                 pass
             if time.monotonic() >= next_sample:
@@ -907,6 +923,7 @@ def run(a) -> dict:
     machine["load_end"] = [round(x, 2) for x in os.getloadavg()]
     records.sort(key=lambda r: r["t1"])
     counters = summarize(records)
+    counters["totals"]["started"] = started
     rss_samples = [x for x in samples if not x.get("after_malloc_trim")]
     res = {"config": {**vars(a), "engine_flags": flags, "warmup_s": warmup_s},
            "machine": machine, "server": server,
