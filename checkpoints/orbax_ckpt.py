@@ -311,12 +311,16 @@ def _metadata_tree(folder: pathlib.Path) -> dict[str, Any]:
     params = folder / _PARAMS
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
-            tree = ckptr.metadata(params).item_metadata.tree
-        for meta in tree.values():  # every entry must have a shape and a dtype
+            item = ckptr.metadata(params).item_metadata
+        tree = None if item is None else item.tree
+        for meta in (tree or {}).values():  # every entry must have a shape and a dtype
             [int(d) for d in meta.shape], np.dtype(meta.dtype)
     except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
         raise ValueError(f"{params}: cannot read the Orbax metadata: "
                          f"{' '.join(str(e).split())[:300]}") from None
+    if tree is None:  # Orbax only logs a warning when _METADATA is unreadable
+        raise ValueError(f"{params}: Orbax finds no tensor metadata (_METADATA missing "
+                         "or corrupt)")
     return tree
 
 

@@ -571,5 +571,6 @@ def test_orbax_no_info_file(orbax_src, tmp_path):
     folder = _copy(orbax_src, tmp_path / "no-info")
     (folder / "jaxserve_orbax.json").unlink()
     (folder / "params" / "_METADATA").write_text("{")
-    with _time_limit(60), pytest.raises(ValueError, match=rf"^{folder / 'params'}: "):
+    with _time_limit(60), pytest.raises(ValueError, match=rf"^{folder / 'params'}: Orbax finds "
+                                                          r"no tensor metadata"):
         _orbax_reads(folder)
