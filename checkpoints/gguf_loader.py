@@ -26,6 +26,12 @@ GGUF lists dims fastest-first (ggml ``ne``); numpy shapes read the other way, so
 rows of q_proj / k_proj within each head from HF's rotate-half order into
 interleaved-pair order; ``unpermute_qk`` undoes it, so the params expect HF
 (rotate-half) RoPE.
+
+A file is checked before ``gguf.GGUFReader`` touches it (``checkpoints.gguf_check``:
+every count, length, type tag, offset and tensor extent against the file size),
+then its metadata types, special token ids, tokenizer fields and tensor shapes
+against the metadata; every failure is a one-line ``ValueError`` starting with
+the path. Anything the library still raises is translated the same way.
 """
 
 from __future__ import annotations

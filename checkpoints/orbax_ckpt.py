@@ -17,7 +17,10 @@ shardings it returns numpy arrays. Before reading, every file under
 ``params/`` is checked against the sizes recorded at save time, so a deleted
 or truncated file is reported by name (``ValueError``) instead of as a
 tensorstore error deep in the restore; any other read failure is re-raised as
-a ``ValueError`` naming the params folder and the tensors being read.
+a ``ValueError`` naming the params folder and the tensors being read. The JSON
+files are checked too (``jaxserve_orbax.json``'s tables must be objects of
+non-negative ints over paths inside ``params/``), and ``load_orbax`` checks
+the tensor shapes in Orbax's metadata against ``model_config.json``.
 """
 
 from __future__ import annotations
