@@ -46,9 +46,9 @@ import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.config import ModelConfig
 from checkpoints.gguf_check import GGUFLayout, check_gguf
 from checkpoints.tokenizer import Tokenizer
+from jaxserve.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -284,7 +284,8 @@ def check_tensor_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...
       ValueError: an unknown tensor name, a missing tensor, or a tensor whose
         shape differs from the one the metadata implies (names it and both shapes).
     """
-    from checkpoints.hf_loader import expected_tensors  # local: hf_loader imports ml_dtypes
+    # local: hf_loader imports ml_dtypes and tokenizers
+    from checkpoints.hf_loader import expected_tensors
 
     expected = expected_tensors(config)
     found = {}
@@ -359,6 +360,6 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
         )
 
 
-__all__ = ["GGUFCheckpoint", "SUPPORTED_ARCHITECTURES", "check_tensor_shapes",
-           "dequantize_tensor", "hf_name", "load_gguf_fields",
-           "load_gguf", "model_config_from_gguf", "read_fields", "unpermute_qk"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFCheckpoint", "check_tensor_shapes",
+           "dequantize_tensor", "hf_name", "load_gguf", "load_gguf_config", "load_gguf_fields",
+           "model_config_from_gguf", "read_fields", "unpermute_qk"]

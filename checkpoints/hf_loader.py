@@ -29,6 +29,7 @@ architecture or option.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -349,8 +350,9 @@ def read_safetensors_header(path: pathlib.Path) -> tuple[dict[str, dict[str, Any
             raise ValueError(f"{path}: tensor {name!r:.80} spans {end - begin} bytes, its "
                              f"dtype and shape need {nbytes}")
     spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
-                   for name, info in header.items() if info["data_offsets"][1] > info["data_offsets"][0])
-    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+                   for name, info in header.items()
+                   if info["data_offsets"][1] > info["data_offsets"][0])
+    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
         if begin < end:
             raise ValueError(f"{path}: tensor {second!r:.80} overlaps tensor {first!r:.80} "
                              f"in the data section (corrupt header)")
