@@ -28,7 +28,7 @@ from jaxserve.engine import multihost
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
-                                     RequestOutput, SamplingParams)
+                                     RequestOutput, SamplingParams, check_text)
 from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -236,7 +236,7 @@ class Engine:
                 raise ValueError("prompt is empty: ''")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(check_text(prompt, "prompt"))
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -626,9 +626,11 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer / chat template")
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+            if isinstance(m["content"], str):
+                check_text(m["content"], f"messages[{i}].content")
         return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
     def chat(self, messages, sampling_params=None) -> list[RequestOutput]:

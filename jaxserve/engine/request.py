@@ -14,6 +14,22 @@ import time
 MAX_LOGPROBS = 20
 
 
+def check_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode (encodable as UTF-8: no lone surrogate,
+    as ``surrogateescape`` makes of undecodable bytes in ``sys.argv``).
+
+    Raises:
+      ValueError: ``"<what>: is not valid Unicode: lone surrogate U+DCFF at
+        character 3"``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: is not valid Unicode: lone surrogate "
+                         f"U+{ord(text[e.start]):04X} at character {e.start}") from None
+    return text
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to sample one request's output (vLLM's ``SamplingParams``).
@@ -89,6 +105,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must hold non-empty strings")
+        for i, s in enumerate(self.stop):
+            check_text(s, f"SamplingParams.stop[{i}]")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             bad("stop_token_ids", "must hold non-negative integers")

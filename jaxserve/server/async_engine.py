@@ -79,9 +79,11 @@ class AsyncEngine:
     Args:
       engine: the engine; from ``start`` on, only the engine thread uses it.
       metrics: where to record; a fresh ``ServingMetrics`` by default.
-      max_waiting_requests: bound on sequences waiting for their first step
-        (submitted and not yet in the engine included); ``submit`` raises
-        ``QueueFullError`` beyond it.
+      max_waiting_requests: bound on sequences that cannot start: those
+        submitted or waiting in the engine beyond the running slots still
+        free (``max_num_seqs`` less the sequences running after the last
+        step). ``generate`` raises ``QueueFullError`` beyond it, so a burst
+        into an idle engine is admitted up to its free slots plus this bound.
       on_fatal: called (from the engine thread) with the ``MultihostError``
         of a multi-host job that can no longer step; the engine thread has
         then ended every stream with ``EngineError`` and stopped, and
@@ -108,6 +110,8 @@ class AsyncEngine:
         self._submitted = 0        # asyncio thread: sequences put on the command queue
         self._drained = 0          # engine thread: sequences taken off it
         self._engine_waiting = 0   # engine thread: scheduler.waiting after the last step
+        self._engine_running = 0   # engine thread: scheduler.running after the last step
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.num_steps = 0         # engine thread: steps run
         self.num_in_flight = 0     # asyncio thread: streams not yet finished
         self._open: set[_Stream] = set()  # asyncio thread: those streams
@@ -122,7 +126,35 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._submitted - self._drained + self._engine_waiting
+        """Sequences that cannot start now: submitted or waiting in the engine,
+        beyond the running slots still free."""
+        pending = self._submitted - self._drained + self._engine_waiting
+        return max(0, pending - (self.max_num_seqs - self._engine_running))
+
+    def check_limits(self, params: SamplingParams) -> None:
+        """The checks of ``params`` against this engine's limits that need no
+        prompt (so the servicer runs them before tokenizing).
+
+        Raises:
+          ValueError: ``n`` above ``max_num_seqs`` or ``max_waiting_requests``
+            (such a request could never start, so retrying cannot help).
+        """
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"sampling.n: {params.n} is more than max_num_seqs="
+                             f"{self.max_num_seqs}, the most sequences that run at once")
+        if params.n > self.max_waiting_requests:
+            raise ValueError(f"sampling.n: {params.n} is more than max_waiting_requests="
+                             f"{self.max_waiting_requests}")
+
+    def check_queue(self, params: SamplingParams) -> None:
+        """Raises ``QueueFullError`` if ``params.n`` more sequences would
+        exceed ``max_waiting_requests``, ``ShuttingDownError`` after
+        ``stop_accepting``."""
+        if not self._accepting:
+            raise ShuttingDownError("the server is shutting down")
+        if self.num_waiting + params.n > self.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting} sequences cannot start yet "
+                                 f"(max_waiting_requests={self.max_waiting_requests})")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> "RequestStream":
@@ -138,15 +170,12 @@ class AsyncEngine:
             the engine thread; default now.
 
         Raises (before any output):
-          ValueError: from ``Engine.add_request``'s checks.
-          QueueFullError: too many requests waiting.
+          ValueError: from ``check_limits`` and ``Engine.add_request``'s checks.
+          QueueFullError: too many sequences cannot start (``check_queue``).
           ShuttingDownError: after ``stop_accepting``.
         """
-        if not self._accepting:
-            raise ShuttingDownError("the server is shutting down")
-        if self.num_waiting + params.n > self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} sequences are waiting "
-                                 f"(max_waiting_requests={self.max_waiting_requests})")
+        self.check_limits(params)
+        self.check_queue(params)
         engine_id = f"s{next(self._ids)}"
         stream = _Stream(engine_id, asyncio.Queue())
         added = self._loop.create_future()
@@ -154,7 +183,7 @@ class AsyncEngine:
         self._commands.put(("add", engine_id, prompt_ids, params, stream, added,
                             arrival_time if arrival_time is not None else time.monotonic()))
         try:
-                await added  # raises ValueError from add_request
+            await added  # raises ValueError from add_request
         except asyncio.CancelledError:
             self.abort(stream)  # applied after the add: commands run in order
             raise
@@ -273,6 +302,7 @@ class AsyncEngine:
             for out in outs:
                 self._dispatch(out, now)
             self._engine_waiting = len(engine.scheduler.waiting)
+            self._engine_running = len(engine.scheduler.running)
             self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
 
     def _dispatch(self, out: RequestOutput, now: float) -> None:

@@ -54,6 +54,7 @@ from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.checks import add_generation_servicer
 from jaxserve.server.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class Server:
         interceptors = [BearerTokenInterceptor(cfg.auth_token, self.metrics)] \
             if cfg.auth_token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        add_generation_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -1,13 +1,20 @@
 """The ``jaxserve.v1.Generation`` servicer (grpc.aio) over an ``AsyncEngine``.
 
-Every request is checked here before it reaches the engine; a bad one ends
-with INVALID_ARGUMENT and a message that names the field. The servicer
+Every request is checked here before it reaches the engine, cheapest check
+first (``jaxserve.server.checks`` gives the order): a bad one ends with
+INVALID_ARGUMENT and a message that names the field, before any tokenizing.
+Large texts and chats are tokenized on a small worker pool (``tokenizers``
+releases the GIL), so the event loop keeps serving other requests and health
+checks meanwhile. Register it with ``checks.add_generation_servicer``, whose
+deserializer turns undecodable bytes into INVALID_ARGUMENT. The servicer
 exists before the model has loaded (so health and reflection answer at
 once); until ``set_engine`` its methods answer UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -20,16 +27,15 @@ from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.async_engine import (AsyncEngine, EngineError, QueueFullError,
                                           ShuttingDownError, StreamAborted)
+from jaxserve.server.checks import (INLINE_TOKENIZE_CHARS, CumulativeChoice, InvalidRequest,
+                                    abort_undecodable, check_output_size, check_request_id,
+                                    header_request_id, length_delimited, max_text_bytes)
 
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "logprobs",
              "prompt_logprobs", "repetition_penalty")
-
-
-class InvalidRequest(ValueError):
-    """A request field is bad; the message starts with the field's name."""
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -67,19 +73,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
       model_name: what ``ModelInfo`` reports as the name.
       max_prompt_len: longest prompt accepted, tokens (None: the engine's
         max_model_len - 1).
+      tokenize_workers: threads that tokenize large prompts.
+      max_pending_tokenize: large prompts tokenizing or queued for it at
+        once; beyond it a request gets RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, model_name: str, max_prompt_len: int | None = None):
+    def __init__(self, model_name: str, max_prompt_len: int | None = None, *,
+                 tokenize_workers: int = 2, max_pending_tokenize: int = 64):
         self.model_name = model_name
         self.max_prompt_len = max_prompt_len
+        self.max_text_bytes: int | None = None
         self.engine: AsyncEngine | None = None
         self._live_ids: set[str] = set()
         self._ids = itertools.count()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            tokenize_workers, thread_name_prefix="jaxserve-tokenize")
+        self._max_pending = max_pending_tokenize
+        self._pending = 0
 
     def set_engine(self, engine: AsyncEngine) -> None:
         """Start serving (the model has loaded)."""
         if self.max_prompt_len is None:
             self.max_prompt_len = engine.engine.max_model_len - 1
+        tok = engine.engine.tokenizer
+        if tok is not None:
+            self.max_text_bytes = max_text_bytes(tok, self.max_prompt_len)
         self.engine = engine
 
     async def _ready(self, context) -> AsyncEngine:
@@ -100,15 +118,53 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             out.append({"role": m.role, "content": m.content})
         return out
 
-    def _chat_ids(self, chat: pb.ChatMessages, field: str) -> list[int]:
+    def _check_text_size(self, size_chars: int, text_bytes, field: str) -> None:
+        """Refuse text that cannot fit ``max_prompt_len`` tokens, before
+        tokenizing it; ``text_bytes()`` gives its UTF-8 length when needed."""
+        bound = self.max_text_bytes
+        if bound is None or 4 * size_chars <= bound:
+            return
+        size = size_chars if size_chars > bound else text_bytes()
+        if size > bound:
+            raise InvalidRequest(
+                f"{field}: {size:,} bytes of text cannot fit max_prompt_len="
+                f"{self.max_prompt_len} tokens (the limit is {bound:,} bytes)")
+
+    async def _off_loop(self, fn, size_chars: int):
+        """``fn()``: inline for small inputs, else on the tokenizer pool."""
+        if size_chars < INLINE_TOKENIZE_CHARS:
+            return fn()
+        if self._pending >= self._max_pending:
+            raise QueueFullError(f"{self._pending} large prompts are being tokenized "
+                                 f"(at most {self._max_pending})")
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        finally:
+            self._pending -= 1
+
+    async def _chat_ids(self, chat: pb.ChatMessages, field: str) -> list[int]:
         tok = self.engine.engine.tokenizer
         if tok is None:
             raise InvalidRequest(f"{field}: this model has no tokenizer or chat template")
         messages = self._messages(chat, field)
-        try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_text_size(chars, lambda: sum(len(m["content"].encode()) for m in messages),
+                              field)
+
+        def render():
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True)
+            except (ValueError, jinja2.TemplateError) as e:
+                raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
+        return await self._off_loop(render, chars)
+
+    async def _text_ids(self, text: str, field: str, add_special_tokens: bool = True):
+        tok = self.engine.engine.tokenizer
+        self._check_text_size(len(text), lambda: len(text.encode()), field)
+        return await self._off_loop(
+            lambda: tok.encode(text, add_special_tokens=add_special_tokens), len(text))
 
     def _check_ids(self, ids, field: str) -> list[int]:
         vocab = self.engine.engine.model_config.vocab_size
@@ -118,7 +174,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                  f"vocabulary [0, {vocab})")
         return [int(i) for i in ids]
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("prompt: set one of text, token_ids or chat")
@@ -127,13 +183,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequest("prompt.text: is empty")
             if self.engine.engine.tokenizer is None:
                 raise InvalidRequest("prompt.text: this model has no tokenizer; send token_ids")
-            ids = self.engine.engine.encode(request.text)
+            ids = await self._text_ids(request.text, "prompt.text")
         elif kind == "token_ids":
             if not request.token_ids.ids:
                 raise InvalidRequest("prompt.token_ids: is empty")
             ids = self._check_ids(request.token_ids.ids, "prompt.token_ids")
         else:
-            ids = self._chat_ids(request.chat, "prompt.chat")
+            ids = await self._chat_ids(request.chat, "prompt.chat")
         if len(ids) > self.max_prompt_len:
             raise InvalidRequest(f"prompt: {len(ids)} tokens is more than max_prompt_len="
                                  f"{self.max_prompt_len}")
@@ -141,21 +197,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- Generate -----------------------------------------------------------
 
+    async def _reject(self, context, code: grpc.StatusCode, error: Exception) -> None:
+        if self.engine is not None:
+            self.engine.metrics.rejected.labels(code.name).inc()
+        await context.abort(code, str(error))
+
     async def Generate(self, request: pb.GenerateRequest, context):
         arrival_time = time.monotonic()
         engine = await self._ready(context)
         engine.metrics.received.inc()
         try:
+            await abort_undecodable(request, context)
+            rid = check_request_id(request.request_id) if request.request_id else \
+                f"req-{next(self._ids)}"
             if request.output_kind not in pb.OutputKind.values():
                 raise InvalidRequest(f"output_kind: unknown value {request.output_kind}")
             params = sampling_params_from_proto(request.sampling)
-            ids = self._prompt_ids(request)
+            engine.check_limits(params)
+            check_output_size(params, request.output_kind)
             if params.stop_token_ids:
                 self._check_ids(params.stop_token_ids, "sampling.stop_token_ids")
-        except InvalidRequest as e:
-            engine.metrics.rejected.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id or f"req-{next(self._ids)}"
+            engine.check_queue(params)  # before tokenizing: a full queue costs nothing
+            ids = await self._prompt_ids(request)
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, e)
+        except QueueFullError as e:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e)
+        except ShuttingDownError as e:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, e)
         if rid in self._live_ids:
             engine.metrics.rejected.labels("ALREADY_EXISTS").inc()
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -175,16 +244,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             kind = request.output_kind
             reported_finish: set[int] = set()
+            cumulative: dict[int, CumulativeChoice] = {}
             first = True
             last = None
             try:
                 # Initial metadata tells the client the request is in the engine.
-                await context.send_initial_metadata((("x-request-id", rid),))
+                await context.send_initial_metadata((("x-request-id", header_request_id(rid)),))
                 async for out in outputs:
                     last = out
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
-                    yield self._response(rid, out, kind, first, reported_finish)
+                    if kind == pb.OUTPUT_KIND_CUMULATIVE:
+                        yield self._cumulative_response(rid, out, first, cumulative)
+                    else:
+                        yield self._response(rid, out, kind, first, reported_finish)
                     first = False
             except StreamAborted:
                 yield self._aborted_response(rid, len(ids), last, arrival_time, kind,
@@ -196,10 +269,50 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             self._live_ids.discard(rid)
 
+    def _response_head(self, rid: str, out: RequestOutput, first: bool) -> pb.GenerateResponse:
+        """A response without completions: prompt logprobs on the first,
+        usage and timing on the last."""
+        resp = pb.GenerateResponse(request_id=rid, finished=out.finished)
+        if first and out.prompt_logprobs is not None:
+            resp.prompt_logprobs.extend(
+                position_logprobs_proto(t, e) for t, e in
+                zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+        if out.finished:
+            m = out.metrics
+            resp.usage.CopyFrom(pb.Usage(
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+                cached_tokens=m.num_cached_tokens))
+            resp.timing.CopyFrom(pb.Timing(queue_ms=m.queue_ms or 0.0, ttft_ms=m.ttft_ms or 0.0,
+                                           tpot_ms=m.tpot_ms or 0.0, e2e_ms=m.e2e_ms or 0.0))
+        return resp
+
+    def _cumulative_response(self, rid: str, out: RequestOutput, first: bool,
+                             choices: dict[int, CumulativeChoice]) -> bytes:
+        """An OUTPUT_KIND_CUMULATIVE response, serialized: each choice's token
+        ids and logprobs so far are kept as bytes (``CumulativeChoice``), so
+        the Python work is for this step's new tokens only."""
+        parts = [self._response_head(rid, out, first).SerializeToString()]
+        for c in out.outputs:
+            choice = choices.get(c.index)
+            if choice is None or len(c.token_ids) < choice.num_tokens:
+                choice = choices[c.index] = CumulativeChoice()
+            new = c.token_ids[choice.num_tokens:]
+            lps = None
+            if c.logprobs is not None and new:
+                entries = c.logprobs[len(c.logprobs) - len(new):]
+                lps = [position_logprobs_proto(t, e) for t, e in zip(new, entries)]
+            choice.extend(new, lps)
+            head = pb.Completion(index=c.index, text=c.text, finish_reason=c.finish_reason or "",
+                                 stop_reason="" if c.stop_reason is None else str(c.stop_reason),
+                                 cumulative_logprob=c.cumulative_logprob)
+            parts.append(length_delimited(2, choice.completion_bytes(head)))
+        return b"".join(parts)
+
     def _response(self, rid: str, out: RequestOutput, kind: int, first: bool,
                   reported_finish: set[int]) -> pb.GenerateResponse:
         delta = kind == pb.OUTPUT_KIND_DELTA
-        resp = pb.GenerateResponse(request_id=rid, finished=out.finished)
+        resp = self._response_head(rid, out, first)
         for c in out.outputs:
             new_finish = c.finish_reason is not None and c.index not in reported_finish
             if delta and not (c.delta_token_ids or c.delta_text or new_finish):
@@ -215,18 +328,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 lps = c.logprobs[len(c.logprobs) - len(ids):]
                 comp.logprobs.extend(position_logprobs_proto(t, e) for t, e in zip(ids, lps))
             resp.completions.append(comp)
-        if first and out.prompt_logprobs is not None:
-            resp.prompt_logprobs.extend(
-                position_logprobs_proto(t, e) for t, e in
-                zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
-        if out.finished:
-            m = out.metrics
-            resp.usage.CopyFrom(pb.Usage(
-                prompt_tokens=len(out.prompt_token_ids),
-                completion_tokens=sum(len(c.token_ids) for c in out.outputs),
-                cached_tokens=m.num_cached_tokens))
-            resp.timing.CopyFrom(pb.Timing(queue_ms=m.queue_ms or 0.0, ttft_ms=m.ttft_ms or 0.0,
-                                           tpot_ms=m.tpot_ms or 0.0, e2e_ms=m.e2e_ms or 0.0))
         return resp
 
     def _aborted_response(self, rid: str, prompt_len: int, last: RequestOutput | None,
@@ -259,6 +360,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         engine = await self._ready(context)
+        await abort_undecodable(request, context)
         tok = engine.engine.tokenizer
         try:
             if tok is None:
@@ -267,19 +369,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if kind is None:
                 raise InvalidRequest("input: set one of text or chat")
             if kind == "text":
-                ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+                ids = await self._text_ids(request.text, "input.text",
+                                           request.add_special_tokens)
             else:
-                ids = self._chat_ids(request.chat, "input.chat")
+                ids = await self._chat_ids(request.chat, "input.chat")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         engine = await self._ready(context)
+        await abort_undecodable(request, context)
         tok = engine.engine.tokenizer
         try:
             if tok is None:
                 raise InvalidRequest("token_ids: this model has no tokenizer")
+            if len(request.token_ids) > engine.engine.max_model_len:
+                raise InvalidRequest(f"token_ids: {len(request.token_ids)} ids is more than "
+                                     f"max_model_len={engine.engine.max_model_len}")
             ids = self._check_ids(request.token_ids, "token_ids")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -288,6 +397,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context):
         engine = await self._ready(context)
+        await abort_undecodable(request, context)
         e = engine.engine
         import jax  # already loaded by the engine
         cfg = e.config
