@@ -52,7 +52,6 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.config import ServerConfig
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
-from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.checks import add_generation_servicer
 from jaxserve.server.servicer import GenerationServicer
@@ -276,6 +275,8 @@ class Server:
         self.async_engine.start()
         self.metrics.observe_stats(engine.stats())
         self.servicer.set_engine(self.async_engine)
+        if self.servicer.tokenizer_pool is not None:  # spawn the tokenizer workers now
+            await asyncio.to_thread(self.servicer.tokenizer_pool.start)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         print(f"jaxserve: serving {self.servicer.model_name} "
               f"(loaded in {time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
@@ -317,6 +318,8 @@ class Server:
         await self.server.stop(max(0.0, deadline - 0.3 - time.monotonic()))
         if ae is not None:
             clean = await ae.stop(timeout_s=max(0.0, deadline - 0.1 - time.monotonic()))
+        if self.servicer.tokenizer_pool is not None:
+            self.servicer.tokenizer_pool.close()
         print(f"jaxserve: stopped in {time.monotonic() - t0:.1f} s"
               f"{'' if clean else ' (engine thread still busy; exiting without it)'}",
               file=sys.stderr, flush=True)

@@ -3,9 +3,9 @@
 Every request is checked here before it reaches the engine, cheapest check
 first (``jaxserve.server.checks`` gives the order): a bad one ends with
 INVALID_ARGUMENT and a message that names the field, before any tokenizing.
-Large texts and chats are tokenized on a small worker pool (``tokenizers``
-releases the GIL), so the event loop keeps serving other requests and health
-checks meanwhile. Register it with ``checks.add_generation_servicer``, whose
+Large texts and chats are tokenized in worker processes
+(``tokenize_pool``), so the event loop keeps serving other requests and
+health checks meanwhile. Register it with ``checks.add_generation_servicer``, whose
 deserializer turns undecodable bytes into INVALID_ARGUMENT. The servicer
 exists before the model has loaded (so health and reflection answer at
 once); until ``set_engine`` its methods answer UNAVAILABLE.
@@ -13,8 +13,6 @@ once); until ``set_engine`` its methods answer UNAVAILABLE.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import itertools
 import logging
 import time
@@ -30,6 +28,7 @@ from jaxserve.server.async_engine import (AsyncEngine, EngineError, QueueFullErr
 from jaxserve.server.checks import (INLINE_TOKENIZE_CHARS, CumulativeChoice, InvalidRequest,
                                     abort_undecodable, check_output_size, check_request_id,
                                     header_request_id, length_delimited, max_text_bytes)
+from jaxserve.server.tokenize_pool import TokenizerPool
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
       model_name: what ``ModelInfo`` reports as the name.
       max_prompt_len: longest prompt accepted, tokens (None: the engine's
         max_model_len - 1).
-      tokenize_workers: threads that tokenize large prompts.
+      tokenize_workers: processes that tokenize large prompts (0: tokenize
+        everything on the event loop).
       max_pending_tokenize: large prompts tokenizing or queued for it at
         once; beyond it a request gets RESOURCE_EXHAUSTED.
     """
@@ -86,8 +86,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine: AsyncEngine | None = None
         self._live_ids: set[str] = set()
         self._ids = itertools.count()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            tokenize_workers, thread_name_prefix="jaxserve-tokenize")
+        self.tokenize_workers = tokenize_workers
+        self.tokenizer_pool: TokenizerPool | None = None
         self._max_pending = max_pending_tokenize
         self._pending = 0
 
@@ -98,6 +98,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         tok = engine.engine.tokenizer
         if tok is not None:
             self.max_text_bytes = max_text_bytes(tok, self.max_prompt_len)
+            if self.tokenize_workers and self.tokenizer_pool is None:
+                self.tokenizer_pool = TokenizerPool(tok, self.tokenize_workers)
         self.engine = engine
 
     async def _ready(self, context) -> AsyncEngine:
@@ -130,16 +132,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 f"{field}: {size:,} bytes of text cannot fit max_prompt_len="
                 f"{self.max_prompt_len} tokens (the limit is {bound:,} bytes)")
 
-    async def _off_loop(self, fn, size_chars: int):
-        """``fn()``: inline for small inputs, else on the tokenizer pool."""
-        if size_chars < INLINE_TOKENIZE_CHARS:
-            return fn()
+    async def _off_loop(self, inline, pooled, size_chars: int):
+        """``inline()`` for small inputs (or without a pool), else ``await pooled()``."""
+        if size_chars < INLINE_TOKENIZE_CHARS or self.tokenizer_pool is None:
+            return inline()
         if self._pending >= self._max_pending:
             raise QueueFullError(f"{self._pending} large prompts are being tokenized "
                                  f"(at most {self._max_pending})")
         self._pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            return await pooled()
         finally:
             self._pending -= 1
 
@@ -152,19 +154,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._check_text_size(chars, lambda: sum(len(m["content"].encode()) for m in messages),
                               field)
 
-        def render():
-            try:
-                return tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=True)
-            except (ValueError, jinja2.TemplateError) as e:
-                raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
-        return await self._off_loop(render, chars)
+        try:
+            return await self._off_loop(
+                lambda: tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True),
+                lambda: self.tokenizer_pool.chat_ids(messages), chars)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
 
     async def _text_ids(self, text: str, field: str, add_special_tokens: bool = True):
         tok = self.engine.engine.tokenizer
         self._check_text_size(len(text), lambda: len(text.encode()), field)
         return await self._off_loop(
-            lambda: tok.encode(text, add_special_tokens=add_special_tokens), len(text))
+            lambda: tok.encode(text, add_special_tokens=add_special_tokens),
+            lambda: self.tokenizer_pool.encode(text, add_special_tokens), len(text))
 
     def _check_ids(self, ids, field: str) -> list[int]:
         vocab = self.engine.engine.model_config.vocab_size
