@@ -145,6 +145,10 @@ def test_cumulative_logprobs_bounded(server):
             output_kind=pb.OUTPUT_KIND_CUMULATIVE))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, details
         assert "output_kind" in details and "OUTPUT_KIND_DELTA" in details
+        code, details = _code(lambda: c.complete(
+            token_ids=[5, 6, 7], n=64, logprobs=20, max_tokens=256,
+            output_kind=pb.OUTPUT_KIND_FINAL_ONLY))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "FINAL_ONLY" in details, details
 
         kw = dict(token_ids=[5, 6, 7], n=64, logprobs=20, max_tokens=12, temperature=1.0,
                   seed=3, ignore_eos=True)

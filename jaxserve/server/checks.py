@@ -35,8 +35,9 @@ from jaxserve.server import jaxserve_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 256
 # A CUMULATIVE stream re-sends every token and logprob so far in each
-# message; its final message may hold at most this many logprob entries
-# (n * max_tokens * (logprobs + 1)), about 6 MB at ~20 bytes an entry.
+# message, and a FINAL_ONLY one sends them all at once: that last message may
+# hold at most this many logprob entries (n * max_tokens * (logprobs + 1)),
+# about 6 MB at ~20 bytes an entry, well under the default 16 MiB message.
 MAX_CUMULATIVE_LOGPROB_ENTRIES = 1 << 18
 # Texts below this many characters are tokenized on the event loop (a few
 # hundred microseconds at most); longer ones go to the worker pool.
@@ -83,21 +84,21 @@ def max_text_bytes(tokenizer, max_prompt_len: int) -> int:
 
 
 def check_output_size(params, output_kind: int) -> None:
-    """Refuse a CUMULATIVE stream whose last message would carry more than
-    ``MAX_CUMULATIVE_LOGPROB_ENTRIES`` logprob entries.
+    """Refuse a CUMULATIVE or FINAL_ONLY request whose last message could
+    carry more than ``MAX_CUMULATIVE_LOGPROB_ENTRIES`` logprob entries.
 
     Raises:
       InvalidRequest: naming the fields and the limit.
     """
-    if output_kind != pb.OUTPUT_KIND_CUMULATIVE or params.logprobs is None:
+    if output_kind == pb.OUTPUT_KIND_DELTA or params.logprobs is None:
         return
     entries = params.n * params.max_tokens * (params.logprobs + 1)
     if entries > MAX_CUMULATIVE_LOGPROB_ENTRIES:
         raise InvalidRequest(
-            f"output_kind: OUTPUT_KIND_CUMULATIVE with n={params.n}, max_tokens="
-            f"{params.max_tokens}, logprobs={params.logprobs} re-sends up to {entries:,} "
-            f"logprob entries in every message, more than the "
-            f"{MAX_CUMULATIVE_LOGPROB_ENTRIES:,} allowed; use OUTPUT_KIND_DELTA")
+            f"output_kind: {pb.OutputKind.Name(output_kind)} with n={params.n}, max_tokens="
+            f"{params.max_tokens}, logprobs={params.logprobs} could put {entries:,} logprob "
+            f"entries in one message, more than the {MAX_CUMULATIVE_LOGPROB_ENTRIES:,} "
+            f"allowed; use OUTPUT_KIND_DELTA")
 
 
 # ---- decoding -----------------------------------------------------------------
