@@ -43,6 +43,7 @@ import time
 from absl import app, flags
 
 from jaxserve.bench.workloads import WORKLOADS
+from jaxserve.engine.request import check_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve", "convert"], "What to run.")
@@ -440,7 +441,7 @@ def main(argv) -> None:
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
         for i, p in enumerate(FLAGS.prompt or ()):
-            _check_unicode(p, "--prompt" if len(FLAGS.prompt) == 1 else f"--prompt #{i + 1}")
+            check_text(p, "--prompt" if len(FLAGS.prompt) == 1 else f"--prompt #{i + 1}")
         if FLAGS.mode == "bench" and FLAGS.workload is not None:
             _serving_bench()
             return
@@ -459,24 +460,6 @@ def main(argv) -> None:
     except MultihostError as e:
         exit_on_fatal(e)
     shutdown()
-
-
-def _check_unicode(text: str, flag: str) -> None:
-    """Reject text UTF-8 cannot encode: bytes that were not UTF-8 on the
-    command line (Python decodes argv with ``surrogateescape``, so byte 0xff
-    arrives as the lone surrogate U+DCFF).
-
-    Raises:
-      ValueError: naming the flag and the first bad character's position.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = ord(text[e.start])
-        what = f"byte 0x{c - 0xDC00:02x} that is not UTF-8" if 0xDC80 <= c <= 0xDCFF else \
-            f"lone surrogate U+{c:04X}"
-        raise ValueError(f"{flag}: not valid Unicode: character {e.start} is a {what} "
-                         f"(pass UTF-8 text)") from None
 
 
 # Ctrl-C (SIGINT) in the CLI, handled by ``_on_sigint`` rather than as a

@@ -20,13 +20,15 @@ def check_text(text: str, what: str) -> str:
 
     Raises:
       ValueError: ``"<what>: is not valid Unicode: lone surrogate U+DCFF at
-        character 3"``.
+        character 3 (byte 0xff that was not UTF-8)"``.
     """
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what}: is not valid Unicode: lone surrogate "
-                         f"U+{ord(text[e.start]):04X} at character {e.start}") from None
+        c = ord(text[e.start])
+        byte = f" (byte 0x{c - 0xDC00:02x} that was not UTF-8)" if 0xDC80 <= c <= 0xDCFF else ""
+        raise ValueError(f"{what}: is not valid Unicode: lone surrogate U+{c:04X} at "
+                         f"character {e.start}{byte}") from None
     return text
 
 
