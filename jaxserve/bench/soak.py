@@ -654,7 +654,8 @@ def markdown(res: dict) -> str:
               f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
               f"settled in {_f(e.get('settle_s'))} s)"),
               (f"- server exit status after SIGTERM: {s.get('exit_status')}"
-              f" ({_f(s.get('stop_s'))} s)")]
+               f" ({_f(s.get('stop_s'))} s)" if "exit_status" in s else
+               "- server: attached with --target, not stopped by this run")]
     if rss:
         lines += [(f"- RSS, MB: start {rss['start_mb']:.0f}, end of warm-up "
                   f"({res['warmup_s'] / 60:.1f} min) {rss['warmup_end_mb']:.0f}, end "
