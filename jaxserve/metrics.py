@@ -91,6 +91,9 @@ class ServingMetrics:
         self.received = c("jaxserve_request_received", "Generate calls that reached the "
                           "server's handler (each ends as success, aborted, failed or rejected).")
         self.steps = c("jaxserve_engine_steps", "Engine steps run.")
+        self.compilations = c("jaxserve_xla_compilations",
+                              "XLA programs compiled (one per new bucket shape; each is kept "
+                              "in memory).")
         self._last = None
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:
@@ -108,7 +111,8 @@ class ServingMetrics:
                                (self.cached_tokens, "prefix_cache_hits"),
                                (self.prefix_queries, "prefix_cache_queries"),
                                (self.preemptions, "num_preemptions"),
-                               (self.steps, "num_steps")):
+                               (self.steps, "num_steps"),
+                               (self.compilations, "num_compilations")):
             delta = getattr(stats, field) - (getattr(last, field) if last else 0)
             if delta > 0:
                 counter.inc(delta)

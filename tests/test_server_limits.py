@@ -226,6 +226,7 @@ def test_queue_bound_counts_only_requests_that_cannot_start(tiny_gguf):
         assert codes.count(grpc.StatusCode.OK) >= 68, codes
         m = s.metrics()
         assert m["jaxserve_kv_cache_pages_used"] == 0
+        assert m["jaxserve_xla_compilations_total"] >= 2  # at least a prefill and a decode
     finally:
         assert s.terminate() == 0
 

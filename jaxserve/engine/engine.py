@@ -53,6 +53,10 @@ class EngineStats:
         excluded; recomputation after preemption counts again) and tokens
         sampled, since start.
       num_steps: steps run.
+      num_compilations: XLA programs traced and compiled (or loaded from the
+        persistent cache) since start: one per new bucket shape. Each stays
+        in host memory (40-55 MB for SmolLM2 on CPU), so a rising count is
+        what a rising RSS under varied traffic comes from.
     """
 
     num_running: int
@@ -68,6 +72,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    num_compilations: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +343,8 @@ class Engine:
             pages_cached=a.num_cached_pages, prefix_cache_queries=a.prefix_queries,
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
             num_preemptions=s.num_preemptions, prompt_tokens=self._num_prompt_tokens,
-            generation_tokens=self._num_generation_tokens, num_steps=self._num_steps)
+            generation_tokens=self._num_generation_tokens, num_steps=self._num_steps,
+            num_compilations=self.runner.num_compilations)
 
     # ---- multi-host ---------------------------------------------------------
 
