@@ -19,7 +19,7 @@ Processes::
     each worker: draw a case (seeded), run it, record it; until --minutes have passed
 
 Cases, drawn per call with fixed weights (``CASES``), each with the gRPC codes
-it may end with (``EXPECTED``):
+it may end with (``soak_report.EXPECTED``):
 
 * ``generate``: a streaming request of varied shape: text / token ids / chat,
   greedy or seeded sampling, n = 1..2, logprobs and prompt logprobs sometimes,
@@ -53,6 +53,11 @@ flight (the drain, at most timeout + slack), lets the server settle (idle,
 SIGUSR1 with ``mallinfo2`` before and after ``malloc_trim(0)``), then sends
 SIGTERM and records the exit status.
 
+This module makes the traffic, samples the server and runs the soak
+(``run``, ``main``); ``jaxserve/bench/soak_report.py`` turns the records and
+samples into counters, latency windows, memory figures, the pass verdict,
+``report.md`` and ``soak.png``.
+
 Memory figures: RSS at start (server ready, no traffic), at the end of the
 warm-up (``--warmup_minutes``; default max(10% of the run, min(2 min, half
 of it))), at the end and the peak; drift = (end - end of warm-up) / end of
@@ -72,7 +77,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -87,26 +91,24 @@ import time
 
 import numpy as np
 
-# (case, weight): the draw of every call.
+from jaxserve.bench.soak_report import (
+    criteria,
+    markdown,
+    plot,
+    rss_figures,
+    summarize,
+    windows,
+)
+
+# (case, weight): the draw of every call; soak_report.EXPECTED has each one's codes.
 CASES = (("generate", 0.50), ("cancel", 0.10), ("deadline", 0.08), ("bad", 0.10),
          ("oversized", 0.03), ("burst", 0.015), ("tokenize", 0.06), ("detokenize", 0.04),
          ("model_info", 0.035), ("health", 0.04))
-# Status codes each case may end with; anything else is an unexpected error.
-EXPECTED = {
-    "generate": {"OK", "RESOURCE_EXHAUSTED"},
-    "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
-    "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
-    "bad": {"INVALID_ARGUMENT"},
-    "oversized": {"INVALID_ARGUMENT"},
-    "burst": {"OK", "RESOURCE_EXHAUSTED"},
-    "tokenize": {"OK"}, "detokenize": {"OK"}, "model_info": {"OK"}, "health": {"OK"},
-}
 # Malformed requests (the ``bad`` case): name -> what is wrong.
 BAD_CASES = ("empty_text", "empty_token_ids", "no_prompt", "oov_token_id", "negative_token_id",
              "negative_temperature", "unknown_role", "empty_chat", "max_tokens_zero",
              "top_p_above_1", "logprobs_above_20", "unknown_output_kind", "oov_stop_token_id",
              "n_zero", "detokenize_oov", "tokenize_unknown_role")
-STREAMING = ("generate", "cancel", "deadline", "burst")
 
 # glibc probe loaded into the server by --malloc_probe (PYTHONPATH sitecustomize):
 # SIGUSR1 -> append {"before": mallinfo2, "after": mallinfo2 after malloc_trim(0)}
@@ -507,254 +509,6 @@ def client_main(cfg: dict, client_id: int, out) -> None:
                             "error": f"{type(e).__name__}: {e}"[:300],
                             "t0": time.monotonic(), "t1": time.monotonic(), "e2e": 0.0})
     out.put((client_id, ctx.records, ctx.started))
-
-
-# ---- analysis ---------------------------------------------------------------------------
-
-def _pct(xs, q):
-    return float(np.percentile(xs, q)) if len(xs) else None
-
-
-def summarize(records: list[dict]) -> dict:
-    """Counters: per case {code: count} split expected / unexpected, and the
-    totals of calls, lost, hanging, unexpected; the malformed sub-cases by code."""
-    by = {}
-    subs = {}
-    tot = {"calls": len(records), "lost": 0, "hanging": 0, "unexpected": 0, "ok_streams": 0,
-           "client_faults": sum(r["case"] == "client" for r in records)}
-    for rec in records:
-        case, code = rec["case"], rec.get("code", "NONE")
-        exp = code in EXPECTED.get(case, ())
-        rec["expected"] = exp
-        d = by.setdefault(case, {"expected": {}, "unexpected": {}, "lost": 0, "hanging": 0})
-        d["expected" if exp else "unexpected"][code] = \
-            d["expected" if exp else "unexpected"].get(code, 0) + 1
-        if rec.get("lost"):
-            d["lost"] += 1
-            tot["lost"] += 1
-        if rec.get("hanging"):
-            d["hanging"] += 1
-            tot["hanging"] += 1
-        if not exp:
-            tot["unexpected"] += 1
-        if case in STREAMING and code == "OK":
-            tot["ok_streams"] += 1
-        if "sub" in rec:
-            s = subs.setdefault(f"{case}:{rec['sub']}", {})
-            s[code] = s.get(code, 0) + 1
-    return {"totals": tot, "by_case": by, "sub_cases": subs}
-
-
-def windows(records: list[dict], samples: list[dict]) -> list[dict]:
-    """Per sample interval (previous sample, this one]: calls ended,
-    calls/s, TTFT and E2E p50/p99 (s) of OK ``generate`` streams, errors by
-    code (every non-OK code) and the unexpected ones."""
-    out = []
-    ends = np.array([r["t1"] for r in records]) if records else np.zeros(0)
-    for a, b in itertools.pairwise(samples):
-        sel = [records[i] for i in np.nonzero((ends > a["t"]) & (ends <= b["t"]))[0]]
-        gen = [r for r in sel if r["case"] == "generate" and r.get("code") == "OK"]
-        ttft = [r["ttft"] for r in gen if r.get("ttft") is not None]
-        e2e = [r["e2e"] for r in gen]
-        errs = {}
-        for r in sel:
-            if r.get("code") != "OK":
-                errs[r.get("code")] = errs.get(r.get("code"), 0) + 1
-        out.append({"t": b["t_rel"], "calls": len(sel), "calls_per_s": len(sel) / (b["t"] - a["t"]),
-                    "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
-                    "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99),
-                    "errors": errs, "unexpected": sum(not r["expected"] for r in sel)})
-    return out
-
-
-def rss_figures(samples: list[dict], warmup_end: float) -> dict:
-    """RSS (MB) at start, at the end of the warm-up (the last sample at or
-    before ``warmup_end`` s), at the end, the peak; drift (fraction) and the
-    least-squares slope (MB/min) over the samples after the warm-up."""
-    pts = [(s["t_rel"], s["rss"]) for s in samples if s.get("rss") is not None]
-    if len(pts) < 2:
-        return {}
-    start, end = pts[0][1], pts[-1][1]
-    warm = [p for p in pts if p[0] <= warmup_end][-1][1]
-    post = [p for p in pts if p[0] >= warmup_end]
-    slope = float(np.polyfit([p[0] / 60 for p in post], [p[1] for p in post], 1)[0]) \
-        if len(post) >= 3 else None
-    return {"start_mb": start, "warmup_end_mb": warm, "end_mb": end,
-            "peak_mb": max(p[1] for p in pts), "drift": (end - warm) / warm,
-            "slope_mb_per_min": slope, "post_warmup_samples": len(post)}
-
-
-def criteria(result: dict, max_drift: float) -> list[str]:
-    """The failed pass criteria, as sentences ([] = passed)."""
-    fails = []
-    t = result["counters"]["totals"]
-    if t["lost"]:
-        fails.append(f"{t['lost']} lost streams (OK status, no final message with finish_reason)")
-    if t.get("started", t["calls"]) != t["calls"] - t.get("client_faults", 0):
-        fails.append(f"{t['started']} calls started but {t['calls']} recorded")
-    if t["hanging"]:
-        fails.append(f"{t['hanging']} hanging calls (not ended by deadline + slack)")
-    if t["unexpected"]:
-        fails.append(f"{t['unexpected']} calls ended with a status code not expected for their case")
-    end = result["end"]
-    if end.get("pages_free") is None or end["pages_free"] != end.get("pages_total"):
-        fails.append(f"pages free {end.get('pages_free')} != total {end.get('pages_total')} "
-                     "after settling")
-    rss = result["rss"]
-    if rss and rss["drift"] >= max_drift:
-        fails.append(f"RSS drift {100 * rss['drift']:.1f}% >= {100 * max_drift:.1f}%")
-    if result["server"].get("exit_status") not in (0, None):
-        fails.append(f"server exit status {result['server']['exit_status']} after SIGTERM")
-    if result["client_processes_missing"]:
-        fails.append(f"client processes that never reported: {result['client_processes_missing']}")
-    return fails
-
-
-def _f(v, fmt="{:.1f}"):
-    return "-" if v is None else fmt.format(v)
-
-
-def markdown(res: dict) -> str:
-    """The report: verdict, calls per case x code, end state, memory, latency over time."""
-    c, cfg = res["counters"], res["config"]
-    lines = [(f"# Soak: {cfg['model'] or cfg['target']}, {res['duration_s'] / 60:.1f} min, "
-             f"{cfg['clients']} clients x {cfg['inflight']} in flight"),
-             "", (f"Machine: {res['machine']['cpu']} ({res['machine']['cpus']} CPUs; "
-             f"{res['machine']['avx']}); load average at start/end "
-             f"{res['machine']['load_start']} / {res['machine']['load_end']}."),
-             f"Server flags: `{' '.join(cfg['engine_flags']) or '(defaults)'}`"
-             + (f"; env `{' '.join(cfg['server_env'])}`" if cfg["server_env"] else ""),
-             "", "**PASSED**" if not res["failed"] else
-             "**FAILED**: " + "; ".join(res["failed"]), "",
-             "## Calls by case and status code", "",
-             "| case | expected codes (count) | unexpected codes (count) | lost | hanging |",
-             "|---|---|---|---|---|"]
-    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
-    for case, _ in CASES:
-        if case in c["by_case"]:
-            d = c["by_case"][case]
-            lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
-                         f"{d['lost']} | {d['hanging']} |")
-    for case in sorted(set(c["by_case"]) - {k for k, _ in CASES}):
-        d = c["by_case"][case]
-        lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
-                     f"{d['lost']} | {d['hanging']} |")
-    t = c["totals"]
-    lines += ["", (f"{t['calls']} calls ({t.get('started')} started), {t['ok_streams']} streams "
-              f"ended OK; lost {t['lost']}, "
-              f"hanging {t['hanging']}, unexpected codes {t['unexpected']}."), ""]
-    bad_unexp = {k: v for k, v in c["sub_cases"].items()
-                 if set(v) - {"INVALID_ARGUMENT"}}
-    if bad_unexp:
-        lines += ["Malformed/oversized sub-cases not answered INVALID_ARGUMENT: "
-                  + "; ".join(f"{k}: {fmt(v)}" for k, v in sorted(bad_unexp.items())), ""]
-    e, s, rss = res["end"], res["server"], res["rss"]
-    lines += ["## End state and memory", "",
-              (f"- KV pages free / total after settling: {e.get('pages_free')} / "
-              f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
-              f"settled in {_f(e.get('settle_s'))} s)"),
-              (f"- server exit status after SIGTERM: {s.get('exit_status')}"
-               f" ({_f(s.get('stop_s'))} s)" if "exit_status" in s else
-               "- server: attached with --target, not stopped by this run")]
-    if rss:
-        lines += [(f"- RSS, MB: start {rss['start_mb']:.0f}, end of warm-up "
-                  f"({res['warmup_s'] / 60:.1f} min) {rss['warmup_end_mb']:.0f}, end "
-                  f"{rss['end_mb']:.0f}, peak {rss['peak_mb']:.0f}; drift "
-                  f"{100 * rss['drift']:+.1f}% (limit {100 * cfg['max_rss_drift']:.0f}%); "
-                  f"slope after warm-up {_f(rss['slope_mb_per_min'], '{:+.2f}')} MB/min "
-                  f"over {rss['post_warmup_samples']} samples")]
-    else:
-        lines.append("- RSS: not measured (no server pid: give --server_pid with --target)")
-    if res.get("compilations") is not None:
-        cm = res["compilations"]
-        lines.append(f"- XLA executables built or loaded: {cm['total']} "
-                     f"({cm['after_warmup']} after the warm-up; persistent-cache hits "
-                     f"{cm['cache_hits']}); by jit: "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(cm["by_name"].items())))
-    if res.get("malloc_probe"):
-        p = res["malloc_probe"]
-        lines.append(f"- glibc after settling: heap in use {p['in_use_mb']:.0f} MB, free in "
-                     f"arenas {p['free_mb']:.0f} MB, mmapped {p['mmap_mb']:.0f} MB; "
-                     f"malloc_trim(0) took RSS {p['rss_before_mb']:.0f} -> "
-                     f"{p['rss_after_mb']:.0f} MB in {_f(p.get('trim_s'), '{:.2f}')} s")
-    lines += ["", "## Over time", "",
-              ("| t (min) | RSS MB | anon MB | pages used | running | waiting | XLA exes | "
-              "calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    rows = list(zip(res["samples"][1:], res["windows"]))
-    step = max(1, len(rows) // 30)
-    for smp, w in rows[::step] + ([rows[-1]] if rows and (len(rows) - 1) % step else []):
-        lines.append(
-            f"| {smp['t_rel'] / 60:.2f} | {_f(smp.get('rss'), '{:.0f}')} | "
-            f"{_f(smp.get('rss_anon'), '{:.0f}')} | {smp.get('pages_used', '-')} | "
-            f"{smp.get('running', '-')} | {smp.get('waiting', '-')} | "
-            f"{smp.get('compilations', '-')} | {w['calls_per_s']:.1f} | "
-            f"{_f(w['ttft_p50'], '{:.2f}')} / {_f(w['ttft_p99'], '{:.2f}')} | "
-            f"{_f(w['e2e_p50'], '{:.2f}')} / {_f(w['e2e_p99'], '{:.2f}')} | "
-            f"{fmt(w['errors'])} |")
-    if step > 1:
-        lines.append(f"\n(one row every {step} windows of {res['config']['sample_s']} s; all in soak.json)")
-    return "\n".join(lines) + "\n"
-
-
-def plot(res: dict, path: str) -> bool:
-    """``soak.png``: RSS, pages used, TTFT p50/p99 and errors per window
-    against minutes; False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    trimmed = [s for s in res["samples"] if s.get("after_malloc_trim")]
-    sm = [s for s in res["samples"] if not s.get("after_malloc_trim")]
-    ws = res["windows"]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
-    t = [s["t_rel"] / 60 for s in sm]
-    ax = axes[0]
-    ax.plot(t, [s.get("rss") for s in sm], label="RSS")
-    ax.plot(t, [s.get("rss_anon") for s in sm], label="anonymous", ls="--")
-    ax.axvline(res["warmup_s"] / 60, color="grey", ls=":", label="end of warm-up")
-    if trimmed:
-        ax.plot([s["t_rel"] / 60 for s in trimmed], [s.get("rss") for s in trimmed], "v",
-                color="tab:green", label="after malloc_trim(0)")
-    if any(s.get("compilations") is not None for s in sm):
-        ax2 = ax.twinx()
-        ax2.plot(t, [s.get("compilations") for s in sm], color="tab:red", lw=1,
-                 drawstyle="steps-post", label="XLA executables")
-        ax2.set_ylabel("XLA executables", color="tab:red")
-    ax.set(ylabel="server RSS, MB", title="Server memory")
-    ax.legend(fontsize=8, loc="lower right")
-    ax = axes[1]
-    ax.plot(t, [s.get("pages_used") for s in sm], drawstyle="steps-post", label="used")
-    if sm and sm[-1].get("pages_total"):
-        ax.axhline(sm[-1]["pages_total"], color="k", ls="--", lw=1, label="total")
-    ax.set(ylabel="KV pages", yscale="symlog", title="KV pages used")
-    ax.legend(fontsize=8)
-    tw = [w["t"] / 60 for w in ws]
-    ax = axes[2]
-    ax.plot(tw, [w["ttft_p50"] for w in ws], marker=".", label="TTFT p50")
-    ax.plot(tw, [w["ttft_p99"] for w in ws], marker=".", label="TTFT p99")
-    ax.set(ylabel="s", yscale="log", title="TTFT of OK generate streams, per window")
-    ax.legend(fontsize=8)
-    ax = axes[3]
-    codes = sorted({c for w in ws for c in w["errors"]})
-    bottom = np.zeros(len(ws))
-    width = (tw[1] - tw[0]) * 0.9 if len(tw) > 1 else 0.05
-    for code in codes:
-        ys = np.array([w["errors"].get(code, 0) for w in ws])
-        ax.bar(tw, ys, width, bottom=bottom, label=code)
-        bottom += ys
-    bad = [(x, w["unexpected"]) for x, w in zip(tw, ws) if w["unexpected"]]
-    if bad:
-        ax.plot(*zip(*bad), color="k", marker="x", ls="", label="unexpected")
-    ax.set(xlabel="minutes", ylabel="calls", title="Non-OK calls per window")
-    if codes or bad:
-        ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 
 # ---- the run ------------------------------------------------------------------------------
