@@ -38,10 +38,12 @@ it may end with (``soak_report.EXPECTED``):
   unless the engine flags say otherwise): OK or RESOURCE_EXHAUSTED.
 * ``tokenize`` / ``detokenize`` / ``model_info`` / ``health``: OK.
 
-Not sent, because the server answers them wrongly today (known, being fixed):
-``n`` above ``max_num_seqs`` (RESOURCE_EXHAUSTED, not INVALID_ARGUMENT) and
-request ids with unusual characters (INTERNAL); request ids here are empty or
-``soak-<client>-<i>``.
+The hostile cases of issue 15 are in the mix too: ``n`` far above
+``max_num_seqs``, request ids over 256 characters, CUMULATIVE streams asking
+for more logprob entries than allowed and bytes that are not a request (all
+INVALID_ARGUMENT); normal requests sometimes carry ids of any characters
+(control, non-ASCII, ``%``, up to the 256-character limit), and some oversized
+prompts are 2 MB texts, refused on their size before tokenizing.
 
 Every call is bounded: a gRPC timeout (``--request_timeout_s`` for normal
 streams) and, around it, ``asyncio.wait_for`` of that timeout +
@@ -53,10 +55,12 @@ flight (the drain, at most timeout + slack), lets the server settle (idle,
 SIGUSR1 with ``mallinfo2`` before and after ``malloc_trim(0)``), then sends
 SIGTERM and records the exit status.
 
-This module makes the traffic, samples the server and runs the soak
-(``run``, ``main``); ``jaxserve/bench/soak_report.py`` turns the records and
-samples into counters, latency windows, memory figures, the pass verdict,
-``report.md`` and ``soak.png``.
+This module makes the traffic and runs the soak (``run``, ``main``);
+``soak_probe.py`` measures the server (memory, XLA executables, ``/metrics``,
+the glibc probe, the machine); ``soak_report.py`` turns the records and
+samples into counters, latency windows, memory figures (the RSS drift, and how
+much of it the new XLA executables explain), the pass verdict, ``report.md``
+and ``soak.png``.
 
 Memory figures: RSS at start (server ready, no traffic), at the end of the
 warm-up (``--warmup_minutes``; default max(10% of the run, min(2 min, half
@@ -80,17 +84,19 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
 import queue as queue_mod
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 
+from jaxserve.bench.soak_probe import (
+    SITECUSTOMIZE,
+    CompileCounter,
+    machine,
+    malloc_probe,
+    sample,
+)
 from jaxserve.bench.soak_report import (
     criteria,
     markdown,
@@ -108,113 +114,12 @@ CASES = (("generate", 0.50), ("cancel", 0.10), ("deadline", 0.08), ("bad", 0.10)
 BAD_CASES = ("empty_text", "empty_token_ids", "no_prompt", "oov_token_id", "negative_token_id",
              "negative_temperature", "unknown_role", "empty_chat", "max_tokens_zero",
              "top_p_above_1", "logprobs_above_20", "unknown_output_kind", "oov_stop_token_id",
-             "n_zero", "detokenize_oov", "tokenize_unknown_role")
-
-# glibc probe loaded into the server by --malloc_probe (PYTHONPATH sitecustomize):
-# SIGUSR1 -> append {"before": mallinfo2, "after": mallinfo2 after malloc_trim(0)}
-# as one JSON line to $SOAK_MALLOC_FILE; $SOAK_MALLOC_TRIM_S > 0 also trims
-# every that many seconds from a daemon thread (what a periodic trim would buy).
-_SITECUSTOMIZE = r'''
-import ctypes, json, os, signal, threading, time
-try:
-    _libc = ctypes.CDLL("libc.so.6")
-    class _MI2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
-                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-    _libc.mallinfo2.restype = _MI2
-    def _info():
-        m = _libc.mallinfo2()
-        return {f: getattr(m, f) for f, _ in _MI2._fields_}
-    def _rss():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    def _probe(*_):
-        rec = {"t": time.monotonic(), "rss_before": _rss(), "before": _info()}
-        t = time.perf_counter()
-        _libc.malloc_trim(0)
-        rec.update(trim_s=time.perf_counter() - t, rss_after=_rss(), after=_info())
-        with open(os.environ["SOAK_MALLOC_FILE"], "a") as f:
-            f.write(json.dumps(rec) + "\n")
-    signal.signal(signal.SIGUSR1, _probe)
-    _every = float(os.environ.get("SOAK_MALLOC_TRIM_S", "0") or 0)
-    if _every > 0:
-        def _loop():
-            while True:
-                time.sleep(_every)
-                _libc.malloc_trim(0)
-        threading.Thread(target=_loop, daemon=True, name="soak-malloc-trim").start()
-except (OSError, AttributeError):
-    pass
-'''
-
-
-# ---- the server's memory ----------------------------------------------------------
-
-def process_memory(pid: int) -> dict:
-    """Memory of process ``pid``, MB: ``rss`` (psutil if installed, else
-    /proc VmRSS), and from /proc/PID/status where it exists ``rss_anon``,
-    ``rss_file``, ``hwm`` (peak RSS so far) and ``threads`` (a count); {} when
-    the process is gone."""
-    out = {}
-    try:
-        import psutil
-        out["rss"] = psutil.Process(pid).memory_info().rss / 2**20
-    except ImportError:
-        pass
-    except Exception:  # noqa: BLE001 (psutil.NoSuchProcess, AccessDenied, ...)
-        return {}
-    keys = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "VmHWM": "hwm",
-            "Threads": "threads"}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in keys and (keys[k] != "rss" or "rss" not in out):
-                    n = int(v.split()[0])
-                    out[keys[k]] = n if k == "Threads" else n / 1024
-    except OSError:
-        pass
-    return out
-
-
-class CompileCounter:
-    """Stands in for ``sys.stderr`` while a spawned server runs:
-    ``spawn_server`` echoes the server's stderr through it; lines of
-    ``JAX_LOG_COMPILES`` are counted (``Finished XLA compilation of NAME``:
-    one executable built or loaded from the persistent cache) and hidden,
-    the rest pass through."""
-
-    _FINISHED = re.compile(r"Finished XLA compilation of (\S+)")
-    _CACHE_HIT = re.compile(r"Persistent compilation cache hit")
-    _HIDE = re.compile(r"Finished XLA compilation|Finished tracing|Finished jaxpr to MLIR|"
-                       r"Compiling \S+ with global shapes|Persistent compilation cache|"
-                       r"compilation cache (hit|miss)|Not writing persistent cache")
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.events: list[tuple[float, str]] = []  # (monotonic s, jit name)
-        self.cache_hits = 0
-        self._lock = threading.Lock()
-
-    def write(self, s: str) -> int:
-        if m := self._FINISHED.search(s):
-            with self._lock:
-                self.events.append((time.monotonic(), m[1]))
-        if self._CACHE_HIT.search(s):
-            self.cache_hits += 1
-        if self._HIDE.search(s):
-            return len(s)
-        return self.stream.write(s)
-
-    def count(self, until: float = float("inf")) -> int:
-        """Executables built (or loaded) by monotonic time ``until``."""
-        with self._lock:
-            return sum(1 for t, _ in self.events if t <= until)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
+             "n_zero", "detokenize_oov", "tokenize_unknown_role", "n_above_max_num_seqs",
+             "request_id_too_long", "cumulative_logprobs_too_big", "undecodable_bytes",
+             "invalid_utf8")
+# Request ids of unusual characters that must round-trip (some normal requests).
+ODD_REQUEST_IDS = ("caf\u00e9-\u65e5\u672c-\U0001F600", "tab\tnl\nnul\x00del\x7f%25",
+                   "\U0001F600" * 256, "x" * 256, "a b/c?d=e&f#g%h")
 
 # ---- the client processes -----------------------------------------------------------
 
@@ -285,6 +190,8 @@ def _normal_request(ctx: _Ctx, max_tokens_hi: int = 40):
                         + [pb.OUTPUT_KIND_FINAL_ONLY]))
     ctx.n += 1
     rid = f"soak-{ctx.cid}-{ctx.n}" if r.random() < 0.3 else ""
+    if r.random() < 0.1:
+        rid = f"{ctx.cid}{ctx.n}" + str(r.choice(ODD_REQUEST_IDS))[:240]
     from jaxserve.server.client import make_request
     return make_request(**prompt, request_id=rid, output_kind=kind, **kw), n
 
@@ -330,6 +237,18 @@ def _bad_request(ctx: _Ctx, sub: str):
         req.sampling.stop_token_ids.append(v + 3)
     elif sub == "n_zero":
         req.sampling.n = 0
+    elif sub == "n_above_max_num_seqs":
+        req.sampling.n = 10_000
+    elif sub == "request_id_too_long":
+        req.request_id = "\u00e9" * 9000
+    elif sub == "cumulative_logprobs_too_big":
+        req.output_kind = pb.OUTPUT_KIND_CUMULATIVE
+        req.sampling.max_tokens, req.sampling.logprobs = 100_000, 20
+    elif sub == "undecodable_bytes":
+        return "raw", b"\x0a\xff\xff\xff\xff"
+    elif sub == "invalid_utf8":
+        good = make_request("hello there", max_tokens=2).SerializeToString()
+        return "raw", good.replace(b"hello", b"he\xffo")
     return "Generate", req
 
 
@@ -401,7 +320,11 @@ async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
             return await _burst(ctx, client)
         elif case == "oversized":
             over = cfg["max_prompt_len"] + int(r.integers(1, 65))
-            if r.random() < 0.2:  # as text: ~1.3 tokens per word, so this many words is enough
+            if r.random() < 0.1:  # 2 MB of text: refused on its size, never tokenized
+                req = pb.GenerateRequest(text=(" ".join(ctx.sentences) + " ") * (
+                    2_000_000 // (len(" ".join(ctx.sentences)) + 1) + 1))
+                rec["sub"] = "huge_text"
+            elif r.random() < 0.2:  # as text: ~1.3 tokens per word, so this many words is enough
                 words = " ".join(ctx.sentences).split()
                 text = " ".join(words * (1 + over // len(words)))[:8 * over]
                 req = pb.GenerateRequest(text=text)
@@ -416,8 +339,10 @@ async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
             sub = str(r.choice(BAD_CASES))
             rec["sub"] = sub
             rpc, req = _bad_request(ctx, sub)
-            if rpc == "Generate":
-                call = client.stub.Generate(req, timeout=30, metadata=client.metadata)
+            if rpc in ("Generate", "raw"):
+                gen = client.stub.Generate if rpc == "Generate" else \
+                    client.channel.unary_stream("/jaxserve.v1.Generation/Generate")
+                call = gen(req, timeout=30, metadata=client.metadata)
                 await asyncio.wait_for(_stream(call, 1, t0, rec), 30 + cfg["slack_s"])
             else:
                 await asyncio.wait_for(getattr(client.stub, rpc)(
@@ -513,74 +438,11 @@ def client_main(cfg: dict, client_id: int, out) -> None:
 
 # ---- the run ------------------------------------------------------------------------------
 
-def _machine() -> dict:
-    cpu = platform.processor() or ""
-    avx = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                    if ln.startswith("Model name")), cpu)
-        flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines()
-                      if ln.startswith("Flags")), [])
-        avx = " ".join(sorted(f for f in flags if f.startswith("avx"))) or "no AVX"
-    except OSError:
-        pass
-    return {"cpu": cpu, "avx": avx, "cpus": os.cpu_count(),
-            "load_start": [round(x, 2) for x in os.getloadavg()]}
-
-
-def _sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter | None) -> dict:
-    from jaxserve.bench.serving import scrape
-    now = time.monotonic()
-    s = {"t": now, "t_rel": now - t0, "wall": time.time()}
-    if pid is not None:
-        s.update(process_memory(pid))
-    m = scrape(url)
-    for key, name in (("pages_total", "jaxserve_kv_cache_pages_total"),
-                      ("pages_free", "jaxserve_kv_cache_pages_free"),
-                      ("pages_used", "jaxserve_kv_cache_pages_used"),
-                      ("running", "jaxserve_num_requests_running"),
-                      ("waiting", "jaxserve_num_requests_waiting"),
-                      ("steps", "jaxserve_engine_steps_total"),
-                      ("received", "jaxserve_request_received_total"),
-                      ("generation_tokens", "jaxserve_generation_tokens_total"),
-                      ("prompt_tokens", "jaxserve_prompt_tokens_total"),
-                      ("cached_tokens", "jaxserve_cached_prompt_tokens_total")):
-        if name in m:
-            s[key] = int(m[name])
-    if counter is not None:
-        s["compilations"] = counter.count(now)
-    return s
-
-
-def _malloc_probe(proc, path: str) -> dict | None:
-    """SIGUSR1 the server (its sitecustomize appends a JSON line to ``path``);
-    the figures in MB, or None when nothing came back within 10 s."""
-    def lines():
-        if not os.path.exists(path):
-            return []
-        with open(path) as f:
-            return f.read().splitlines()
-    n0 = len(lines())
-    proc.send_signal(signal.SIGUSR1)
-    for _ in range(100):
-        time.sleep(0.1)
-        if len(got := lines()) > n0:
-            r = json.loads(got[-1])
-            mb = lambda x: x / 2**20
-            return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
-                    "trim_s": r.get("trim_s"), "in_use_mb": mb(r["before"]["uordblks"]),
-                    "free_mb": mb(r["before"]["fordblks"]),
-                    "arena_mb": mb(r["before"]["arena"]), "mmap_mb": mb(r["before"]["hblkhd"]),
-                    "raw": r}
-    return None
-
-
 def run(a) -> dict:
     """The whole soak (see the module docstring); returns the result dict."""
     from jaxserve.bench.serving import spawn_server, stop_server
     from jaxserve.server.client import Client
-    machine = _machine()
+    mach = machine()
     proc, counter, pid, saved_stderr, probe_file = None, None, a.server_pid, sys.stderr, None
     flags = list(a.engine_flags)
     if not a.target:
@@ -595,7 +457,7 @@ def run(a) -> dict:
             site = os.path.join(a.output, "_probe")
             os.makedirs(site, exist_ok=True)
             with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-                f.write(_SITECUSTOMIZE)
+                f.write(SITECUSTOMIZE)
             probe_file = os.path.join(a.output, "malloc_probe.jsonl")
             os.environ["SOAK_MALLOC_FILE"] = probe_file
             os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -618,7 +480,7 @@ def run(a) -> dict:
         t0 = time.monotonic()
         warmup_s = 60 * (a.warmup_minutes if a.warmup_minutes is not None
                          else max(0.1 * a.minutes, min(2.0, 0.5 * a.minutes)))
-        samples = [_sample(t0, pid, url, counter)]
+        samples = [sample(t0, pid, url, counter)]
         compiles_at_start = counter.count() if counter else None
         cfg = {"target": target, "token": a.token, "seed": a.seed, "inflight": a.inflight,
                "burst": a.burst, "request_timeout_s": a.request_timeout_s, "slack_s": a.slack_s,
@@ -642,7 +504,7 @@ def run(a) -> dict:
             except queue_mod.Empty:
                 pass
             if time.monotonic() >= next_sample:
-                samples.append(_sample(t0, pid, url, counter))
+                samples.append(sample(t0, pid, url, counter))
                 next_sample += a.sample_s
         for p in procs:
             p.join(5)
@@ -653,20 +515,20 @@ def run(a) -> dict:
         settle_deadline = time.monotonic() + a.settle_s
         while True:
             time.sleep(1.0)
-            s = _sample(t0, pid, url, counter)
+            s = sample(t0, pid, url, counter)
             idle = (s.get("running") == 0 and s.get("waiting") == 0
                     and s.get("pages_free") == s.get("pages_total"))
             if idle or time.monotonic() > settle_deadline:
                 break
         time.sleep(min(3.0, a.settle_s))  # let freed memory settle too
-        s = _sample(t0, pid, url, counter)
+        s = sample(t0, pid, url, counter)
         samples.append(s)
         end = {k: s.get(k) for k in ("pages_free", "pages_total", "pages_used", "running",
                                      "waiting")}
         end["settle_s"] = time.monotonic() - traffic_end
-        probe = _malloc_probe(proc, probe_file) if proc is not None and probe_file else None
+        probe = malloc_probe(proc, probe_file) if proc is not None and probe_file else None
         if probe:
-            samples.append(_sample(t0, pid, url, counter) | {"after_malloc_trim": True})
+            samples.append(sample(t0, pid, url, counter) | {"after_malloc_trim": True})
     finally:
         server = {"load_s": load_s, "pid": pid}
         if proc is not None:
@@ -675,13 +537,13 @@ def run(a) -> dict:
             server.update(exit_status=proc.returncode, stop_s=time.monotonic() - t_stop)
             time.sleep(0.3)  # the last stderr lines
         sys.stderr = saved_stderr
-    machine["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    mach["load_end"] = [round(x, 2) for x in os.getloadavg()]
     records.sort(key=lambda r: r["t1"])
     counters = summarize(records)
     counters["totals"]["started"] = started
     rss_samples = [x for x in samples if not x.get("after_malloc_trim")]
     res = {"config": {**vars(a), "engine_flags": flags, "warmup_s": warmup_s},
-           "machine": machine, "server": server,
+           "machine": mach, "server": server,
            "model_info": {"vocab_size": info.vocab_size, "max_prompt_len": info.max_prompt_len,
                           "max_model_len": info.max_model_len, "num_pages": info.num_pages,
                           "page_size": info.page_size, "backend": info.backend},

@@ -25,6 +25,8 @@ Functions:
 * ``rss_figures(samples, warmup_end)``: RSS at start, end of warm-up, end,
   peak; drift = (end - end of warm-up) / end of warm-up; least-squares slope
   (MB/min) after the warm-up.
+* ``rss_by_executables``: the part of that drift new XLA executables explain
+  (MB per executable) and the rest (growth at a constant executable count).
 * ``criteria(result, max_drift)``: the failed pass criteria, as sentences.
 * ``markdown(result)`` -> ``report.md`` (cases in ``EXPECTED``'s order).
 * ``plot(result, path)`` -> ``soak.png`` (RSS, pages used, TTFT p50/p99,
@@ -119,9 +121,35 @@ def rss_figures(samples: list[dict], warmup_end: float) -> dict:
     post = [p for p in pts if p[0] >= warmup_end]
     slope = float(np.polyfit([p[0] / 60 for p in post], [p[1] for p in post], 1)[0]) \
         if len(post) >= 3 else None
-    return {"start_mb": start, "warmup_end_mb": warm, "end_mb": end,
-            "peak_mb": max(p[1] for p in pts), "drift": (end - warm) / warm,
-            "slope_mb_per_min": slope, "post_warmup_samples": len(post)}
+    out = {"start_mb": start, "warmup_end_mb": warm, "end_mb": end,
+           "peak_mb": max(p[1] for p in pts), "drift": (end - warm) / warm,
+           "slope_mb_per_min": slope, "post_warmup_samples": len(post)}
+    out.update(rss_by_executables(samples, warmup_end, warm))
+    return out
+
+
+def rss_by_executables(samples: list[dict], warmup_end: float, warm_mb: float) -> dict:
+    """Split the RSS change after the warm-up between consecutive samples into
+    the intervals in which new XLA executables were built or loaded and the
+    intervals in which none were. ``mb_per_executable``: the first sum over
+    the executables built; ``drift_without_executables``: the second sum (RSS
+    growth at a constant executable count, where a leak shows) over the RSS
+    at the end of the warm-up. Empty without compilation counts."""
+    post = [s for s in samples if s.get("rss") is not None and s.get("compilations") is not None
+            and s["t_rel"] >= warmup_end]
+    if len(post) < 2:
+        return {}
+    with_exe = without = 0.0
+    for prev, cur in itertools.pairwise(post):
+        d = cur["rss"] - prev["rss"]
+        if cur["compilations"] > prev["compilations"]:
+            with_exe += d
+        else:
+            without += d
+    new = post[-1]["compilations"] - post[0]["compilations"]
+    return {"executables_after_warmup": int(new),
+            "mb_per_executable": with_exe / new if new else None,
+            "mb_without_executables": without, "drift_without_executables": without / warm_mb}
 
 
 def criteria(result: dict, max_drift: float) -> list[str]:
@@ -203,6 +231,13 @@ def markdown(res: dict) -> str:
                   f"{100 * rss['drift']:+.1f}% (limit {100 * cfg['max_rss_drift']:.0f}%); "
                   f"slope after warm-up {_f(rss['slope_mb_per_min'], '{:+.2f}')} MB/min "
                   f"over {rss['post_warmup_samples']} samples")]
+        if "mb_without_executables" in rss:
+            lines.append(
+                f"- RSS after the warm-up, split by sample interval: "
+                f"{rss['executables_after_warmup']} new XLA executables, "
+                f"{_f(rss['mb_per_executable'])} MB each in the intervals that built them; "
+                f"{rss['mb_without_executables']:+.0f} MB in the intervals that built none "
+                f"(drift without executables {100 * rss['drift_without_executables']:+.1f}%)")
     else:
         lines.append("- RSS: not measured (no server pid: give --server_pid with --target)")
     if res.get("compilations") is not None:
