@@ -202,7 +202,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
                                   max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-                                  mesh=self.mesh, rules=sharding_rules)
+                                  mesh=self.mesh, rules=sharding_rules,
+                                  max_step_shapes=config.max_step_shapes)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset([tokenizer.eos_token_id]) if tokenizer is not None
             and tokenizer.eos_token_id is not None else frozenset())
@@ -518,7 +519,7 @@ class LLM:
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
       enable_chunked_prefill, compilation_cache_dir, attention_impl,
-      attention_interpret: engine args (see ``jaxserve.config``).
+      attention_interpret, max_step_shapes: engine args (see ``jaxserve.config``).
       mesh: device mesh spec such as ``"tp=2"`` or ``"dp=1,tp=4,ep=2"``
         (``sharding.mesh.parse_mesh_spec``); None means one device.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
@@ -533,7 +534,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
-                 attention_interpret: bool = False, mesh: str | None = None, **parts):
+                 attention_interpret: bool = False, mesh: str | None = None,
+                 max_step_shapes: int = 16, **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
@@ -546,7 +548,8 @@ class LLM:
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
-            attention_interpret=attention_interpret, parallel=parallel)
+            attention_interpret=attention_interpret, parallel=parallel,
+            max_step_shapes=max_step_shapes)
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):

@@ -19,8 +19,11 @@ Every dimension that varies with the batch is padded to a bucket:
   window (pow2 >= the longest chunk) and pages per sequence;
 * logits rows: the sampled rows, plus prompt-logprob rows (pow2 >= 16);
 
-so the number of compilations is bounded by the product of bucket counts, not
-by the number of requests. ``num_compilations`` counts traces of all jits.
+and a step runs in the compiled shape ``shapes.StepShapes`` picks for those
+buckets (its own, or a larger compiled one), so the number of compilations is
+bounded by ``max_step_shapes`` plus the bucket counts per dimension, not by
+their product or the number of requests. ``num_compilations`` counts traces
+of all jits.
 
 Sharding: every jit runs over the runner's mesh (axes dp, tp, ep; one device
 by default). Params carry the ``NamedSharding`` their logical axis names get
@@ -50,6 +53,7 @@ from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
                                       sample)
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2, page_bucket
+from jaxserve.engine.shapes import StepShapes
 from jaxserve.models.llama import AttentionMetadata
 from sharding.mesh import make_mesh, validate_mesh_for_model
 from sharding.rules import ShardingRules, named_sharding, param_shardings
@@ -162,6 +166,8 @@ class ModelRunner:
         None means the first device alone.
       rules: sharding rules of this model on ``mesh``; None means
         ``validate_mesh_for_model(mesh.shape, model.cfg)``.
+      max_step_shapes: compiled step shapes of each kind before steps run in
+        the smallest compiled shape that holds them (``shapes.StepShapes``).
 
     Raises:
       ValueError: the mesh cannot run the model (see ``ShardingRules.for_model``).
@@ -169,7 +175,7 @@ class ModelRunner:
 
     def __init__(self, model: nnx.Module, *, num_pages: int, page_size: int,
                  max_model_len: int, kv_dtype, mesh: jax.sharding.Mesh | None = None,
-                 rules: ShardingRules | None = None):
+                 rules: ShardingRules | None = None, max_step_shapes: int = 16):
         cfg = model.cfg
         self.model_config = cfg
         self.mesh = mesh if mesh is not None else make_mesh("tp=1", jax.devices()[:1])
@@ -197,6 +203,7 @@ class ModelRunner:
         step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
         self.num_compilations = 0
+        self.shapes = StepShapes(max_step_shapes)
         # Static args are positional: jit takes no kwargs once in_shardings is given.
         self.prefill_step = jax.jit(self._step, static_argnums=(4, 5), **step_shardings)
         self.decode_step = jax.jit(self._decode, **step_shardings)
@@ -326,13 +333,23 @@ class ModelRunner:
         reqs, q_lens = batch.requests, batch.q_lens
         n, nd = len(reqs), batch.num_decode
         L = self.page_size
-        Pb = self._page_bucket(reqs)
+        plp_need = sum(max(0, min(r.num_computed_tokens + q, len(r.prompt_token_ids) - 1) + 1
+                           - max(r.num_computed_tokens + 1, len(r.prompt_logprobs)))
+                       for r, q in zip(reqs, q_lens) if r.wants_prompt_logprobs)
+        top = MAX_LOGPROBS if any(r.params.logprobs or r.params.prompt_logprobs
+                                  for r in reqs) else 0
+        E = next_pow2(plp_need, 16) if plp_need else 0
+        # The step's own buckets, then the compiled shape it runs in (shapes.py).
         if batch.decode:
-            Bd = rows = T = next_pow2(n, 8)
+            B, Pb, top = self.shapes.choose(True, (next_pow2(n, 8), self._page_bucket(reqs), top))
+            Bd = rows = T = B
+            max_q = 1
         else:
-            Bd = next_pow2(nd, 4) if nd else 0
-            rows = Bd + next_pow2(n - nd, 4)
-            T = Bd + next_pow2(sum(q_lens[nd:]), 16)
+            Bd, Sp, Tp, Pb, max_q, E, top = self.shapes.choose(False, (
+                next_pow2(nd, 4) if nd else 0, next_pow2(n - nd, 4),
+                next_pow2(sum(q_lens[nd:]), 16), self._page_bucket(reqs),
+                next_pow2(max(q_lens[nd:]), 1), E, top))
+            rows, T = Bd + Sp, Bd + Tp
         input_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slot_pages = np.full(T, self.num_pages, np.int32)  # out of range: dropped
@@ -374,7 +391,7 @@ class ModelRunner:
             if k >= nd:
                 cu_q_lens[s] = t
         cu_q_lens[s + 1:] = t
-        E = next_pow2(len(plp_rows), 16) if plp_rows else 0
+        assert len(plp_rows) == plp_need, (len(plp_rows), plp_need)
         logits_indices = np.zeros(rows + E, np.int32)
         logits_indices[:n] = sample_rows
         logits_indices[rows:rows + len(plp_rows)] = plp_rows
@@ -384,8 +401,6 @@ class ModelRunner:
                                page_indices, cu_q_lens, np.array([s], np.int32),
                                logits_indices)
         st = make_sampling_tensors(reqs, rows)
-        wants_top = any(r.params.logprobs or r.params.prompt_logprobs for r in reqs)
-        return StepPlan(decode=batch.decode, num_decode_rows=Bd,
-                        max_q_len=1 if batch.decode else next_pow2(max(q_lens[nd:]), 1),
-                        rows=rows, num_top=MAX_LOGPROBS if wants_top else 0, md=md, sampling=st,
-                        targets=targets, num_requests=n, plp_spans=plp_spans)
+        return StepPlan(decode=batch.decode, num_decode_rows=Bd, max_q_len=max_q, rows=rows,
+                        num_top=top, md=md, sampling=st, targets=targets, num_requests=n,
+                        plp_spans=plp_spans)
