@@ -35,11 +35,16 @@ def test_every_step_fits_and_compilation_stops(needs, cap):
 
 def test_near_shape_reused_before_the_bound():
     shapes = StepShapes(8)
+    assert StepShapes.cost(True, (8, 8, 0)) == 16 + 8 + 4
+    assert StepShapes.cost(False, (4, 8, 64, 16, 32, 0, 0)) == 16 + 68 + 12
     assert shapes.choose(True, (8, 8, 0)) == (8, 8, 0)
-    assert shapes.choose(True, (8, 6, 0)) == (8, 8, 0)      # within 2x: no new program
+    assert shapes.choose(True, (8, 6, 0)) == (8, 8, 0)      # 28 <= 1.5 x 27: no new program
     assert shapes.choose(True, (16, 6, 0)) == (16, 6, 0)    # does not fit: compiled
-    assert shapes.choose(True, (8, 16, 20)) == (8, 16, 20)  # 20 > 2 x 0: compiled
-    assert shapes.num_reused == 1 and len(shapes.shapes[True]) == 3
+    assert shapes.choose(True, (8, 16, 20)) == (8, 16, 20)  # nothing holds top 20: compiled
+    assert shapes.choose(True, (8, 4, 20)) == (8, 16, 20)   # 32 <= 1.5 x 26
+    assert shapes.choose(True, (8, 96, 0)) == (8, 96, 0)
+    assert shapes.choose(True, (8, 24, 0)) == (8, 24, 0)    # (8, 96): 72 > 1.5 x 36
+    assert shapes.num_reused == 2 and len(shapes.shapes[True]) == 5
 
 
 def test_past_the_bound_steps_share_one_shape():

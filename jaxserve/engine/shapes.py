@@ -14,8 +14,8 @@ a tuple of dimensions where larger is always safe (more padding rows, tokens,
 pages or window: the runner's padding conventions make every extra slot a
 no-op). ``choose(decode, need)`` answers with the shape to run:
 
-1. the cheapest compiled shape that holds ``need`` and is at most twice it
-   (or 4) in every dimension (a little padding beats seconds of compiling);
+1. the cheapest compiled shape that holds ``need`` and costs at most 1.5x
+   as much (a little padding beats seconds of compiling);
 2. else, while fewer than ``max_shapes`` shapes of this kind (decode, or
    prefill/mixed) exist, ``need`` itself (a new compilation);
 3. else the cheapest compiled shape that holds ``need``, however padded;
@@ -24,13 +24,16 @@ no-op). ``choose(decode, need)`` answers with the shape to run:
    later step finds a home and compilation stops.
 
 So at most ``max_shapes`` + (number of bucket values per dimension) programs
-of each kind are ever built. Sampling (``_postprocess``) is keyed by the row
+of each kind are ever built. A shape's cost is a rough model of a step's time
+on XLA:CPU, in tokens: the tokens T through the weights (the first entry of a
+decode shape, the first three summed of a prefill one: decode rows are one
+token each), plus the K/V pages every row gathers (rows x pages / 16), plus
+16 for streaming the weights once. The other entries (query window,
+prompt-logprob rows, top-N) only have to fit. Sampling (``_postprocess``) is keyed by the row
 dimensions of the chosen shape, so it is bounded with them.
 """
 
 from __future__ import annotations
-
-import math
 
 
 class StepShapes:
@@ -52,8 +55,17 @@ class StepShapes:
         self.num_reused = 0  # steps run in a larger compiled shape than their own
 
     @staticmethod
-    def _cost(shape: tuple[int, ...]) -> int:
-        return math.prod(max(1, d) for d in shape)
+    def cost(decode: bool, shape: tuple[int, ...]) -> float:
+        """The model of a step's time above, in tokens. Decode shapes are
+        ``(rows, pages, top)``; prefill shapes ``(decode rows, prefill rows,
+        prefill tokens, pages, query window, prompt-logprob rows, top)``."""
+        if decode:
+            rows, pages = shape[0], shape[1]
+            tokens = rows
+        else:
+            rows, pages = shape[0] + shape[1], shape[3]
+            tokens = shape[0] + shape[2]
+        return 16 + tokens + rows * pages / 16
 
     def choose(self, decode: bool, need: tuple[int, ...]) -> tuple[int, ...]:
         """The shape (same length as ``need``, each entry >= need's) to run a
@@ -62,10 +74,11 @@ class StepShapes:
         if need in have:
             return need
         holds = [s for s in have if all(a >= b for a, b in zip(s, need))]
-        near = [s for s in holds if all(a <= max(2 * b, 4) for a, b in zip(s, need))]
+        limit = 1.5 * self.cost(decode, need)
+        near = [s for s in holds if self.cost(decode, s) <= limit]
         if near or (holds and len(have) >= self.max_shapes):
             self.num_reused += 1
-            return min(near or holds, key=self._cost)
+            return min(near or holds, key=lambda s: self.cost(decode, s))
         shape = need if len(have) < self.max_shapes else \
             tuple(max(col) for col in zip(need, *have))
         have.append(shape)
