@@ -250,6 +250,8 @@ def _read(path: str) -> tuple[GGUFLayout, gguf.GGUFReader, dict[str, Any]]:
     try:
         reader = gguf.GGUFReader(path)
         return layout, reader, read_fields(reader)
+    except (MemoryError, TimeoutError):  # not the file's fault (or a test's time limit)
+        raise
     except Exception as e:  # noqa: BLE001 - last line of defence, see _errors_name
         raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: "
                          f"{' '.join(str(e).split())})") from None

@@ -7,6 +7,8 @@ Each gets a clear status, and the server keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,11 +16,11 @@ import urllib.parse
 
 import grpc
 import pytest
+from server_util import ServerProcess
 
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS
 from jaxserve.server.client import AsyncClient, Client
-from server_util import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +49,30 @@ print(worst, flush=True)
 def server(tiny_gguf):
     s = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS])
     yield s
+    workers = _children(s.proc.pid, "multiprocessing.spawn")
     assert s.terminate() == 0
+    # A clean exit: nothing leaked by the tokenizer workers, none left running.
+    t_end = time.monotonic() + 5
+    while [p for p in workers if os.path.exists(f"/proc/{p}")] and time.monotonic() < t_end:
+        time.sleep(0.1)
+    assert workers and not [p for p in workers if os.path.exists(f"/proc/{p}")], workers
+    assert not any("leaked" in line or "Traceback" in line for line in s.lines), s.lines[-10:]
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """Pids of ``pid``'s child processes whose command line contains ``marker``."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and marker in cmd:
+            out.append(int(d))
+    return out
 
 
 def _code(fn):
@@ -133,6 +158,28 @@ def test_big_prompts_do_not_stall_health(server):
         _still_serves(c)
 
 
+def test_tokenizer_workers_serve_and_recover(server):
+    """Texts under the byte bound but over the inline size go to the worker
+    processes (then fail on their token count); after a worker is killed, the
+    pool is replaced and large texts still work; no traceback in the log."""
+    long_text = "hello world " * 500  # 6,000 characters: pooled, ~1,000+ tokens > 511
+    workers = _children(server.proc.pid, "multiprocessing.spawn")
+    assert len(workers) >= 2, workers
+    with Client(server.target) as c:
+        code, details = _code(lambda: c.complete(long_text, max_tokens=1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "tokens is more than max_prompt_len=511" in details
+        os.kill(workers[0], signal.SIGKILL)
+        time.sleep(0.5)
+        for _ in range(3):
+            code, details = _code(lambda: c.complete(long_text, max_tokens=1))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+            assert "tokens is more than max_prompt_len=511" in details
+        assert len(c.tokenize(long_text[:3000])) > 400  # Tokenize takes the pool too
+        _still_serves(c)
+    assert not any("Traceback" in line for line in server.lines), "".join(server.lines[-30:])
+
+
 # ---- output size -------------------------------------------------------------
 
 def test_cumulative_logprobs_bounded(server):
@@ -208,22 +255,26 @@ def test_queue_bound_counts_only_requests_that_cannot_start(tiny_gguf):
     admits at least the 64 that can start plus the 4 that may wait."""
     s = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS, "--max_waiting_requests", "4"])
     try:
-        async def one(c, i):
+        async def one(c, i, n=1):
             try:
-                r = await c.complete(token_ids=[5, i % 300 + 3], max_tokens=8, temperature=0.0,
-                                     ignore_eos=True)
+                r = await c.complete(token_ids=[5, i % 300 + 3], max_tokens=64, temperature=0.0,
+                                     ignore_eos=True, n=n)
             except grpc.aio.AioRpcError as e:
                 return e.code()
-            assert len(r.token_ids) == 8
+            assert [len(x.token_ids) for x in r.completions] == [64] * n
             return grpc.StatusCode.OK
 
         async def run():
             async with AsyncClient(s.target) as c:
                 await c.complete(token_ids=[5], max_tokens=1)  # warm
-                return await asyncio.gather(*(one(c, i) for i in range(80)))
-        codes = asyncio.run(run())
+                # n above the waiting bound, into an idle engine: its choices start at once.
+                alone = await one(c, 0, n=8)
+                return alone, await asyncio.gather(*(one(c, i) for i in range(80)))
+        alone, codes = asyncio.run(run())
+        assert alone == grpc.StatusCode.OK
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
         assert codes.count(grpc.StatusCode.OK) >= 68, codes
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes  # the bound holds
         m = s.metrics()
         assert m["jaxserve_kv_cache_pages_used"] == 0
         assert m["jaxserve_xla_compilations_total"] >= 2  # at least a prefill and a decode

@@ -136,23 +136,21 @@ class AsyncEngine:
         prompt (so the servicer runs them before tokenizing).
 
         Raises:
-          ValueError: ``n`` above ``max_num_seqs`` or ``max_waiting_requests``
-            (such a request could never start, so retrying cannot help).
+          ValueError: ``n`` above ``max_num_seqs`` (its choices could never
+            all run, so retrying cannot help).
         """
         if params.n > self.max_num_seqs:
             raise ValueError(f"sampling.n: {params.n} is more than max_num_seqs="
                              f"{self.max_num_seqs}, the most sequences that run at once")
-        if params.n > self.max_waiting_requests:
-            raise ValueError(f"sampling.n: {params.n} is more than max_waiting_requests="
-                             f"{self.max_waiting_requests}")
 
     def check_queue(self, params: SamplingParams) -> None:
-        """Raises ``QueueFullError`` if ``params.n`` more sequences would
-        exceed ``max_waiting_requests``, ``ShuttingDownError`` after
-        ``stop_accepting``."""
+        """Raises ``QueueFullError`` if, with ``params.n`` more sequences,
+        more than ``max_waiting_requests`` could not start (beyond the free
+        running slots); ``ShuttingDownError`` after ``stop_accepting``."""
         if not self._accepting:
             raise ShuttingDownError("the server is shutting down")
-        if self.num_waiting + params.n > self.max_waiting_requests:
+        pending = self._submitted - self._drained + self._engine_waiting + params.n
+        if pending - (self.max_num_seqs - self._engine_running) > self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} sequences cannot start yet "
                                  f"(max_waiting_requests={self.max_waiting_requests})")
 
@@ -245,16 +243,21 @@ class AsyncEngine:
         engine = self.engine
         if kind == "add":
             _, engine_id, prompt_ids, params, stream, added, arrival_time = cmd
-            self._drained += params.n
             if self.fatal_error is not None:  # the engine thread has stopped for good
+                self._drained += params.n
                 self._loop.call_soon_threadsafe(_set_exception, added, ShuttingDownError(
                     f"the engine stopped: {self.fatal_error}"))
                 return
             try:
                 engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival_time)
             except ValueError as e:
+                self._drained += params.n
                 self._loop.call_soon_threadsafe(_set_exception, added, e)
                 return
+            # Counted as waiting in the engine before it stops counting as
+            # submitted, so ``num_waiting`` never misses it between steps.
+            self._engine_waiting = len(engine.scheduler.waiting)
+            self._drained += params.n
             self._streams[engine_id] = stream
             self._loop.call_soon_threadsafe(_set_result, added, None)
         elif kind == "abort":

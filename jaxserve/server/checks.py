@@ -127,10 +127,11 @@ def serialize(msg) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-async def abort_undecodable(request, context) -> None:
-    """INVALID_ARGUMENT for an ``Undecodable`` request; returns for a real one."""
+def check_decoded(request) -> None:
+    """Raises ``InvalidRequest`` for an ``Undecodable`` request (the servicer
+    answers INVALID_ARGUMENT); returns for a real one."""
     if isinstance(request, Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        raise InvalidRequest(request.message)
 
 
 def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -250,6 +251,6 @@ class CumulativeChoice:
 
 __all__ = ["CumulativeChoice", "INLINE_TOKENIZE_CHARS", "InvalidRequest",
            "MAX_CUMULATIVE_LOGPROB_ENTRIES", "MAX_REQUEST_ID_CHARS", "Undecodable",
-           "abort_undecodable", "add_generation_servicer", "check_output_size",
+           "check_decoded", "add_generation_servicer", "check_output_size",
            "check_request_id", "find_bad_utf8", "header_request_id", "length_delimited",
            "max_text_bytes", "safe_deserializer", "serialize"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import grpc
 import jinja2
@@ -23,11 +24,24 @@ import jinja2
 from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.server.async_engine import (AsyncEngine, EngineError, QueueFullError,
-                                          ShuttingDownError, StreamAborted)
-from jaxserve.server.checks import (INLINE_TOKENIZE_CHARS, CumulativeChoice, InvalidRequest,
-                                    abort_undecodable, check_output_size, check_request_id,
-                                    header_request_id, length_delimited, max_text_bytes)
+from jaxserve.server.async_engine import (
+    AsyncEngine,
+    EngineError,
+    QueueFullError,
+    ShuttingDownError,
+    StreamAborted,
+)
+from jaxserve.server.checks import (
+    INLINE_TOKENIZE_CHARS,
+    CumulativeChoice,
+    InvalidRequest,
+    check_decoded,
+    check_output_size,
+    check_request_id,
+    header_request_id,
+    length_delimited,
+    max_text_bytes,
+)
 from jaxserve.server.tokenize_pool import TokenizerPool
 
 log = logging.getLogger(__name__)
@@ -134,7 +148,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _off_loop(self, inline, pooled, size_chars: int):
         """``inline()`` for small inputs (or without a pool), else ``await pooled()``."""
-        if size_chars < INLINE_TOKENIZE_CHARS or self.tokenizer_pool is None:
+        inline_below = min(INLINE_TOKENIZE_CHARS, max(256, (self.max_text_bytes or 0) // 8))
+        if size_chars < inline_below or self.tokenizer_pool is None:
             return inline()
         if self._pending >= self._max_pending:
             raise QueueFullError(f"{self._pending} large prompts are being tokenized "
@@ -210,7 +225,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = await self._ready(context)
         engine.metrics.received.inc()
         try:
-            await abort_undecodable(request, context)
+            check_decoded(request)
             rid = check_request_id(request.request_id) if request.request_id else \
                 f"req-{next(self._ids)}"
             if request.output_kind not in pb.OutputKind.values():
@@ -228,6 +243,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e)
         except ShuttingDownError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, e)
+        except BrokenProcessPool as e:
+            log.error("tokenizer workers died twice in a row: %s", e)
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
+                               RuntimeError("the tokenizer workers died; retry"))
         if rid in self._live_ids:
             engine.metrics.rejected.labels("ALREADY_EXISTS").inc()
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -363,9 +382,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         engine = await self._ready(context)
-        await abort_undecodable(request, context)
         tok = engine.engine.tokenizer
         try:
+            check_decoded(request)
             if tok is None:
                 raise InvalidRequest("input: this model has no tokenizer")
             kind = request.WhichOneof("input")
@@ -384,9 +403,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         engine = await self._ready(context)
-        await abort_undecodable(request, context)
         tok = engine.engine.tokenizer
         try:
+            check_decoded(request)
             if tok is None:
                 raise InvalidRequest("token_ids: this model has no tokenizer")
             if len(request.token_ids) > engine.engine.max_model_len:
@@ -400,7 +419,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context):
         engine = await self._ready(context)
-        await abort_undecodable(request, context)
+        try:
+            check_decoded(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         e = engine.engine
         import jax  # already loaded by the engine
         cfg = e.config

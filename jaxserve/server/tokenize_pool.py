@@ -72,10 +72,34 @@ class TokenizerPool:
     """
 
     def __init__(self, tokenizer, workers: int = 2):
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(tokenizer,))
+        self._tokenizer = tokenizer
         self.workers = workers
+        self.num_restarts = 0
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=(self._tokenizer,))
+
+    async def _run(self, fn, *args):
+        """``fn(*args)`` in a worker. A pool whose worker died (killed, out of
+        memory) is broken for good in ``concurrent.futures``: it is replaced
+        by a new one and the call tried once more there.
+
+        Raises:
+          concurrent.futures.process.BrokenProcessPool: the new pool broke too.
+        """
+        loop = asyncio.get_running_loop()
+        pool = self._pool
+        try:
+            return await loop.run_in_executor(pool, fn, *args)
+        except concurrent.futures.process.BrokenProcessPool:
+            if self._pool is pool:  # the first caller to notice replaces it
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool()
+                self.num_restarts += 1
+            return await loop.run_in_executor(self._pool, fn, *args)
 
     def start(self) -> None:
         """Start every worker now and wait until each holds the tokenizer
@@ -85,8 +109,7 @@ class TokenizerPool:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (``Tokenizer.encode`` in a worker)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _encode, text, add_special_tokens)
+        return await self._run(_encode, text, add_special_tokens)
 
     async def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the chat template and the
@@ -95,12 +118,13 @@ class TokenizerPool:
         Raises:
           ValueError: the template rejected the conversation (its message).
         """
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _chat_ids, messages)
+        return await self._run(_chat_ids, messages)
 
     def close(self) -> None:
-        """Stop the workers without waiting for queued work."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers: queued work is dropped, work in progress ends
+        first (the wait also releases the pool's semaphores, which the
+        multiprocessing resource tracker would otherwise report as leaked)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 __all__ = ["TokenizerPool"]
