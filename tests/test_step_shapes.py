@@ -29,14 +29,21 @@ def test_every_step_fits_and_compilation_stops(needs, cap):
     # Past the bound a new shape is built only when none holds the step, and
     # it then holds every earlier one: at most one per bucket value beyond it.
     distinct_values = sum(len({n[i] for n in needs}) for i in range(len(needs[0])))
-    assert len(shapes.shapes[False]) <= cap + distinct_values
+    assert len(shapes.shapes[False]) <= cap + 1 + distinct_values
     assert not shapes.shapes[True]
 
 
+def test_cost_counts_the_padded_attention():
+    shapes = StepShapes(8, page_size=16, attention_weight=1 / 256)
+    assert shapes.cost(True, (8, 8, 0)) == 16 + 8 + 8 * 8 / 16
+    # 4 decode rows + 8 prefill rows x a 32-token window, against 16 pages each
+    assert shapes.cost(False, (4, 8, 64, 16, 32, 0, 0)) == 16 + 68 + (4 + 8 * 32) * 16 / 16
+    small = shapes.cost(False, (0, 4, 16, 4, 16, 0, 0))
+    assert shapes.cost(False, (0, 4, 16, 64, 512, 0, 0)) > 100 * small
+
+
 def test_near_shape_reused_before_the_bound():
-    shapes = StepShapes(8)
-    assert StepShapes.cost(True, (8, 8, 0)) == 16 + 8 + 4
-    assert StepShapes.cost(False, (4, 8, 64, 16, 32, 0, 0)) == 16 + 68 + 12
+    shapes = StepShapes(8, page_size=16, attention_weight=1 / 256)
     assert shapes.choose(True, (8, 8, 0)) == (8, 8, 0)
     assert shapes.choose(True, (8, 6, 0)) == (8, 8, 0)      # 28 <= 1.5 x 27: no new program
     assert shapes.choose(True, (16, 6, 0)) == (16, 6, 0)    # does not fit: compiled
@@ -51,6 +58,7 @@ def test_past_the_bound_steps_share_one_shape():
     shapes = StepShapes(1)
     assert shapes.choose(True, (8, 4, 0)) == (8, 4, 0)
     assert shapes.choose(True, (64, 4, 0)) == (64, 4, 0)    # nothing holds it: max of all
+                                                            # (here also the step's own)
     assert shapes.choose(True, (8, 96, 0)) == (64, 96, 0)
     assert shapes.choose(True, (32, 48, 20)) == (64, 96, 20)
     for need in [(8, 4, 0), (16, 12, 20), (64, 96, 20), (32, 8, 0)]:

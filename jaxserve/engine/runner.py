@@ -203,7 +203,11 @@ class ModelRunner:
         step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
         self.num_compilations = 0
-        self.shapes = StepShapes(max_step_shapes)
+        per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                     + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                     + 3 * cfg.hidden_size * cfg.intermediate_size)
+        self.shapes = StepShapes(max_step_shapes, page_size,
+                                 2 * cfg.num_heads * cfg.head_dim / per_layer)
         # Static args are positional: jit takes no kwargs once in_shardings is given.
         self.prefill_step = jax.jit(self._step, static_argnums=(4, 5), **step_shardings)
         self.decode_step = jax.jit(self._decode, **step_shardings)

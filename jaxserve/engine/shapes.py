@@ -23,13 +23,17 @@ no-op). ``choose(decode, need)`` answers with the shape to run:
    every compiled shape: a new shape that holds all earlier ones, so every
    later step finds a home and compilation stops.
 
-So at most ``max_shapes`` + (number of bucket values per dimension) programs
-of each kind are ever built. A shape's cost is a rough model of a step's time
-on XLA:CPU, in tokens: the tokens T through the weights (the first entry of a
-decode shape, the first three summed of a prefill one: decode rows are one
-token each), plus the K/V pages every row gathers (rows x pages / 16), plus
-16 for streaming the weights once. The other entries (query window,
-prompt-logprob rows, top-N) only have to fit. Sampling (``_postprocess``) is keyed by the row
+So at most ``max_shapes`` + 1 + (the number of distinct bucket values over
+all dimensions) programs of each kind are ever built: past the bound, a new
+shape is the maximum of everything so far, which either raises some
+dimension's largest value or is the one shape that holds all others. A shape's cost is a rough model of a step's work,
+in tokens through the weights: 16 (streaming the weights once) + the tokens T
+(decode rows are one token each) + the attention of the padded shape, every
+query row against its ``pages x page_size`` keys, at ``attention_weight``
+tokens per (query, key) pair (``2 N H / per-layer weights``; 3.3e-4 for
+SmolLM2). The padded query window matters most: a prefill shape with a
+512-token window and 64 pages per row costs 1,000 times a 16-token one's
+attention. Prompt-logprob rows and top-N only have to fit. Sampling (``_postprocess``) is keyed by the row
 dimensions of the chosen shape, so it is bounded with them.
 """
 
@@ -42,30 +46,31 @@ class StepShapes:
     Args:
       max_shapes: shapes of each kind compiled freely before steps are
         placed in existing ones (rule 3 above).
+      page_size: tokens per KV page.
+      attention_weight: one (query, key) pair of attention in tokens through
+        the weights (the cost model above).
 
     Raises:
       ValueError: ``max_shapes`` below 1.
     """
 
-    def __init__(self, max_shapes: int):
+    def __init__(self, max_shapes: int, page_size: int = 16, attention_weight: float = 3e-4):
         if max_shapes < 1:
             raise ValueError(f"max_step_shapes must be >= 1, got {max_shapes}")
         self.max_shapes = max_shapes
+        self.key_weight = page_size * attention_weight  # per (query row, page)
         self.shapes: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
         self.num_reused = 0  # steps run in a larger compiled shape than their own
 
-    @staticmethod
-    def cost(decode: bool, shape: tuple[int, ...]) -> float:
-        """The model of a step's time above, in tokens. Decode shapes are
+    def cost(self, decode: bool, shape: tuple[int, ...]) -> float:
+        """The model of a step's work above, in tokens. Decode shapes are
         ``(rows, pages, top)``; prefill shapes ``(decode rows, prefill rows,
         prefill tokens, pages, query window, prompt-logprob rows, top)``."""
         if decode:
             rows, pages = shape[0], shape[1]
-            tokens = rows
-        else:
-            rows, pages = shape[0] + shape[1], shape[3]
-            tokens = shape[0] + shape[2]
-        return 16 + tokens + rows * pages / 16
+            return 16 + rows + rows * pages * self.key_weight
+        bd, sp, tp, pages, window = shape[:5]
+        return 16 + bd + tp + (bd + sp * window) * pages * self.key_weight
 
     def choose(self, decode: bool, need: tuple[int, ...]) -> tuple[int, ...]:
         """The shape (same length as ``need``, each entry >= need's) to run a
