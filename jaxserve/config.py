@@ -254,7 +254,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     attention_impl: str = "auto"
     attention_interpret: bool = False
-    max_step_shapes: int = 16
+    max_step_shapes: int = 1000
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -72,7 +72,7 @@ flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shar
 flags.DEFINE_bool("enable_chunked_prefill", True,
                   "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
-flags.DEFINE_integer("max_step_shapes", 16, "XLA programs of each kind (decode, prefill) compiled "
+flags.DEFINE_integer("max_step_shapes", 1000, "XLA programs of each kind (decode, prefill) compiled "
                      "for steps' own shapes; past it a step runs in the smallest compiled shape "
                      "that holds it (bounds host memory: each holds 40-60 MB on CPU).")
 flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all when --mesh "

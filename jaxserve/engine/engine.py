@@ -535,7 +535,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
                  attention_interpret: bool = False, mesh: str | None = None,
-                 max_step_shapes: int = 16, **parts):
+                 max_step_shapes: int = 1000, **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(

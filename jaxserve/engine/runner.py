@@ -175,7 +175,7 @@ class ModelRunner:
 
     def __init__(self, model: nnx.Module, *, num_pages: int, page_size: int,
                  max_model_len: int, kv_dtype, mesh: jax.sharding.Mesh | None = None,
-                 rules: ShardingRules | None = None, max_step_shapes: int = 16):
+                 rules: ShardingRules | None = None, max_step_shapes: int = 1000):
         cfg = model.cfg
         self.model_config = cfg
         self.mesh = mesh if mesh is not None else make_mesh("tp=1", jax.devices()[:1])
