@@ -238,11 +238,6 @@ class EngineConfig:
       attention_interpret: run the Pallas kernel in the Pallas interpreter
         (lets ``attention_impl="pallas"`` run on CPU; slow, for tests).
       parallel: the device mesh (``ParallelConfig``); default one device.
-      max_step_shapes: XLA programs of each kind (decode, prefill/mixed)
-        compiled for the steps' own shapes; past it a step runs in the
-        smallest compiled shape that holds it (``jaxserve.engine.shapes``), so
-        host memory stays bounded (each program holds 40-60 MB on CPU for
-        SmolLM2).
     """
 
     model: str = "smollm2-135m"
@@ -254,14 +249,10 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     attention_impl: str = "auto"
     attention_interpret: bool = False
-    max_step_shapes: int = 1000
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.max_step_shapes, int) or self.max_step_shapes < 1:
-            raise ValueError(f"max_step_shapes must be an integer >= 1, got "
-                             f"{self.max_step_shapes!r}")
         if self.attention_impl not in ("auto", "pallas", "xla"):
             raise ValueError(f"attention_impl must be auto, pallas or xla, "
                              f"got {self.attention_impl!r}")

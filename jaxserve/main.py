@@ -72,9 +72,6 @@ flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shar
 flags.DEFINE_bool("enable_chunked_prefill", True,
                   "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
-flags.DEFINE_integer("max_step_shapes", 1000, "XLA programs of each kind (decode, prefill) compiled "
-                     "for steps' own shapes; past it a step runs in the smallest compiled shape "
-                     "that holds it (bounds host memory: each holds 40-60 MB on CPU).")
 flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all when --mesh "
                      "is given, else one); the --mesh product must equal it.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
@@ -167,7 +164,6 @@ def _engine_args() -> dict:
                 kv_cache_memory_bytes=FLAGS.kv_cache_mib << 20, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_model_len=FLAGS.max_model_len, mesh=FLAGS.mesh,
-                max_step_shapes=FLAGS.max_step_shapes,
                 enable_prefix_caching=FLAGS.enable_prefix_caching,
                 enable_chunked_prefill=FLAGS.enable_chunked_prefill,
                 compilation_cache_dir=os.path.join(

@@ -1,12 +1,12 @@
-"""Ragged paged attention (pure XLA) vs a dense numpy attention, over random
-ragged batches. Pages no sequence owns are filled with NaN, so any read
+"""Ragged paged attention (the reference and the engine's XLA path) vs a
+dense numpy attention, over random ragged batches. Pages no sequence owns are filled with NaN, so any read
 outside a sequence's page table poisons the output (JAX tests/pallas style)."""
 
 import numpy as np
 import jax.numpy as jnp
 from hypothesis import example, given, settings, strategies as st
 
-from pallas_kernels.ragged_paged_attention import reference as rpa
+from pallas_kernels.ragged_paged_attention import kernel_xla, reference as rpa
 
 
 def dense_attention(q_NH, k_SKH, v_SKH, q_pos, scale, window=None, cap=None):
@@ -82,11 +82,10 @@ def test_ragged_prefill_matches_dense(seed, q_lens, ctx, page_size, gqa):
     kv[:len(q_lens)] = kv_lens
     pi = np.zeros((max_seqs, page_indices.shape[1]), np.int32)
     pi[:len(q_lens)] = page_indices
-    max_q = MAX_Q
-    out = np.asarray(rpa.ragged_paged_attention(
+    out = np.asarray(kernel_xla.ragged_paged_attention(
         jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv),
         jnp.asarray(pi), jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32),
-        max_q_len=max_q, sm_scale=H ** -0.5))
+        sm_scale=H ** -0.5, q_block=MAX_Q, pages_per_block=4))
     assert np.isfinite(out).all()
     for i, ql in enumerate(q_lens):
         k, v = dense[i]
@@ -109,9 +108,10 @@ def test_paged_decode_matches_dense(seed, ctx, page_size, gqa):
     k_pages, v_pages, kv_lens, page_indices, dense = make_batch(
         rng, [1] * B, ctx, page_size, K, H)
     q = rng.standard_normal((B, N, H)).astype(np.float32)
-    out = np.asarray(rpa.paged_decode_attention(
+    out = np.asarray(kernel_xla.ragged_paged_attention(
         jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv_lens),
-        jnp.asarray(page_indices), sm_scale=H ** -0.5))
+        jnp.asarray(page_indices), jnp.arange(B + 1, dtype=jnp.int32), jnp.asarray([B]),
+        jnp.asarray([B]), sm_scale=H ** -0.5, pages_per_block=4))
     for b in range(B):
         k, v = dense[b]
         ref = dense_attention(q[b:b + 1], k, v, [kv_lens[b] - 1], H ** -0.5)
@@ -154,7 +154,7 @@ def test_reference_matches_dense_unpaged(seed, q_lens, ctx, page_size, gqa, wind
             jnp.asarray(pi), jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32))
     opts = dict(sm_scale=H ** -0.5, sliding_window=window, soft_cap=cap)
     ref = np.asarray(rpa.ref_ragged_paged_attention(*args, **opts))
-    xla = np.asarray(rpa.ragged_paged_attention(*args, max_q_len=MAX_Q, **opts))
+    xla = np.asarray(kernel_xla.ragged_paged_attention(*args, q_block=MAX_Q, **opts))
     assert np.isfinite(ref).all() and np.isfinite(xla).all()
     for i, ql in enumerate(q_lens):
         k, v = dense[i]
@@ -164,10 +164,3 @@ def test_reference_matches_dense_unpaged(seed, q_lens, ctx, page_size, gqa, wind
         np.testing.assert_allclose(xla[cu[i]:cu[i + 1]], want, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(ref[cu[len(q_lens)]:], 0.0)
     np.testing.assert_array_equal(xla[cu[len(q_lens)]:], 0.0)
-    # Decode rows (q_len 1) through the XLA decode path, same window/cap.
-    rows = [i for i, ql in enumerate(q_lens) if ql == 1]
-    if rows:
-        dec = np.asarray(rpa.paged_decode_attention(
-            jnp.asarray(q[cu[rows]]), jnp.asarray(k_pages), jnp.asarray(v_pages),
-            jnp.asarray(kv_lens[rows]), jnp.asarray(page_indices[rows]), **opts))
-        np.testing.assert_allclose(dec, ref[cu[rows]], atol=2e-5, rtol=1e-5)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
-from jaxserve.engine import multihost
+from jaxserve.engine import multihost, shapes
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
@@ -202,8 +202,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
                                   max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-                                  mesh=self.mesh, rules=sharding_rules,
-                                  max_step_shapes=config.max_step_shapes)
+                                  max_num_seqs=config.scheduler.max_num_seqs,
+                                  mesh=self.mesh, rules=sharding_rules)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset([tokenizer.eos_token_id]) if tokenizer is not None
             and tokenizer.eos_token_id is not None else frozenset())
@@ -346,6 +346,26 @@ class Engine:
             num_preemptions=s.num_preemptions, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens, num_steps=self._num_steps,
             num_compilations=self.runner.num_compilations)
+
+    def step_token_counts(self) -> list[int]:
+        """Every step token count (one compiled program each) this engine's
+        limits can reach (``jaxserve.engine.shapes``)."""
+        sc = self.config.scheduler
+        return shapes.step_token_counts(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                        self.max_model_len, sc.enable_chunked_prefill)
+
+    def warmup(self, on_compiled=None) -> int:
+        """Compile every step shape this engine can reach (``step_token_counts``)
+        before serving, so no request waits on XLA; with
+        ``compilation_cache_dir`` set, a second start loads them from disk.
+        Prompt-logprob steps and penalty tensor widths still compile on first
+        use. ``on_compiled(i, T, seconds)`` reports progress. Returns the
+        compilations it caused.
+
+        Raises:
+          MultihostError: a multi-host step failed.
+        """
+        return self.runner.warmup(self.step_token_counts(), on_compiled)
 
     # ---- multi-host ---------------------------------------------------------
 
@@ -519,7 +539,7 @@ class LLM:
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
       enable_chunked_prefill, compilation_cache_dir, attention_impl,
-      attention_interpret, max_step_shapes: engine args (see ``jaxserve.config``).
+      attention_interpret: engine args (see ``jaxserve.config``).
       mesh: device mesh spec such as ``"tp=2"`` or ``"dp=1,tp=4,ep=2"``
         (``sharding.mesh.parse_mesh_spec``); None means one device.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
@@ -534,8 +554,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
-                 attention_interpret: bool = False, mesh: str | None = None,
-                 max_step_shapes: int = 1000, **parts):
+                 attention_interpret: bool = False, mesh: str | None = None, **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
@@ -548,8 +567,7 @@ class LLM:
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
-            attention_interpret=attention_interpret, parallel=parallel,
-            max_step_shapes=max_step_shapes)
+            attention_interpret=attention_interpret, parallel=parallel)
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):

@@ -1,29 +1,26 @@
-"""ModelRunner: metadata building, shape buckets and the two jitted steps.
+"""ModelRunner: metadata building, shape buckets and the jitted step.
 
-``prefill_step`` and ``decode_step`` are pure functions of
-``(params, k_cache, v_cache, AttentionMetadata)`` (the metadata carries the
-token ids, positions, ``cu_q_lens``, ``kv_lens`` and page table) returning the
-logits of the rows in ``logits_indices`` and the caches, which are donated so
-XLA updates them in place. ``decode_step`` serves steps whose every row has
-one new token; ``prefill_step`` serves the rest, including mixed steps (decode
-rows first, then prefill chunks; the model attends each part with its own
-reference kernel). Sampling, top-N logprobs and prompt logprobs are a third
-jitted function over the logits (still on device).
+``step_fn`` is a pure function of ``(params, k_cache, v_cache,
+AttentionMetadata)`` (the metadata carries the token ids, positions,
+``cu_q_lens``, ``kv_lens``, page table, and the counts of real rows and
+decode rows) returning the logits of the rows in ``logits_indices`` and the
+caches, which are donated so XLA updates them in place. It serves decode,
+prefill and mixed steps alike (decode rows first, then prefill chunks, one
+ragged attention). Sampling, top-N logprobs and prompt logprobs are a
+second jitted function over the logits (still on device).
 
-Every dimension that varies with the batch is padded to a bucket:
-
-* decode: sequences B (pow2 >= 8) and pages per sequence (>= 4, in steps of
-  2^k and 3 * 2^(k-1));
-* prefill/mixed: decode rows Bd (0 or pow2 >= 4), prefill tokens Tp
-  (pow2 >= 16), prefill sequences Sp (pow2 >= 4), the per-sequence query
-  window (pow2 >= the longest chunk) and pages per sequence;
-* logits rows: the sampled rows, plus prompt-logprob rows (pow2 >= 16);
-
-and a step runs in the compiled shape ``shapes.StepShapes`` picks for those
-buckets (its own, or a larger compiled one), so the number of compilations is
-bounded by ``max_step_shapes`` plus the bucket counts per dimension, not by
-their product or the number of requests. ``num_compilations`` counts traces
-of all jits.
+A step's static dimensions are only its token count T and row count S
+(``shapes.py``): T is the step's tokens rounded up a ladder with under 25%
+padding, S = min(T, ladder(max_num_seqs)); the mix of decode rows and prefill
+chunks, the kv lengths and the pages are device values that the attention
+loops over. The page table is always ``pages_per_row`` wide. So one program
+per T serves decode and mixed steps alike (a decode step of n rows is T = S =
+ladder(n)), every T a config can reach is known up front
+(``shapes.step_token_counts``), and ``warmup`` compiles them all.
+Prompt-logprob steps compute the logits of every token (a second program
+per T, on first use). Sampling is its own jit keyed by S, the top-N count
+and the penalty tensors' widths. ``num_compilations`` counts traces of all
+jits.
 
 Sharding: every jit runs over the runner's mesh (axes dp, tp, ep; one device
 by default). Params carry the ``NamedSharding`` their logical axis names get
@@ -40,6 +37,7 @@ model is traced under the mesh's abstract mesh, which an MoE block's
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +50,8 @@ from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
                                       sample)
-from jaxserve.engine.scheduler import ScheduledBatch, next_pow2, page_bucket
-from jaxserve.engine.shapes import StepShapes
+from jaxserve.engine.scheduler import ScheduledBatch
+from jaxserve.engine.shapes import bucket
 from jaxserve.models.llama import AttentionMetadata
 from sharding.mesh import make_mesh, validate_mesh_for_model
 from sharding.rules import ShardingRules, named_sharding, param_shardings
@@ -116,11 +114,9 @@ class StepPlan:
     ``statics()`` and ``leaves()``; the others rebuild it with ``from_wire``.
 
     Attributes:
-      decode: every row has one new token (``decode_step``), else
-        ``prefill_step``.
-      num_decode_rows: Bd, the padded decode rows leading a mixed step.
-      max_q_len: the per-sequence query window (pow2 >= the longest chunk).
-      rows: R, padded sampled rows.
+      decode: every row has one new token (kept for step statistics; the
+        program is the same).
+      rows: S, padded rows (each samples one token).
       num_top: top-N logprobs to compute (0 or ``MAX_LOGPROBS``).
       md: ``AttentionMetadata`` of numpy i32 arrays (shapes in its docstring).
       sampling: ``SamplingTensors`` of numpy arrays, R rows.
@@ -131,8 +127,6 @@ class StepPlan:
     """
 
     decode: bool
-    num_decode_rows: int
-    max_q_len: int
     rows: int
     num_top: int
     md: AttentionMetadata
@@ -142,7 +136,7 @@ class StepPlan:
     plp_spans: dict = dataclasses.field(default_factory=dict)
 
     def statics(self) -> list[int]:
-        return [int(self.decode), self.num_decode_rows, self.max_q_len, self.rows, self.num_top]
+        return [int(self.decode), self.rows, self.num_top]
 
     def leaves(self) -> list[np.ndarray]:
         return jax.tree.leaves((self.md, self.sampling, self.targets))
@@ -150,8 +144,8 @@ class StepPlan:
     @classmethod
     def from_wire(cls, statics, leaves, treedef) -> "StepPlan":
         md, st, targets = jax.tree.unflatten(treedef, leaves)
-        decode, bd, max_q_len, rows, num_top = statics[:5]
-        return cls(bool(decode), bd, max_q_len, rows, num_top, md, st, targets)
+        decode, rows, num_top = statics[:3]
+        return cls(bool(decode), rows, num_top, md, st, targets)
 
 
 class ModelRunner:
@@ -160,22 +154,21 @@ class ModelRunner:
     Args:
       model: an NNX model whose ``__call__`` follows ``LlamaForCausalLM``.
       num_pages: pages P of the cache; page_size L tokens each.
-      max_model_len: longest sequence, tokens (caps the page bucket).
+      max_model_len: longest sequence, tokens (the page table's width).
+      max_num_seqs: most rows of a step (S's ceiling).
       kv_dtype: cache dtype.
       mesh: the device mesh (axes dp, tp, ep; ``sharding.mesh.make_mesh``);
         None means the first device alone.
       rules: sharding rules of this model on ``mesh``; None means
         ``validate_mesh_for_model(mesh.shape, model.cfg)``.
-      max_step_shapes: compiled step shapes of each kind before steps run in
-        the smallest compiled shape that holds them (``shapes.StepShapes``).
 
     Raises:
       ValueError: the mesh cannot run the model (see ``ShardingRules.for_model``).
     """
 
     def __init__(self, model: nnx.Module, *, num_pages: int, page_size: int,
-                 max_model_len: int, kv_dtype, mesh: jax.sharding.Mesh | None = None,
-                 rules: ShardingRules | None = None, max_step_shapes: int = 1000):
+                 max_model_len: int, kv_dtype, max_num_seqs: int = 64,
+                 mesh: jax.sharding.Mesh | None = None, rules: ShardingRules | None = None):
         cfg = model.cfg
         self.model_config = cfg
         self.mesh = mesh if mesh is not None else make_mesh("tp=1", jax.devices()[:1])
@@ -186,6 +179,9 @@ class ModelRunner:
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
+        # Whole page blocks of the XLA attention, so it never pads the table.
+        self.pages_per_row = cdiv(self.max_pages_per_seq, 8) * 8
+        self.max_rows = bucket(max_num_seqs)
         # One [P, L, K, H] buffer per layer (a tuple, donated as a pytree): a
         # kernel then reads its layer's pages without a slice copy.
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
@@ -203,14 +199,7 @@ class ModelRunner:
         step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
         self.num_compilations = 0
-        per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                     + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-                     + 3 * cfg.hidden_size * cfg.intermediate_size)
-        self.shapes = StepShapes(max_step_shapes, page_size,
-                                 2 * cfg.num_heads * cfg.head_dim / per_layer)
-        # Static args are positional: jit takes no kwargs once in_shardings is given.
-        self.prefill_step = jax.jit(self._step, static_argnums=(4, 5), **step_shardings)
-        self.decode_step = jax.jit(self._decode, **step_shardings)
+        self.step_fn = jax.jit(self._step, **step_shardings)
         # Sampling is its own jit: its compilations depend only on the row
         # buckets, so they are shared by every prefill/decode shape.
         self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(3, 4),
@@ -219,7 +208,7 @@ class ModelRunner:
         self.channel: multihost.StepChannel | None = None
         if jax.process_count() > 1:  # the Engine has checked that the mesh spans the job
             self.channel = multihost.StepChannel()
-        empty_md = AttentionMetadata(*([np.zeros(1, np.int32)] * 9))
+        empty_md = AttentionMetadata(*([np.zeros(1, np.int32)] * 10))
         empty_st = make_sampling_tensors([], 1)
         self._plan_treedef = jax.tree.structure((empty_md, empty_st, np.zeros(0, np.int32)))
 
@@ -229,15 +218,11 @@ class ModelRunner:
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * \
             jnp.dtype(dtype).itemsize
 
-    def _step(self, state, k_cache, v_cache, md, num_decode_rows, max_q_len):
+    def _step(self, state, k_cache, v_cache, md):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation
         model = nnx.merge(self.graphdef, state)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # MoE's shard_map reads it
-            return model(k_cache, v_cache, md, num_decode_rows=num_decode_rows,
-                         max_q_len=max_q_len)
-
-    def _decode(self, state, k_cache, v_cache, md):
-        return self._step(state, k_cache, v_cache, md, md.input_ids.shape[0], 1)
+            return model(k_cache, v_cache, md)
 
     def _postprocess_fn(self, logits_RV, st, targets_E, rows, num_top):
         self.num_compilations += 1
@@ -246,10 +231,6 @@ class ModelRunner:
         return out, plp
 
     # ---- host-side metadata -------------------------------------------------
-
-    def _page_bucket(self, reqs) -> int:
-        need = max(len(r.page_ids) for r in reqs)
-        return min(page_bucket(need), max(self.max_pages_per_seq, need))
 
     def execute(self, batch: ScheduledBatch, return_logits: bool = False) -> StepResult:
         """Run one step on device.
@@ -268,7 +249,9 @@ class ModelRunner:
           MultihostError: a multi-host step failed after its plan was sent
             (fatal: the processes can no longer agree).
         """
-        plan = self.prepare(batch)
+        return self._execute_plan(self.prepare(batch), return_logits)
+
+    def _execute_plan(self, plan: "StepPlan", return_logits: bool = False) -> StepResult:
         if self.channel is None:
             return self._finish(plan, self.run(plan), return_logits)
         try:
@@ -276,6 +259,35 @@ class ModelRunner:
             return self._finish(plan, self.run(plan), return_logits)
         except Exception as e:  # noqa: BLE001 - the processes are out of step: fatal
             raise self.channel.fail(e) from e
+
+    def empty_plan(self, num_tokens: int, num_top: int = 0) -> "StepPlan":
+        """A plan of ``num_tokens`` (a ladder value) padding tokens and no
+        real row, in the shape a real step of that many tokens gets: running
+        it compiles that shape and changes nothing (its K/V writes are
+        dropped)."""
+        T = num_tokens
+        S = min(T, self.max_rows)
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        md = AttentionMetadata(z(T), z(T), np.full(T, self.num_pages, np.int32), z(T), z(S),
+                               z(S, self.pages_per_row), z(S + 1), z(1), z(S), z(1))
+        return StepPlan(decode=False, rows=S, num_top=num_top, md=md,
+                        sampling=make_sampling_tensors([], S), targets=z(0))
+
+    def warmup(self, token_counts, on_compiled=None) -> int:
+        """Compile the step for every token count T in ``token_counts`` (and
+        sampling for its S rows, with and without top-N logprobs), by running
+        empty plans; in a multi-host job the other processes run them too.
+        ``on_compiled(i, T, seconds)`` is called after each. Returns the
+        number of XLA compilations it caused (0 when everything was cached in
+        this process; the persistent cache only shortens each)."""
+        before = self.num_compilations
+        for i, T in enumerate(token_counts):
+            t0 = time.monotonic()
+            for num_top in (0, MAX_LOGPROBS):
+                self._execute_plan(self.empty_plan(T, num_top))
+            if on_compiled is not None:
+                on_compiled(i, T, time.monotonic() - t0)
+        return self.num_compilations - before
 
     def follow(self) -> int:
         """A multi-host job's other processes: run every step process 0
@@ -308,12 +320,7 @@ class ModelRunner:
         ``(logits f32[R, V], SampleOutput, prompt logprobs or None,
         expert load or None)``. Every process of a job calls it with the same
         plan."""
-        md = plan.md
-        if plan.decode:
-            out = self.decode_step(self.state, self.k_cache, self.v_cache, md)
-        else:
-            out = self.prefill_step(self.state, self.k_cache, self.v_cache, md, plan.num_decode_rows,
-                                    plan.max_q_len)
+        out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md)
         logits, self.k_cache, self.v_cache, *load = out
         so, plp = self._postprocess(logits, plan.sampling, plan.targets, plan.rows, plan.num_top)
         return logits, so, plp, (load[0] if load else None)
@@ -342,36 +349,20 @@ class ModelRunner:
                        for r, q in zip(reqs, q_lens) if r.wants_prompt_logprobs)
         top = MAX_LOGPROBS if any(r.params.logprobs or r.params.prompt_logprobs
                                   for r in reqs) else 0
-        E = next_pow2(plp_need, 16) if plp_need else 0
-        # The step's own buckets, then the compiled shape it runs in (shapes.py).
-        if batch.decode:
-            B, Pb, top = self.shapes.choose(True, (next_pow2(n, 8), self._page_bucket(reqs), top))
-            Bd = rows = T = B
-            max_q = 1
-        else:
-            Bd, Sp, Tp, Pb, max_q, E, top = self.shapes.choose(False, (
-                next_pow2(nd, 4) if nd else 0, next_pow2(n - nd, 4),
-                next_pow2(sum(q_lens[nd:]), 16), self._page_bucket(reqs),
-                next_pow2(max(q_lens[nd:]), 1), E, top))
-            rows, T = Bd + Sp, Bd + Tp
+        T = bucket(sum(q_lens))
+        rows = S = min(T, self.max_rows)
+        E = T if plp_need else 0  # prompt logprobs: every token's logits (shapes.py)
         input_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slot_pages = np.full(T, self.num_pages, np.int32)  # out of range: dropped
         slot_offsets = np.zeros(T, np.int32)
-        kv_lens = np.zeros(rows, np.int32)
-        page_indices = np.zeros((rows, Pb), np.int32)
-        cu_q_lens = np.zeros(rows + 1, np.int32)
-        cu_q_lens[1:Bd + 1] = np.arange(1, Bd + 1)  # decode rows (padding too): one token each
-        if not batch.decode:
-            # Padding decode rows of a mixed step own a query token: let it see
-            # position 0 (finite garbage, never read) rather than nothing.
-            kv_lens[nd:Bd] = 1
+        kv_lens = np.zeros(S, np.int32)
+        page_indices = np.zeros((S, self.pages_per_row), np.int32)
+        cu_q_lens = np.zeros(S + 1, np.int32)
         sample_rows = np.zeros(n, np.int32)
         plp_rows, plp_targets, plp_spans = [], [], {}
-        t, s = 0, 0
+        t = 0
         for k, (r, q) in enumerate(zip(reqs, q_lens)):
-            if k == nd:
-                t, s = Bd, Bd
             start = r.num_computed_tokens
             pos = np.arange(start, start + q, dtype=np.int32)
             pages = np.asarray(r.page_ids, np.int32)
@@ -379,8 +370,8 @@ class ModelRunner:
             positions[t:t + q] = pos
             slot_pages[t:t + q] = pages[pos // L]
             slot_offsets[t:t + q] = pos % L
-            kv_lens[s] = start + q
-            page_indices[s, :len(pages)] = pages
+            kv_lens[k] = start + q
+            page_indices[k, :len(pages)] = pages
             sample_rows[k] = t + q - 1
             if r.wants_prompt_logprobs:
                 # Position j predicts prompt token j + 1; collect the missing ones.
@@ -391,10 +382,8 @@ class ModelRunner:
                     plp_rows.extend(range(t + lo - 1 - start, t + hi - 1 - start))
                     plp_targets.extend(r.prompt_token_ids[lo:hi])
             t += q
-            s += 1
-            if k >= nd:
-                cu_q_lens[s] = t
-        cu_q_lens[s + 1:] = t
+            cu_q_lens[k + 1] = t
+        cu_q_lens[n + 1:] = t
         assert len(plp_rows) == plp_need, (len(plp_rows), plp_need)
         logits_indices = np.zeros(rows + E, np.int32)
         logits_indices[:n] = sample_rows
@@ -402,9 +391,8 @@ class ModelRunner:
         targets = np.zeros(E, np.int32)
         targets[:len(plp_targets)] = plp_targets
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
-                               page_indices, cu_q_lens, np.array([s], np.int32),
-                               logits_indices)
+                               page_indices, cu_q_lens, np.array([n], np.int32),
+                               logits_indices, np.array([nd], np.int32))
         st = make_sampling_tensors(reqs, rows)
-        return StepPlan(decode=batch.decode, num_decode_rows=Bd, max_q_len=max_q, rows=rows,
-                        num_top=top, md=md, sampling=st, targets=targets, num_requests=n,
-                        plp_spans=plp_spans)
+        return StepPlan(decode=batch.decode, rows=rows, num_top=top, md=md, sampling=st,
+                        targets=targets, num_requests=n, plp_spans=plp_spans)

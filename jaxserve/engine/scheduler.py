@@ -36,13 +36,6 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def page_bucket(n: int, minimum: int = 4) -> int:
-    """Smallest of {2^k, 3 * 2^(k-1)} >= max(n, minimum): at most 33% padding,
-    about twice the bucket count of powers of two."""
-    p = next_pow2(n, minimum)
-    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= max(n, minimum) else p
-
-
 @dataclasses.dataclass
 class ScheduledBatch:
     """One step's plan: the sequences and how many new tokens each computes.
@@ -58,7 +51,7 @@ class ScheduledBatch:
 
     @property
     def decode(self) -> bool:
-        """Every row is a decode row (the step can use ``decode_step``)."""
+        """Every row is a decode row."""
         return self.num_decode == len(self.requests)
 
     @property
@@ -177,12 +170,6 @@ class Scheduler:
             if cfg.enable_chunked_prefill:
                 n = budget
             elif prefill:  # unchunked: a long prompt may overrun the budget, beside decodes only
-                return 0
-        if prefill and n > 1:
-            # The ragged prefill attends a window of next_pow2(longest chunk)
-            # rows per sequence: keep that work near the token budget.
-            longest = max([q for _, q in prefill] + [n])
-            if next_pow2(longest) * (len(prefill) + 1) > 2 * cfg.max_num_batched_tokens:
                 return 0
         need = alloc.pages_needed(hits, computed + n)
         reserve = self.watermark_pages if (self.running or decode or prefill) else 0

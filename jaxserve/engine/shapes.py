@@ -1,93 +1,71 @@
-"""Which compiled shape a step runs in: a bounded set of XLA programs.
+"""Step shapes: the bucket ladder and the finite set of XLA programs a config reaches.
 
-``ModelRunner.prepare`` pads every varying dimension of a step to a bucket
-(see ``runner.py``), but the buckets of a mixed prefill step multiply (decode
-rows x prefill sequences x tokens x pages per sequence x query window x
-prompt-logprob rows x top-N) into thousands of possible shapes. Each shape is
-its own XLA program, compiled once (seconds on CPU) and kept in host memory
-for good: 40-60 MB each for SmolLM2 on XLA:CPU (AMD EPYC, 2 cores, AVX-512),
-measured by the soak benchmark. A 20-minute soak of varied traffic built 205
-of them and the server's RSS rose from 2.3 to 12 GB.
+A step's only static dimensions are its token count T and its row count S
+(``AttentionMetadata``'s shapes); how many rows are decode rows, how many
+sequences are real, their kv lengths and their pages are device values, and
+the attention (``pallas_kernels.ragged_paged_attention.kernel_xla`` on CPU,
+the Pallas kernels on GPU/TPU) loops over what is real. So:
 
-``StepShapes`` keeps the set finite. A step's own buckets are its ``need``,
-a tuple of dimensions where larger is always safe (more padding rows, tokens,
-pages or window: the runner's padding conventions make every extra slot a
-no-op). ``choose(decode, need)`` answers with the shape to run:
+* T is the step's token count rounded up the **ladder**: 1..8, then four
+  values per octave, ``m * 2^k`` for m in 4, 5, 6, 7 (8, 10, 12, 14, 16, 20,
+  24, 28, 32, 40, ...): a step pads its tokens by less than 25%, where powers
+  of two pad by up to 100%.
+* S = min(T, the ladder value of ``max_num_seqs``): every row computes at
+  least one token, so a step never has more rows than tokens; padding rows
+  cost only their sampling row.
+* the page table is always ``pages_per_row`` wide (``max_model_len`` /
+  page size, rounded up to whole page blocks): its width is no dimension.
+* prompt-logprob rows: 0, or T (every token's logits) in a step where some
+  request asks for prompt logprobs, a second program per T compiled on
+  first use.
 
-1. the cheapest compiled shape that holds ``need`` and costs at most 1.5x
-   as much (a little padding beats seconds of compiling);
-2. else, while fewer than ``max_shapes`` shapes of this kind (decode, or
-   prefill/mixed) exist, ``need`` itself (a new compilation);
-3. else the cheapest compiled shape that holds ``need``, however padded;
-4. else (nothing compiled holds it) the elementwise maximum of ``need`` and
-   every compiled shape: a new shape that holds all earlier ones, so every
-   later step finds a home and compilation stops.
-
-So at most ``max_shapes`` + 1 + (the number of distinct bucket values over
-all dimensions) programs of each kind are ever built: past the bound, a new
-shape is the maximum of everything so far, which either raises some
-dimension's largest value or is the one shape that holds all others. A shape's cost is a rough model of a step's work,
-in tokens through the weights: 16 (streaming the weights once) + the tokens T
-(decode rows are one token each) + the attention of the padded shape, every
-query row against its ``pages x page_size`` keys, at ``attention_weight``
-tokens per (query, key) pair (``2 N H / per-layer weights``; 3.3e-4 for
-SmolLM2). The padded query window matters most: a prefill shape with a
-512-token window and 64 pages per row costs 1,000 times a 16-token one's
-attention. Prompt-logprob rows and top-N only have to fit. Sampling (``_postprocess``) is keyed by the row
-dimensions of the chosen shape, so it is bounded with them.
+``step_token_counts`` lists every T a config can reach, so ``--mode serve``
+compiles all of them before it reports ready. For SmolLM2 with the default
+2,048-token budget that is 40 programs (48 with chunked prefill off and an
+8k context), against thousands of (rows x pages x window) shapes before.
 """
 
 from __future__ import annotations
 
 
-class StepShapes:
-    """The compiled step shapes of a runner, by kind.
-
-    Args:
-      max_shapes: shapes of each kind compiled freely before steps are
-        placed in existing ones (rule 3 above).
-      page_size: tokens per KV page.
-      attention_weight: one (query, key) pair of attention in tokens through
-        the weights (the cost model above).
+def bucket(n: int) -> int:
+    """The smallest ladder value >= n (n >= 1): exact up to 8, then
+    ``m * 2^k`` with m in {4, 5, 6, 7}, so ``bucket(n) < 1.25 * n``.
 
     Raises:
-      ValueError: ``max_shapes`` below 1.
+      ValueError: n below 1.
     """
-
-    def __init__(self, max_shapes: int, page_size: int = 16, attention_weight: float = 3e-4):
-        if max_shapes < 1:
-            raise ValueError(f"max_step_shapes must be >= 1, got {max_shapes}")
-        self.max_shapes = max_shapes
-        self.key_weight = page_size * attention_weight  # per (query row, page)
-        self.shapes: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
-        self.num_reused = 0  # steps run in a larger compiled shape than their own
-
-    def cost(self, decode: bool, shape: tuple[int, ...]) -> float:
-        """The model of a step's work above, in tokens. Decode shapes are
-        ``(rows, pages, top)``; prefill shapes ``(decode rows, prefill rows,
-        prefill tokens, pages, query window, prompt-logprob rows, top)``."""
-        if decode:
-            rows, pages = shape[0], shape[1]
-            return 16 + rows + rows * pages * self.key_weight
-        bd, sp, tp, pages, window = shape[:5]
-        return 16 + bd + tp + (bd + sp * window) * pages * self.key_weight
-
-    def choose(self, decode: bool, need: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape (same length as ``need``, each entry >= need's) to run a
-        step of this kind in; records it as compiled."""
-        have = self.shapes[decode]
-        if need in have:
-            return need
-        holds = [s for s in have if all(a >= b for a, b in zip(s, need))]
-        limit = 1.5 * self.cost(decode, need)
-        near = [s for s in holds if self.cost(decode, s) <= limit]
-        if near or (holds and len(have) >= self.max_shapes):
-            self.num_reused += 1
-            return min(near or holds, key=lambda s: self.cost(decode, s))
-        shape = need if len(have) < self.max_shapes else \
-            tuple(max(col) for col in zip(need, *have))
-        have.append(shape)
-        return shape
+    if n < 1:
+        raise ValueError(f"bucket: n must be >= 1, got {n}")
+    if n <= 8:
+        return n
+    shift = n.bit_length() - 3  # keep the top three bits
+    top = n >> shift
+    if top << shift < n:
+        top += 1
+    return top << shift
 
 
-__all__ = ["StepShapes"]
+def ladder(hi: int, lo: int = 1) -> list[int]:
+    """Every ladder value from ``bucket(lo)`` to ``bucket(hi)``, ascending."""
+    out, n = [], bucket(lo)
+    while n <= bucket(hi):
+        out.append(n)
+        n = bucket(n + 1)
+    return out
+
+
+def step_token_counts(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                      enable_chunked_prefill: bool = True) -> list[int]:
+    """Every step token count T a scheduler with these limits can produce.
+
+    A step computes at most the token budget, except that without chunked
+    prefill one prompt longer than the budget runs whole (up to
+    ``max_model_len`` tokens) beside the decodes."""
+    hi = max(max_num_batched_tokens, max_num_seqs)
+    if not enable_chunked_prefill:
+        hi = max(hi, max_model_len + max_num_seqs)
+    return ladder(hi)
+
+
+__all__ = ["bucket", "ladder", "step_token_counts"]

@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
-from pallas_kernels.ragged_paged_attention import reference as rpa
+from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 
 
 def _param(shape, names, dtype, rngs: nnx.Rngs | None, scale: float = 0.02, ones=False):
@@ -58,14 +58,17 @@ class AttentionMetadata:
       kv_lens: i32[S] kv length of each sequence, this step's tokens included.
       page_indices: i32[S, pages_per_seq] page table rows.
       cu_q_lens: i32[S + 1] prefix sums of query lengths.
-      num_seqs: i32[1] rows of S in use: the decode rows (padding included)
-        plus the real prefill sequences.
+      num_seqs: i32[1] rows of S in use: the decode rows plus the prefill
+        sequences.
       logits_indices: i32[R] rows of T whose next-token logits are returned:
-        each sampled sequence's last token, then any prompt-logprob rows.
+        each sampled sequence's last token (padding: 0), then any
+        prompt-logprob rows.
+      num_decode: i32[1] leading rows of S (and tokens of T) that are decode
+        rows: row i is sequence i's single new token, at token i.
 
-    The first ``num_decode_rows`` (static) rows of both T and S are decode
-    rows: row i is sequence i's single new token. The rest are prefill
-    sequences (or chunks) packed ragged.
+    The rest of the rows are prefill sequences (or chunks) packed ragged after
+    the decode tokens. Row and token counts are device values: one compiled
+    program serves every mix that fits its T and S.
     """
 
     input_ids: jax.Array
@@ -77,6 +80,7 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+    num_decode: jax.Array
 
 
 class RMSNorm(nnx.Module):
@@ -129,9 +133,10 @@ def _value(p: nnx.Param | None):
 class Attention(nnx.Module):
     """GQA self-attention over the paged cache: project, RoPE, write K/V, attend.
 
-    ``attention_impl``: "xla" (the reference kernels: decode rows and prefill
-    rows attended separately) or "pallas" (one ragged Pallas kernel for the
-    whole mixed batch; ``interpret`` as in ``rpa_kernel.ragged_paged_attention``).
+    ``attention_impl``: "xla" (``kernel_xla``: loops over page blocks, decode
+    rows in row blocks, prefill sequences in query blocks) or "pallas" (one
+    ragged Pallas kernel for the whole mixed batch; ``interpret`` as in
+    ``rpa_kernel.ragged_paged_attention``). Both take the same metadata.
 
     Optional parameters (None when the config turns them off): ``q_bias``
     [N*H], ``k_bias`` / ``v_bias`` [K*H], ``o_bias`` [D], ``q_norm`` / ``k_norm`` [H].
@@ -156,7 +161,7 @@ class Attention(nnx.Module):
         self.interpret = interpret
 
     def __call__(self, x_DT, cos_TH2, sin_TH2, k_pages_PLKH, v_pages_PLKH,
-                 md: AttentionMetadata, num_decode_rows: int, max_q_len: int):
+                 md: AttentionMetadata):
         cfg = self.cfg
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -176,20 +181,10 @@ class Attention(nnx.Module):
             o_TNH = rpa_kernel.ragged_paged_attention(
                 q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices,
                 md.cu_q_lens, md.num_seqs, interpret=self.interpret, **kw)
-            return (_linear(self.o_proj.value, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
-                    k_pages, v_pages)
-        Bd = num_decode_rows  # leading rows: one query token per sequence
-        parts = []
-        if Bd:
-            parts.append(rpa.paged_decode_attention(
-                q_TNH[:Bd], k_pages, v_pages, md.kv_lens[:Bd],
-                md.page_indices[:Bd], **kw))
-        if Bd < T:
-            parts.append(rpa.ragged_paged_attention(
-                q_TNH[Bd:], k_pages, v_pages, md.kv_lens[Bd:],
-                md.page_indices[Bd:], md.cu_q_lens[Bd:] - Bd, md.num_seqs - Bd,
-                max_q_len=max_q_len, **kw))
-        o_TNH = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        else:
+            o_TNH = rpa_xla.ragged_paged_attention(
+                q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
+                md.num_seqs, md.num_decode, **kw)
         return (_linear(self.o_proj.value, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
                 k_pages, v_pages)
 
@@ -237,17 +232,14 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 
-    def __call__(self, k_cache, v_cache, md: AttentionMetadata, *,
-                 num_decode_rows: int, max_q_len: int = 1):
+    def __call__(self, k_cache, v_cache, md: AttentionMetadata):
         """Forward one step.
 
         Args:
           k_cache, v_cache: tuples of one [P, L, K, H] paged cache per layer
             (separate buffers, so a kernel gets its layer without a copy).
-          md: the step's ``AttentionMetadata``.
-          num_decode_rows: static count of leading decode rows (== T for a
-            pure decode step, 0 for a pure prefill step).
-          max_q_len: static bound on a prefill sequence's query length.
+          md: the step's ``AttentionMetadata`` (its shapes are the only
+            static part of a step).
 
         Returns:
           (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as tuples).
@@ -258,8 +250,7 @@ class LlamaForCausalLM(nnx.Module):
         k_caches, v_caches = list(k_cache), list(v_cache)
         for i, layer in enumerate(self.layers):
             h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md,
-                num_decode_rows, max_q_len)
+                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md)
             x_DT = x_DT + h_DT
             x_DT = x_DT + layer.mlp(layer.post_attention_layernorm(x_DT))
         x_DS = self.norm(x_DT[:, md.logits_indices])

@@ -250,8 +250,7 @@ class MoEForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"),
                                                                    dtype, rngs)
 
-    def __call__(self, k_cache, v_cache, md: AttentionMetadata, *,
-                 num_decode_rows: int, max_q_len: int = 1):
+    def __call__(self, k_cache, v_cache, md: AttentionMetadata):
         """Forward one step (arguments as ``LlamaForCausalLM.__call__``).
 
         Returns:
@@ -267,8 +266,7 @@ class MoEForCausalLM(nnx.Module):
         loads = []
         for i, layer in enumerate(self.layers):
             h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md,
-                num_decode_rows, max_q_len)
+                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md)
             x_DT = x_DT + h_DT
             h_DT = layer.post_attention_layernorm(x_DT)
             if isinstance(layer.mlp, MoEBlock):

@@ -1,0 +1,258 @@
+"""Ragged paged attention for XLA:CPU: loops over page blocks, online softmax.
+
+The CPU lowering of the one ragged batch a step runs (the GPU and TPU ones
+are the Pallas kernels beside this file); the semantics are
+``reference.ref_ragged_paged_attention``'s, which tests compare against.
+
+Dimension letters: T packed query tokens, S rows (sequences) of the step,
+N query heads, K kv heads, G = N // K, H head dim, P pages, L page size,
+R rows of a decode block, Q query tokens of a prefill block, C kv positions
+of a page block (``pages_per_block * L``).
+
+Layout of a step (``AttentionMetadata``): rows ``0 .. num_decode - 1`` are
+decode rows, one query token each, at token index = row index; rows
+``num_decode .. num_seqs - 1`` are prefill sequences (or chunks) packed
+ragged after them by ``cu_q_lens``. ``num_decode`` and ``num_seqs`` are
+device values, so one compiled program serves every mix of decode and
+prefill rows that fits its static T and S, and the work follows the real
+rows and kv lengths, not the padded shape:
+
+* **decode rows** go in blocks of ``R = min(8, S, T)`` rows, a
+  ``while_loop`` over ``ceil(num_decode / R)`` blocks; each block loops over
+  page blocks from the first one any of its rows can see (sliding window)
+  to the last one any of them holds, gathering ``[R, C, K, H]`` K and V per
+  iteration and merging it into a running max / sum / accumulator (the
+  online softmax of Milakov & Gimelshein 2018, as flash-decoding splits the
+  keys: Dao et al. 2023). Rows past ``num_decode`` and pages past a block's
+  longest row are never read; nothing of size rows x pages x page size
+  exists. Rows of one block whose kv lengths differ are masked.
+* **prefill sequences** go one at a time (a ``while_loop`` over the real
+  ones); each in query blocks of ``Q`` tokens (``q_block``, clamped to T),
+  and each query block over the page blocks its queries can see: causal
+  (up to the block's last query position) and windowed (from the first
+  query's window start), as FlashAttention tiles the causal triangle
+  (Dao et al. 2022). Pages a chunk does not attend to are not touched.
+
+Every score, softmax and accumulation is f32 (``soft_cap`` applied to the
+scaled score before the mask); K and V outside a row's visible range are
+masked before they are used, so garbage (NaN) in pages a row does not own
+cannot leak into its output. Rows owned by no sequence come out 0.
+
+Block sizes are static: ``pages_per_block`` (default 8: 128 kv positions at
+L = 16) and ``q_block`` (default 128). Measured on the 2-core AMD EPYC dev
+machine (AVX-512) with SmolLM2's heads (N 9, K 3, H 64): see
+``pallas_kernels/bench.py --xla``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.reference import _MASK_VALUE, validate_inputs
+
+DEFAULT_PAGES_PER_BLOCK = 8
+DEFAULT_Q_BLOCK = 128
+DECODE_ROWS_PER_BLOCK = 8
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _online_update(carry, s_XKGC, mask_XC, v, pv_spec: str):
+    """One online-softmax step over a block of C keys.
+
+    carry: (m [X, K, G], l [X, K, G], acc [X, K, G, H]) f32, X query rows;
+    s: [X, K, G, C] scaled (and capped) scores; mask: [X, C] visible keys;
+    v: the block's values ([X, C, K, H] per row, or [C, K, H] shared), zero
+    where no row may see them; pv_spec: the einsum of p [X, K, G, C] and v."""
+    m_old, l_old, acc_old = carry
+    s_XKGC = jnp.where(mask_XC[:, None, None, :], s_XKGC, _MASK_VALUE)
+    m_new = jnp.maximum(m_old, s_XKGC.max(axis=-1))
+    p_XKGC = jnp.where(mask_XC[:, None, None, :], jnp.exp(s_XKGC - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m_old - m_new)
+    l_new = alpha * l_old + p_XKGC.sum(axis=-1)
+    acc_new = alpha[..., None] * acc_old + jnp.einsum(pv_spec, p_XKGC, v)
+    return m_new, l_new, acc_new
+
+
+def _cap(s, soft_cap):
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _finish(l_XKG, acc_XKGH):
+    """acc / l, with 0 for rows that saw no key."""
+    return jnp.where(l_XKG[..., None] > 0, acc_XKGH / jnp.where(l_XKG > 0, l_XKG, 1.0)[..., None],
+                     0.0)
+
+
+def _gather_block(pages_PLKH, page_ids_XB):
+    """[X, B] page ids -> [X, B * L, K, H] f32 (one block of pages per row)."""
+    X, B = page_ids_XB.shape
+    _, L, K, H = pages_PLKH.shape
+    return pages_PLKH[page_ids_XB].reshape(X, B * L, K, H).astype(jnp.float32)
+
+
+def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                 num_decode, *, sm_scale, sliding_window, soft_cap, pages_per_block):
+    """Attend rows 0 .. num_decode - 1 (one query token each) into ``out``."""
+    T, K, G, H = q_TKGH.shape
+    S, maxp = page_indices_SP.shape
+    L = k_pages_PLKH.shape[1]
+    R = min(DECODE_ROWS_PER_BLOCK, S, T)
+    ppb = min(pages_per_block, maxp)
+    C = ppb * L
+    pad = _cdiv(maxp, ppb) * ppb - maxp  # so every block's slice stays in range
+    page_indices_SP = jnp.pad(page_indices_SP, ((0, 0), (0, pad)))
+
+    def row_block(c, out_TKGH):
+        start = jnp.minimum(c * R, min(S, T) - R)
+        rows_R = start + jnp.arange(R)
+        own_R = (rows_R >= c * R) & (rows_R < num_decode)
+        kv_len_R = jnp.where(own_R, jax.lax.dynamic_slice(kv_lens_S, (start,), (R,)), 0)
+        q_RKGH = jax.lax.dynamic_slice(q_TKGH, (start, 0, 0, 0), (R, K, G, H)).astype(
+            jnp.float32) * sm_scale
+        pages_RP = jax.lax.dynamic_slice(page_indices_SP, (start, 0), (R, page_indices_SP.shape[1]))
+        q_pos_R = kv_len_R - 1
+        lo_R = jnp.zeros_like(kv_len_R) if sliding_window is None else \
+            jnp.maximum(q_pos_R - sliding_window + 1, 0)
+        hi = jnp.max(kv_len_R)  # positions < hi are read
+        lo = jnp.min(jnp.where(own_R, lo_R, hi))
+        first_blk, last_blk = lo // C, _cdiv(hi, C)
+
+        def kv_block(state):
+            b, carry = state
+            ids_RB = jax.lax.dynamic_slice(pages_RP, (0, b * ppb), (R, ppb))
+            kv_pos_C = b * C + jnp.arange(C)
+            mask_RC = (kv_pos_C[None, :] < kv_len_R[:, None]) & (kv_pos_C[None, :] >= lo_R[:, None])
+            k_RCKH = _gather_block(k_pages_PLKH, ids_RB)
+            v_RCKH = jnp.where(mask_RC[:, :, None, None], _gather_block(v_pages_PLKH, ids_RB), 0.0)
+            s_RKGC = _cap(jnp.einsum("rkgh,rckh->rkgc", q_RKGH, k_RCKH), soft_cap)
+            return b + 1, _online_update(carry, s_RKGC, mask_RC, v_RCKH, "rkgc,rckh->rkgh")
+
+        init = (jnp.full((R, K, G), _MASK_VALUE, jnp.float32), jnp.zeros((R, K, G), jnp.float32),
+                jnp.zeros((R, K, G, H), jnp.float32))
+        _, (_, l_RKG, acc_RKGH) = jax.lax.while_loop(
+            lambda st: st[0] < last_blk, kv_block, (first_blk, init))
+        o_RKGH = _finish(l_RKG, acc_RKGH)
+        old_RKGH = jax.lax.dynamic_slice(out_TKGH, (start, 0, 0, 0), (R, K, G, H))
+        new_RKGH = jnp.where(own_R[:, None, None, None], o_RKGH, old_RKGH)
+        return jax.lax.dynamic_update_slice(out_TKGH, new_RKGH, (start, 0, 0, 0))
+
+    return jax.lax.fori_loop(0, _cdiv(num_decode, R), row_block, out_TKGH)
+
+
+def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                  cu_q_lens_S1, first_seq, num_seqs, *, sm_scale, sliding_window, soft_cap,
+                  pages_per_block, q_block):
+    """Attend sequences first_seq .. num_seqs - 1 (ragged query lengths) into ``out``."""
+    T, K, G, H = q_TKGH.shape
+    S, maxp = page_indices_SP.shape
+    L = k_pages_PLKH.shape[1]
+    Q = min(q_block, T)
+    ppb = min(pages_per_block, maxp)
+    C = ppb * L
+    pad = _cdiv(maxp, ppb) * ppb - maxp
+    page_indices_SP = jnp.pad(page_indices_SP, ((0, 0), (0, pad)))
+
+    def seq(i, out_TKGH):
+        q_start = cu_q_lens_S1[i]
+        q_len = cu_q_lens_S1[i + 1] - q_start
+        kv_len = kv_lens_S[i]
+        pages_P = page_indices_SP[i]
+
+        def q_blk(j, out_TKGH):
+            blk_start = q_start + j * Q  # this block's first own token
+            start = jnp.minimum(blk_start, T - Q)
+            row_Q = start + jnp.arange(Q) - q_start  # index within the sequence's queries
+            own_Q = (row_Q >= j * Q) & (row_Q < jnp.minimum(q_len, (j + 1) * Q))
+            q_pos_Q = kv_len - q_len + row_Q
+            q_QKGH = jax.lax.dynamic_slice(q_TKGH, (start, 0, 0, 0), (Q, K, G, H)).astype(
+                jnp.float32) * sm_scale
+            first_pos = kv_len - q_len + j * Q  # own query positions span [first_pos, last_pos]
+            last_pos = jnp.minimum(kv_len - q_len + (j + 1) * Q, kv_len) - 1
+            lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+
+            def kv_block(state):
+                b, carry = state
+                ids_B = jax.lax.dynamic_slice(pages_P, (b * ppb,), (ppb,))
+                k_CKH = _gather_block(k_pages_PLKH, ids_B[None])[0]
+                v_CKH = _gather_block(v_pages_PLKH, ids_B[None])[0]
+                kv_pos_C = b * C + jnp.arange(C)
+                mask_QC = own_Q[:, None] & (kv_pos_C[None, :] <= q_pos_Q[:, None]) \
+                    & (kv_pos_C[None, :] < kv_len)
+                if sliding_window is not None:
+                    mask_QC &= kv_pos_C[None, :] > q_pos_Q[:, None] - sliding_window
+                visible_C = (kv_pos_C < kv_len) & (kv_pos_C >= lo)
+                v_CKH = jnp.where(visible_C[:, None, None], v_CKH, 0.0)
+                s_QKGC = _cap(jnp.einsum("qkgh,ckh->qkgc", q_QKGH, k_CKH), soft_cap)
+                return b + 1, _online_update(carry, s_QKGC, mask_QC, v_CKH, "qkgc,ckh->qkgh")
+
+            init = (jnp.full((Q, K, G), _MASK_VALUE, jnp.float32), jnp.zeros((Q, K, G), jnp.float32),
+                    jnp.zeros((Q, K, G, H), jnp.float32))
+            _, (_, l_QKG, acc_QKGH) = jax.lax.while_loop(
+                lambda st: st[0] < _cdiv(last_pos + 1, C), kv_block, (lo // C, init))
+            o_QKGH = _finish(l_QKG, acc_QKGH)
+            old_QKGH = jax.lax.dynamic_slice(out_TKGH, (start, 0, 0, 0), (Q, K, G, H))
+            new_QKGH = jnp.where(own_Q[:, None, None, None], o_QKGH, old_QKGH)
+            return jax.lax.dynamic_update_slice(out_TKGH, new_QKGH, (start, 0, 0, 0))
+
+        return jax.lax.fori_loop(0, _cdiv(q_len, Q), q_blk, out_TKGH)
+
+    return jax.lax.fori_loop(first_seq, num_seqs, seq, out_TKGH)
+
+
+def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                           cu_q_lens_S1, num_seqs, num_decode=0, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+                           q_block: int = DEFAULT_Q_BLOCK):
+    """Ragged paged attention of a step's packed batch on XLA (the module
+    docstring has the algorithm).
+
+    Args:
+      q_TNH: [T, N, H] queries of every row, packed (decode rows first).
+      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache, this
+        step's K/V already written.
+      kv_lens_S: i32[S] kv length per row, new tokens included.
+      page_indices_SP: i32[S, pages_per_seq] page table rows.
+      cu_q_lens_S1: i32[S + 1] prefix sums of query lengths; rows below
+        ``num_decode`` must have query length 1 (``cu_q_lens[i] == i``).
+      num_seqs: i32 scalar or [1], rows in use.
+      num_decode: i32 scalar or [1] (or a Python int), leading decode rows;
+        0 sends every row through the prefill path (always correct, slower
+        for one-token rows).
+      sm_scale: softmax scale, usually H ** -0.5.
+      sliding_window, soft_cap: as in ``reference``.
+      pages_per_block: pages per kv block (static).
+      q_block: query tokens per prefill block (static).
+
+    Returns:
+      o_TNH: [T, N, H] in q's dtype; rows owned by no sequence are 0.
+
+    Raises:
+      ValueError: bad shapes or options (``reference.validate_inputs``), or
+        block sizes below 1.
+    """
+    validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
+                    num_seqs, sliding_window=sliding_window, soft_cap=soft_cap)
+    if pages_per_block < 1 or q_block < 1:
+        raise ValueError(f"pages_per_block and q_block must be >= 1, got {pages_per_block} "
+                         f"and {q_block}")
+    k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1 = map(
+        jnp.asarray, (k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1))
+    T, N, H = q_TNH.shape
+    K = k_pages_PLKH.shape[2]
+    G = N // K
+    q_TKGH = q_TNH.reshape(T, K, G, H)
+    n = jnp.reshape(jnp.asarray(num_seqs, jnp.int32), ())
+    nd = jnp.minimum(jnp.reshape(jnp.asarray(num_decode, jnp.int32), ()), n)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              pages_per_block=pages_per_block)
+    out = jnp.zeros((T, K, G, H), jnp.float32)
+    out = _decode_rows(out, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, nd,
+                       **kw)
+    out = _prefill_seqs(out, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
+                        cu_q_lens_S1, nd, n, q_block=q_block, **kw)
+    return out.reshape(T, N, H).astype(q_TNH.dtype)
