@@ -72,6 +72,9 @@ flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shar
 flags.DEFINE_bool("enable_chunked_prefill", True,
                   "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
+flags.DEFINE_bool("async_scheduling", True, "Plan and launch step N+1 before step N's tokens "
+                  "reach the host, so host work overlaps the device (same outputs; steps with "
+                  "penalties or prompt logprobs run synchronously).")
 flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all when --mesh "
                      "is given, else one); the --mesh product must equal it.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
@@ -109,7 +112,10 @@ flags.DEFINE_enum("backend", "inprocess", ["inprocess", "grpc"], "bench --worklo
                   "engine in this process, or a spawned gRPC server.")
 flags.DEFINE_float("scale", None, "bench --workload: multiply prompt and output lengths "
                    "(default 1, or 0.2 on CPU).")
-flags.DEFINE_bool("warmup", True, "bench --workload: run the sweep once untimed first.")
+flags.DEFINE_bool("warmup", True, "--mode serve: compile every step shape the engine can reach "
+                  "before health turns SERVING (the persistent cache makes a second start "
+                  "fast); bench --workload: that, then the sweep once untimed. The generate "
+                  "demo always compiles lazily.")
 flags.DEFINE_float("peak_tflops", None, "bench --workload: the device's peak TFLOP/s for "
                    "MFU (default: measured with a large matmul).")
 flags.DEFINE_float("peak_gbps", None, "bench --workload: the device's peak GB/s for MBU "
@@ -166,6 +172,7 @@ def _engine_args() -> dict:
                 max_model_len=FLAGS.max_model_len, mesh=FLAGS.mesh,
                 enable_prefix_caching=FLAGS.enable_prefix_caching,
                 enable_chunked_prefill=FLAGS.enable_chunked_prefill,
+                async_scheduling=FLAGS.async_scheduling,
                 compilation_cache_dir=os.path.join(
                     os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
                     "xla"))
@@ -264,7 +271,9 @@ def _print_table(outs, wall: float, compilations: int) -> None:
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"total: {len(outs)} requests, {n_in} prompt + {n_out} output tokens in {wall:.2f} s "
-          f"(includes compilation: {compilations} XLA compilations); "
+          f"(includes compilation: the demo compiles lazily, {compilations} XLA "
+          f"compilations, each step shape's first step waits for its own; --mode serve "
+          f"compiles all of them first); "
           f"{n_out / wall:.1f} output tokens/s")
 
 
@@ -343,7 +352,7 @@ def _serve() -> None:
         return LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args()).engine
     if not _is_leader():
         _follow(load_engine())  # does not return
-    serve(config, load_engine, FLAGS.model)
+    serve(config, load_engine, FLAGS.model, warmup=FLAGS.warmup)
 
 
 def _usage_error(e: ValueError) -> None:

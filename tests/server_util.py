@@ -21,6 +21,9 @@ class ServerProcess:
       timeout_s: how long start-up (weights and the "serving" line) may take.
       wait_serving: return only once the model has loaded (else as soon as
         the port is bound; call ``wait_serving`` later).
+      warmup: let the server compile every step shape before serving
+        (``--warmup``); off by default so tests start in seconds (their
+        steps compile lazily).
 
     Raises:
       RuntimeError: the process exited or did not report serving in time
@@ -28,9 +31,9 @@ class ServerProcess:
     """
 
     def __init__(self, args: list[str], env: dict | None = None, timeout_s: float = 300.0,
-                 wait_serving: bool = True):
+                 wait_serving: bool = True, warmup: bool = False):
         cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
-               "--metrics_port", "0", *args]
+               "--metrics_port", "0", *([] if warmup else ["--nowarmup"]), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []

@@ -202,7 +202,7 @@ def _serve_and_kill(job_factory, tiny_gguf, victim: int):
     tokens; returns (job, the stream's RpcError, kill time)."""
     from jaxserve.server.client import Client
     job = job_factory("serve", ["--model", tiny_gguf, "--mesh", "tp=8", *ENGINE_FLAGS,
-                                "--port", "0", "--metrics_port", "-1"])
+                                "--port", "0", "--metrics_port", "-1", "--nowarmup"])
     port = int(job.wait_for(0, r"gRPC on [\d.]+:(\d+)").group(1))
     job.wait_for(0, r"jaxserve: serving")
     job.wait_for(1, r"following process 0")

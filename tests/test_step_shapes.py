@@ -1,102 +1,83 @@
-"""The bounded set of compiled step shapes (``jaxserve.engine.shapes``): a
-step always runs in a shape that holds it, compilation stops past the bound,
-and running in a larger shape changes no token."""
+"""Step shapes: the bucket ladder pads by less than 25%, every step a config
+can schedule lands on one of ``step_token_counts``, ``Engine.warmup``
+compiles them all so later traffic compiles nothing, and ``--mode serve``
+reports ready only after that."""
 
-from __future__ import annotations
+import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from jaxserve import SamplingParams
-from jaxserve.engine.shapes import StepShapes
-
-dims = st.tuples(st.sampled_from([0, 4, 8, 16, 32]), st.sampled_from([4, 8, 16]),
-                 st.sampled_from([16, 32, 64, 128, 256, 512]), st.sampled_from([4, 6, 8, 12, 16]),
-                 st.sampled_from([1, 2, 8, 64, 512]), st.sampled_from([0, 16, 32]),
-                 st.sampled_from([0, 20]))
+from jaxserve.engine.shapes import bucket, ladder, step_token_counts
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.lists(dims, min_size=1, max_size=200), st.integers(1, 12))
-def test_every_step_fits_and_compilation_stops(needs, cap):
-    shapes = StepShapes(cap)
-    for need in needs:
-        got = shapes.choose(False, need)
-        assert all(a >= b for a, b in zip(got, need)), (got, need)
-        assert got in shapes.shapes[False]
-    # Past the bound a new shape is built only when none holds the step, and
-    # it then holds every earlier one: at most one per bucket value beyond it.
-    distinct_values = sum(len({n[i] for n in needs}) for i in range(len(needs[0])))
-    assert len(shapes.shapes[False]) <= cap + 1 + distinct_values
-    assert not shapes.shapes[True]
+def test_bucket_ladder():
+    assert [bucket(n) for n in range(1, 9)] == list(range(1, 9))
+    assert ladder(64) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    for n in range(1, 20000):
+        b = bucket(n)
+        assert n <= b < 1.25 * n, n
+        assert bucket(b) == b
+    assert bucket(17) == 20 and bucket(940) == 1024 and bucket(1025) == 1280
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        bucket(0)
 
 
-def test_cost_counts_the_padded_attention():
-    shapes = StepShapes(8, page_size=16, attention_weight=1 / 256)
-    assert shapes.cost(True, (8, 8, 0)) == 16 + 8 + 8 * 8 / 16
-    # 4 decode rows + 8 prefill rows x a 32-token window, against 16 pages each
-    assert shapes.cost(False, (4, 8, 64, 16, 32, 0, 0)) == 16 + 68 + (4 + 8 * 32) * 16 / 16
-    small = shapes.cost(False, (0, 4, 16, 4, 16, 0, 0))
-    assert shapes.cost(False, (0, 4, 16, 64, 512, 0, 0)) > 100 * small
+def test_step_token_counts_cover_every_step():
+    counts = step_token_counts(2048, 64, 8192)
+    assert counts[0] == 1 and counts[-1] == 2048 and len(counts) == 40
+    assert all(bucket(n) in counts for n in range(1, 2049))
+    # Without chunked prefill a whole prompt may run beside the decodes.
+    unchunked = step_token_counts(512, 16, 4096, enable_chunked_prefill=False)
+    assert bucket(4096 + 15) in unchunked and unchunked[-1] == bucket(4096 + 16)
 
 
-def test_near_shape_reused_before_the_bound():
-    shapes = StepShapes(8, page_size=16, attention_weight=1 / 256)
-    assert shapes.choose(True, (8, 8, 0)) == (8, 8, 0)
-    assert shapes.choose(True, (8, 6, 0)) == (8, 8, 0)      # 28 <= 1.5 x 27: no new program
-    assert shapes.choose(True, (16, 6, 0)) == (16, 6, 0)    # does not fit: compiled
-    assert shapes.choose(True, (8, 16, 20)) == (8, 16, 20)  # nothing holds top 20: compiled
-    assert shapes.choose(True, (8, 4, 20)) == (8, 16, 20)   # 32 <= 1.5 x 26
-    assert shapes.choose(True, (8, 96, 0)) == (8, 96, 0)
-    assert shapes.choose(True, (8, 24, 0)) == (8, 24, 0)    # (8, 96): 72 > 1.5 x 36
-    assert shapes.num_reused == 2 and len(shapes.shapes[True]) == 5
-
-
-def test_past_the_bound_steps_share_one_shape():
-    shapes = StepShapes(1)
-    assert shapes.choose(True, (8, 4, 0)) == (8, 4, 0)
-    assert shapes.choose(True, (64, 4, 0)) == (64, 4, 0)    # nothing holds it: max of all
-                                                            # (here also the step's own)
-    assert shapes.choose(True, (8, 96, 0)) == (64, 96, 0)
-    assert shapes.choose(True, (32, 48, 20)) == (64, 96, 20)
-    for need in [(8, 4, 0), (16, 12, 20), (64, 96, 20), (32, 8, 0)]:
-        assert shapes.choose(True, need) in [(8, 4, 0), (64, 4, 0), (64, 96, 0), (64, 96, 20)]
-    assert len(shapes.shapes[True]) == 4
-
-
-def test_bad_bound():
-    with pytest.raises(ValueError, match="max_step_shapes"):
-        StepShapes(0)
-    from jaxserve.config import EngineConfig
-    with pytest.raises(ValueError, match="max_step_shapes"):
-        EngineConfig(max_step_shapes=0)
-
-
-def test_tokens_equal_with_one_shape_per_kind(make_tiny_llm):
-    """max_step_shapes=1: every step after the first of its kind runs padded
-    in a larger shape; greedy tokens, seeded samples and logprobs equal the
-    default engine's, and few programs are built."""
+def _mixed_traffic(llm):
+    """Prompts of many lengths, n > 1, logprobs and seeded sampling, all at
+    once, so steps mix decode rows and prefill chunks of every size."""
+    from jaxserve import SamplingParams
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 250, int(L)).tolist() for L in (5, 40, 3, 90, 17, 61, 8, 30)]
-    params = [SamplingParams(max_tokens=int(m), temperature=t, seed=7, logprobs=lp,
-                             prompt_logprobs=plp, ignore_eos=True)
-              for m, t, lp, plp in zip((6, 12, 3, 9, 20, 5, 14, 7), (0, 0.8, 0, 1.0) * 2,
-                                       (None, 3, None, None, 2, None, None, 1),
-                                       (None, None, 2, None, None, None, 1, None))]
-    want = make_tiny_llm(max_num_batched_tokens=64).generate(prompts, params)
-    llm = make_tiny_llm(max_num_batched_tokens=64, max_step_shapes=1)
-    got = llm.generate(prompts, params)
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        if w.outputs[0].logprobs is not None:
-            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-                assert a.keys() == b.keys()
-                np.testing.assert_allclose([a[k].logprob for k in a], [b[k].logprob for k in a],
-                                           atol=1e-4)
-        if w.prompt_logprobs is not None:
-            assert len(g.prompt_logprobs) == len(w.prompt_logprobs)
-    runner = llm.engine.runner
-    assert runner.shapes.num_reused > 0
-    assert len(runner.shapes.shapes[True]) + len(runner.shapes.shapes[False]) <= 12
+    prompts = [rng.integers(2, 250, size=int(n)).tolist()
+               for n in rng.integers(1, 90, size=12)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=0.8 * (i % 2),
+                             seed=i, n=1 + (i % 3 == 0), logprobs=2 if i % 4 == 0 else None,
+                             ignore_eos=True) for i in range(len(prompts))]
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def test_warmup_compiles_every_shape_once(make_tiny_llm):
+    llm = make_tiny_llm(max_num_seqs=8, max_num_batched_tokens=32)
+    engine = llm.engine
+    counts = engine.step_token_counts()
+    assert counts == ladder(32)
+    first = engine.warmup()
+    # One step program per token count, sampling per row count, with and without top-N.
+    assert first >= len(counts)
+    assert engine.warmup() == 0  # all in this process's cache now
+    before = engine.runner.num_compilations
+    outs = _mixed_traffic(llm)
+    assert engine.runner.num_compilations == before, "traffic compiled a new shape"
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
+
+
+@pytest.mark.slow
+def test_serve_compiles_before_serving(tiny_gguf):
+    """With warm-up on, the server logs the compilation before it reports
+    serving, and requests afterwards compile nothing (the metric holds)."""
+    from jaxserve.server.client import Client
+    from server_util import ServerProcess
+    s = ServerProcess(["--model", tiny_gguf, "--max_num_seqs", "8", "--max_num_batched_tokens",
+                       "32", "--num_pages", "128", "--page_size", "8"], warmup=True)
+    try:
+        log = "".join(s.lines)
+        compiled = re.search(r"compiled (\d+) step shapes in [\d.]+ s", log)
+        assert compiled and int(compiled.group(1)) == len(ladder(32))
+        assert log.index("compiling") < log.index("jaxserve: serving")
+        before = s.metrics()["jaxserve_xla_compilations_total"]
+        with Client(s.target) as c:
+            assert c.health() == "SERVING"
+            for i, n in enumerate((1, 5, 17, 29)):
+                c.complete("hello " * n, max_tokens=3 + i, temperature=0)
+        assert s.metrics()["jaxserve_xla_compilations_total"] == before
+    finally:
+        s.kill()

@@ -223,6 +223,7 @@ def run_inprocess(llm, opts: BenchOptions):
     t = time.monotonic()
     comp = engine.runner.num_compilations
     if opts.warmup:
+        engine.warmup()  # every step shape first, then the sweep once for the rest
         for c, reqs in zip(opts.concurrency, per_level):
             serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed)
             _log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")

@@ -2,8 +2,11 @@
 
 Start-up order: the grpc.aio server starts at once with the standard
 ``grpc.health.v1`` service (NOT_SERVING) and reflection, so probes answer
-while the weights load in a worker thread; then the engine thread starts and
-health turns SERVING. ``Generate`` before that answers UNAVAILABLE.
+while the weights load in a worker thread and every step shape the engine
+can reach is compiled (``Engine.warmup``, unless ``--nowarmup``; the
+persistent compilation cache makes a second start load them from disk);
+then the engine thread starts and health turns SERVING. ``Generate`` before
+that answers UNAVAILABLE.
 
 Start-up failures are ``ValueError``s naming the flag and its value (the
 caller prints ``error: ...`` and exits 2): TLS files missing, unreadable or
@@ -192,11 +195,17 @@ class Server:
       load_engine: builds the ``Engine`` (slow: weights and compilation); run
         in a worker thread after the server starts.
       model_name: reported by ``ModelInfo``.
+      warmup: compile every step shape the engine can reach
+        (``Engine.warmup``) before health turns SERVING, so no request
+        waits on XLA.
     """
 
-    def __init__(self, config: ServerConfig, load_engine: Callable, model_name: str):
+    def __init__(self, config: ServerConfig, load_engine: Callable, model_name: str,
+                 warmup: bool = True):
         self.config = config
         self.load_engine = load_engine
+        self.warmup = warmup
+        self.startup: dict[str, float] = {}  # load_s, warmup_s, warmup_compilations
         self.metrics = ServingMetrics()
         self.servicer = GenerationServicer(model_name, config.max_prompt_len)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
@@ -268,6 +277,18 @@ class Server:
         """Load the engine in a worker thread, then serve (health SERVING)."""
         t0 = time.monotonic()
         engine = await _in_daemon_thread(self.load_engine)
+        self.startup["load_s"] = time.monotonic() - t0
+        if self.warmup:
+            counts = engine.step_token_counts()
+            print(f"jaxserve: compiling {len(counts)} step shapes (tokens per step "
+                  f"{counts[0]}..{counts[-1]}) before serving", file=sys.stderr, flush=True)
+            t1 = time.monotonic()
+            self.startup["warmup_compilations"] = await _in_daemon_thread(engine.warmup)
+            self.startup["warmup_s"] = time.monotonic() - t1
+            cache = engine.config.compilation_cache_dir or "off"
+            print(f"jaxserve: compiled {len(counts)} step shapes in "
+                  f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
+                  f"XLA programs traced; persistent cache: {cache})", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         self.async_engine = AsyncEngine(
             engine, metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
@@ -368,14 +389,15 @@ async def _in_daemon_thread(fn: Callable):
     return await fut
 
 
-def serve(config: ServerConfig, load_engine: Callable, model_name: str) -> None:
-    """Blocking entry point of ``--mode serve``.
+def serve(config: ServerConfig, load_engine: Callable, model_name: str,
+          warmup: bool = True) -> None:
+    """Blocking entry point of ``--mode serve`` (``warmup`` as in ``Server``).
 
     Raises:
       ValueError: bad TLS files, an unbindable host or port (gRPC or
         metrics), or a model that fails to load; the message names the flag.
     """
-    server = Server(config, load_engine, model_name)
+    server = Server(config, load_engine, model_name, warmup)
     clean = asyncio.run(server.run())
     ae = server.async_engine
     if ae is not None and clean and server.exit_code == 0 and ae.engine.runner.channel is not None:
