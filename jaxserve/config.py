@@ -238,6 +238,13 @@ class EngineConfig:
       attention_interpret: run the Pallas kernel in the Pallas interpreter
         (lets ``attention_impl="pallas"`` run on CPU; slow, for tests).
       parallel: the device mesh (``ParallelConfig``); default one device.
+      async_scheduling: plan and launch step N+1 before step N's tokens reach
+        the host, so the device is not idle while the host schedules, builds
+        metadata and detokenizes (``jaxserve.engine.async_step``; vLLM v1's
+        async scheduling). Outputs are the same as with synchronous steps;
+        steps whose plan needs step N's tokens on the host (penalties,
+        prompt logprobs) run synchronously. False: every step is
+        synchronous.
     """
 
     model: str = "smollm2-135m"
@@ -249,6 +256,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     attention_impl: str = "auto"
     attention_interpret: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

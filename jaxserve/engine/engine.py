@@ -2,8 +2,13 @@
 
 One thread, one loop: ``step()`` asks the scheduler for a plan, runs it on
 device through the ModelRunner, appends the sampled tokens, detokenizes, and
-retires finished requests. Nothing here is asynchronous; the gRPC server
-drives ``step()`` from its own loop.
+retires finished requests; the gRPC server drives ``step()`` from its own
+loop. With ``EngineConfig.async_scheduling`` (the default) a ``step()``
+launches the next step before it waits for the one launched by the call
+before, so the host's scheduling and detokenizing overlap the device
+(``jaxserve.engine.async_step`` has the design); each call still returns the
+outputs of one step, the same outputs as synchronous steps give, and no
+threads are involved.
 
 A user request is a group of ``n`` sequences (``Request``), one per choice;
 outputs are reported per group, one ``RequestOutput`` per step in which any
@@ -25,6 +30,7 @@ from flax import nnx
 from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
 from jaxserve.engine import multihost, shapes
+from jaxserve.engine.async_step import InFlightStep, StepInfo, StepPipeline, sync_reason
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
@@ -73,30 +79,6 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     num_compilations: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInfo:
-    """The shape and wall time of one engine step (``Engine.last_step``), for
-    per-phase rooflines and step traces.
-
-    Attributes:
-      start: when the runner started the step, ``time.monotonic()`` s.
-      seconds: the runner's wall time: host metadata, the jitted step,
-        sampling and the copy back to the host, s.
-      q_lens: tokens computed per sequence in the step, decode rows first.
-      kv_lens: tokens in each sequence's KV cache after the step.
-      num_decode: leading rows that computed one token each (decode rows).
-      compiled: XLA traced/compiled something during the step, so ``seconds``
-        includes compile time.
-    """
-
-    start: float
-    seconds: float
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...]
-    num_decode: int
-    compiled: bool
 
 
 @dataclasses.dataclass(eq=False)
@@ -211,7 +193,8 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
-        self._num_prompt_tokens = 0
+        self._steps = StepPipeline(self.scheduler, self.runner)
+        self._in_flight: InFlightStep | None = None  # launched, results not yet read
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.last_step: StepInfo | None = None  # the latest step's shape and time
@@ -328,10 +311,13 @@ class Engine:
             self._pending.append(self._group_output(group, {}, time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or (
+            self._in_flight is not None and self._in_flight.live)
 
     def get_sequences(self, request_id: str) -> list[Request]:
-        """The live sequences (choices) of a request, for inspection; [] when gone."""
+        """The live sequences (choices) of a request, for inspection; [] when
+        gone. Between steps their ``output_token_ids`` may end in a
+        placeholder (-1) for a token in flight; ``host_output_ids`` omit it."""
         group = self._groups.get(str(request_id))
         return list(group.seqs) if group else []
 
@@ -343,7 +329,7 @@ class Engine:
             pages_used=a.num_pages - a.num_free_pages, pages_free=a.num_free_pages,
             pages_cached=a.num_cached_pages, prefix_cache_queries=a.prefix_queries,
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
-            num_preemptions=s.num_preemptions, prompt_tokens=self._num_prompt_tokens,
+            num_preemptions=s.num_preemptions, prompt_tokens=self._steps.num_prompt_tokens,
             generation_tokens=self._num_generation_tokens, num_steps=self._num_steps,
             num_compilations=self.runner.num_compilations)
 
@@ -400,39 +386,68 @@ class Engine:
     # ---- the loop -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs of requests that changed."""
+        """Run one scheduled step; return outputs of requests that changed.
+
+        With async scheduling the step whose outputs come back is the one
+        launched by the previous call (or now, if none is in flight), and the
+        next one is launched before its results are read, unless
+        ``async_step.sync_reason`` says it must wait.
+
+        Raises:
+          MultihostError: a multi-host step failed. After any failure the
+            sequences of the steps in flight are re-queued (their tokens
+            known on the host kept), so the engine stays consistent.
+        """
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return outputs
-        now = time.monotonic()
-        for r in batch.requests:
-            if r.metrics.first_scheduled_time is None:
-                r.metrics.first_scheduled_time = now
-        compilations = self.runner.num_compilations
-        res = self.runner.execute(batch)
+        cur, self._in_flight = self._in_flight, None
+        try:
+            if cur is not None and not cur.live:
+                cur = None  # every sequence of it finished (aborted) since it was launched
+            if cur is None:
+                cur = self._steps.launch(None)
+                if cur is None:
+                    self._steps.idle()
+                    return outputs
+            if self.config.async_scheduling and sync_reason(cur, self.runner) is None:
+                self._in_flight = self._steps.launch(cur)
+                cur.overlapped = self._in_flight is not None
+            res = self._steps.collect(cur)
+        except BaseException:
+            self._steps.fail(cur, self._in_flight)
+            self._in_flight = None
+            self._pending[:0] = outputs  # kept for the next call
+            raise
         t = time.monotonic()
-        q_lens = tuple(batch.q_lens)
-        self.last_step = StepInfo(
-            now, t - now, q_lens,
-            tuple(r.num_computed_tokens + q for r, q in zip(batch.requests, q_lens)),
-            batch.num_decode, self.runner.num_compilations != compilations)
-        now = t
+        outputs += self._process(cur, res, t)
+        cur.host_s += time.monotonic() - t
+        self.last_step = self._steps.info(cur)
         self._num_steps += 1
+        if self._in_flight is not None and not self._in_flight.live:
+            self._in_flight = None  # every row finished at ``cur``: nothing of it is wanted
+        if self._in_flight is None and not self.scheduler.has_unfinished():
+            self._steps.idle()
+        return outputs
+
+    def _process(self, step: InFlightStep, res: StepResult, now: float) -> list[RequestOutput]:
+        """Take a finished step's results into its sequences: prompt logprobs,
+        prefix-cache pages, sampled tokens (replacing their placeholders),
+        stop checks; returns the outputs of the groups that changed. A
+        sequence that finished after the step was launched is skipped."""
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        for k, (r, q) in enumerate(zip(batch.requests, batch.q_lens)):
-            start = r.num_computed_tokens
-            self._num_prompt_tokens += max(0, min(start + q, len(r.prompt_token_ids)) - start)
-            r.num_computed_tokens += q
-            self.scheduler.cache_computed_pages(r)
+        for k, r in enumerate(step.batch.requests):
+            if r.finished:
+                continue  # stopped or aborted since: its token is dropped
             if k in res.prompt_logprobs:
                 self._add_prompt_logprobs(r, *res.prompt_logprobs[k])
-            if r.num_computed_tokens < r.num_tokens:
-                continue  # a prompt chunk that does not reach the end: nothing sampled
-            changed.setdefault(r.group_id, {})[r.index] = self._append(r, res, k, now)
-        for gid, deltas in changed.items():
-            outputs.append(self._group_output(self._groups[gid], deltas, now))
-        return outputs
+            if not step.samples[k]:  # a prompt chunk that does not reach the end
+                self.scheduler.cache_computed_pages(r)
+                continue
+            tok = int(res.token_ids[k])
+            n_out = r.resolve_placeholder(tok)
+            self.scheduler.cache_computed_pages(r)
+            changed.setdefault(r.group_id, {})[r.index] = self._append(r, res, k, n_out, now)
+        return [self._group_output(self._groups[gid], deltas, now)
+                for gid, deltas in changed.items()]
 
     def _logprob_dict(self, chosen: int, lp: float, rank: int, top_ids, top_lps, k: int):
         """{token id: Logprob} of a position: the chosen token and the top ``k``."""
@@ -454,10 +469,12 @@ class Engine:
             r.prompt_logprobs.append(self._logprob_dict(
                 r.prompt_token_ids[u], float(lps[m]), int(ranks[m]), top_ids[m], top_lps[m], k))
 
-    def _append(self, r: Request, res: StepResult, k: int, now: float) -> tuple[str, list[int]]:
-        """Append row ``k``'s sampled token to ``r``; returns (delta text, [token])."""
+    def _append(self, r: Request, res: StepResult, k: int, n_out: int,
+                now: float) -> tuple[str, list[int]]:
+        """Take row ``k``'s sampled token, now ``r``'s ``n_out``-th output token
+        on the host, into its logprobs, metrics, text and stop checks; returns
+        (delta text, [token])."""
         tok, lp = int(res.token_ids[k]), float(res.logprobs[k])
-        r.output_token_ids.append(tok)
         r.cumulative_logprob += lp
         if r.params.logprobs is not None:
             r.output_logprobs.append(self._logprob_dict(
@@ -465,11 +482,11 @@ class Engine:
                 r.params.logprobs))
         self._num_generation_tokens += 1
         m = r.metrics
-        m.num_output_tokens = max(m.num_output_tokens, len(r.output_token_ids))
+        m.num_output_tokens = max(m.num_output_tokens, n_out)
         if m.first_token_time is None:
             m.first_token_time = now
         detok = self._groups[r.group_id].detoks[r.index]
-        p, n_out = r.params, len(r.output_token_ids)
+        p = r.params
         delta = detok.add(tok, check_stop=n_out >= p.min_tokens)
         reason, stop_reason = None, None
         if detok.stopped_on is not None:
@@ -478,7 +495,7 @@ class Engine:
             reason = "stop"
         elif n_out >= p.min_tokens and tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
-        elif n_out >= p.max_tokens or r.num_tokens >= self.max_model_len:
+        elif n_out >= p.max_tokens or len(r.prompt_token_ids) + n_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(r, reason, stop_reason)
@@ -496,7 +513,7 @@ class Engine:
         for r, detok in zip(g.seqs, g.detoks):
             delta_text, delta_ids = deltas.get(r.index, ("", []))
             comps.append(CompletionOutput(
-                index=r.index, text=detok.output_text, token_ids=list(r.output_token_ids),
+                index=r.index, text=detok.output_text, token_ids=r.host_output_ids,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 logprobs=list(r.output_logprobs) if g.params.logprobs is not None else None,
                 cumulative_logprob=r.cumulative_logprob,
@@ -539,7 +556,8 @@ class LLM:
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
       enable_chunked_prefill, compilation_cache_dir, attention_impl,
-      attention_interpret: engine args (see ``jaxserve.config``).
+      attention_interpret, async_scheduling: engine args (see
+      ``jaxserve.config``).
       mesh: device mesh spec such as ``"tp=2"`` or ``"dp=1,tp=4,ep=2"``
         (``sharding.mesh.parse_mesh_spec``); None means one device.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
@@ -554,7 +572,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
-                 attention_interpret: bool = False, mesh: str | None = None, **parts):
+                 attention_interpret: bool = False, async_scheduling: bool = True,
+                 mesh: str | None = None, **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
@@ -567,7 +586,8 @@ class LLM:
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
-            attention_interpret=attention_interpret, parallel=parallel)
+            attention_interpret=attention_interpret, async_scheduling=async_scheduling,
+            parallel=parallel)
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):

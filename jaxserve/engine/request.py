@@ -12,6 +12,9 @@ import time
 
 # Largest ``logprobs`` / ``prompt_logprobs`` a request may ask (vLLM's max_logprobs).
 MAX_LOGPROBS = 20
+# An output token sampled by a step that was launched but whose result has not
+# reached the host yet (async scheduling, ``jaxserve.engine.async_step``).
+PLACEHOLDER_ID = -1
 
 
 def check_text(text: str, what: str) -> str:
@@ -266,6 +269,14 @@ class Request:
     whose prompt pages they share once it is prefilled. ``page_hashes`` are the
     chained hashes of the sequence's full pages (computed lazily);
     ``num_registered_pages`` of its pages are in the prefix cache.
+
+    ``num_computed_tokens`` counts the tokens of every launched step, finished
+    or not; a launched step that samples a token appends ``PLACEHOLDER_ID`` to
+    ``output_token_ids`` at once (``num_placeholders`` of them, always the
+    last ones: at most one per step in flight), which the engine replaces by
+    the token when the step's results reach the host. So the scheduler can
+    plan the next step (pages, positions, the PRNG fold, min_tokens) before
+    they do. ``host_output_ids`` are the output tokens without them.
     """
 
     request_id: str
@@ -290,6 +301,7 @@ class Request:
     fork_of: Request | None = None
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered_pages: int = 0
+    num_placeholders: int = 0
 
     def __post_init__(self):
         if self.group_id is None:
@@ -303,7 +315,33 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, placeholders included."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def host_output_ids(self) -> list[int]:
+        """The output tokens that have reached the host (no placeholder)."""
+        return self.output_token_ids[:len(self.output_token_ids) - self.num_placeholders]
+
+    def add_placeholder(self) -> None:
+        """A launched step samples this sequence's next token."""
+        self.output_token_ids.append(PLACEHOLDER_ID)
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> int:
+        """The oldest placeholder's token has reached the host; returns the
+        number of output tokens on the host now."""
+        i = len(self.output_token_ids) - self.num_placeholders
+        assert self.num_placeholders > 0 and self.output_token_ids[i] == PLACEHOLDER_ID
+        self.output_token_ids[i] = token_id
+        self.num_placeholders -= 1
+        return i + 1
+
+    def drop_placeholders(self) -> None:
+        """Forget tokens still in flight (the sequence finished or is re-queued)."""
+        if self.num_placeholders:
+            del self.output_token_ids[-self.num_placeholders:]
+            self.num_placeholders = 0
 
     @property
     def finished(self) -> bool:

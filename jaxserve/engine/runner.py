@@ -7,7 +7,12 @@ decode rows) returning the logits of the rows in ``logits_indices`` and the
 caches, which are donated so XLA updates them in place. It serves decode,
 prefill and mixed steps alike (decode rows first, then prefill chunks, one
 ragged attention). Sampling, top-N logprobs and prompt logprobs are a
-second jitted function over the logits (still on device).
+second jitted function over the logits (still on device). The step also
+takes the previous step's sampled ids (i32[R], R the largest row bucket) and
+a plan leaf ``prev_rows`` i32[T] naming which of them are its input ids at
+which positions, so async scheduling (``async_step.py``) can launch a step
+before the host has the previous step's tokens; the shapes are fixed, so no
+program is added.
 
 A step's static dimensions are only its token count T and row count S
 (``shapes.py``): T is the step's tokens rounded up a ladder with under 25%
@@ -46,6 +51,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.engine import multihost
+from jaxserve.engine.async_step import merge_input_ids
 from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
@@ -121,6 +127,11 @@ class StepPlan:
       md: ``AttentionMetadata`` of numpy i32 arrays (shapes in its docstring).
       sampling: ``SamplingTensors`` of numpy arrays, R rows.
       targets: i32[E] prompt-logprob target ids (E = 0 when none).
+      prev_rows: i32[T] for each token, the row of the previous launched
+        step whose sampled id is its input id (``md.input_ids`` holds 0
+        there), or -1: the host's id (async scheduling).
+      uses_prev: some ``prev_rows`` >= 0 (the step then waits for the
+        previous step's sampling on device).
       num_requests: n real requests (host only, process 0).
       plp_spans: request row -> (first logits row, lo, hi) of its prompt
         logprobs (host only, process 0).
@@ -132,20 +143,22 @@ class StepPlan:
     md: AttentionMetadata
     sampling: SamplingTensors
     targets: np.ndarray
+    prev_rows: np.ndarray
+    uses_prev: bool = False
     num_requests: int = 0
     plp_spans: dict = dataclasses.field(default_factory=dict)
 
     def statics(self) -> list[int]:
-        return [int(self.decode), self.rows, self.num_top]
+        return [int(self.decode), self.rows, self.num_top, int(self.uses_prev)]
 
     def leaves(self) -> list[np.ndarray]:
-        return jax.tree.leaves((self.md, self.sampling, self.targets))
+        return jax.tree.leaves((self.md, self.sampling, self.targets, self.prev_rows))
 
     @classmethod
     def from_wire(cls, statics, leaves, treedef) -> "StepPlan":
-        md, st, targets = jax.tree.unflatten(treedef, leaves)
-        decode, rows, num_top = statics[:3]
-        return cls(bool(decode), rows, num_top, md, st, targets)
+        md, st, targets, prev_rows = jax.tree.unflatten(treedef, leaves)
+        decode, rows, num_top, uses_prev = statics[:4]
+        return cls(bool(decode), rows, num_top, md, st, targets, prev_rows, bool(uses_prev))
 
 
 class ModelRunner:
@@ -196,7 +209,8 @@ class ModelRunner:
         self.has_expert_load = getattr(model, "has_expert_load", False)
         self.last_expert_load: np.ndarray | None = None  # i32[num_layers, E], last step
         outs = (replicated, caches, caches) + ((replicated,) if self.has_expert_load else ())
-        step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated),
+        step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated,
+                                            replicated, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
         self.num_compilations = 0
         self.step_fn = jax.jit(self._step, **step_shardings)
@@ -204,13 +218,19 @@ class ModelRunner:
         # buckets, so they are shared by every prefill/decode shape.
         self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(3, 4),
                                     in_shardings=replicated, out_shardings=replicated)
+        # The latest launched step's sampled ids, i32[max_rows] on device
+        # (what ``prev_rows`` index), and the launches so far.
+        self._no_prev = jnp.zeros(self.max_rows, jnp.int32, device=replicated)
+        self._prev_ids = self._no_prev
+        self.num_launched = 0
         # Multi-host: process 0 broadcasts each plan, the others ``follow``.
         self.channel: multihost.StepChannel | None = None
         if jax.process_count() > 1:  # the Engine has checked that the mesh spans the job
             self.channel = multihost.StepChannel()
         empty_md = AttentionMetadata(*([np.zeros(1, np.int32)] * 10))
         empty_st = make_sampling_tensors([], 1)
-        self._plan_treedef = jax.tree.structure((empty_md, empty_st, np.zeros(0, np.int32)))
+        self._plan_treedef = jax.tree.structure((empty_md, empty_st, np.zeros(0, np.int32),
+                                                 np.zeros(1, np.int32)))
 
     @staticmethod
     def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
@@ -218,8 +238,10 @@ class ModelRunner:
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * \
             jnp.dtype(dtype).itemsize
 
-    def _step(self, state, k_cache, v_cache, md):
+    def _step(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation
+        md = dataclasses.replace(md, input_ids=merge_input_ids(md.input_ids, prev_rows_T,
+                                                               prev_ids_R))
         model = nnx.merge(self.graphdef, state)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # MoE's shard_map reads it
             return model(k_cache, v_cache, md)
@@ -228,7 +250,8 @@ class ModelRunner:
         self.num_compilations += 1
         out = sample(logits_RV[:rows], st, num_top)
         plp = prompt_logprobs(logits_RV[rows:], targets_E, num_top) if targets_E.shape[0] else None
-        return out, plp
+        ids_R = jnp.pad(out.token_ids, (0, self.max_rows - rows))  # the next step's prev ids
+        return out, plp, ids_R
 
     # ---- host-side metadata -------------------------------------------------
 
@@ -252,12 +275,35 @@ class ModelRunner:
         return self._execute_plan(self.prepare(batch), return_logits)
 
     def _execute_plan(self, plan: "StepPlan", return_logits: bool = False) -> StepResult:
+        return self.finish(plan, self.launch(plan), return_logits)
+
+    def launch(self, plan: "StepPlan"):
+        """Start a plan's step on device without waiting for it (in a
+        multi-host job, after broadcasting the plan); returns its device
+        arrays for ``finish``.
+
+        Raises:
+          MultihostError: a multi-host step failed after its plan was sent.
+        """
         if self.channel is None:
-            return self._finish(plan, self.run(plan), return_logits)
+            return self.run(plan)
         try:
             self.channel.send(multihost.OP_STEP, plan.statics(), plan.leaves())
-            return self._finish(plan, self.run(plan), return_logits)
+            return self.run(plan)
         except Exception as e:  # noqa: BLE001 - the processes are out of step: fatal
+            raise self.channel.fail(e) from e
+
+    def finish(self, plan: "StepPlan", outs, return_logits: bool = False) -> StepResult:
+        """Wait for a launched step and copy its results to the host.
+
+        Raises:
+          MultihostError: a multi-host step failed.
+        """
+        if self.channel is None:
+            return self._finish(plan, outs, return_logits)
+        try:
+            return self._finish(plan, outs, return_logits)
+        except Exception as e:  # noqa: BLE001
             raise self.channel.fail(e) from e
 
     def empty_plan(self, num_tokens: int, num_top: int = 0) -> "StepPlan":
@@ -271,7 +317,8 @@ class ModelRunner:
         md = AttentionMetadata(z(T), z(T), np.full(T, self.num_pages, np.int32), z(T), z(S),
                                z(S, self.pages_per_row), z(S + 1), z(1), z(S), z(1))
         return StepPlan(decode=False, rows=S, num_top=num_top, md=md,
-                        sampling=make_sampling_tensors([], S), targets=z(0))
+                        sampling=make_sampling_tensors([], S), targets=z(0),
+                        prev_rows=np.full(T, -1, np.int32))
 
     def warmup(self, token_counts, on_compiled=None) -> int:
         """Compile the step for every token count T in ``token_counts`` (and
@@ -319,10 +366,15 @@ class ModelRunner:
         """Launch a plan's jitted step and sampling; returns device arrays
         ``(logits f32[R, V], SampleOutput, prompt logprobs or None,
         expert load or None)``. Every process of a job calls it with the same
-        plan."""
-        out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md)
+        plans in the same order, so each one's previous sampled ids (what
+        ``plan.prev_rows`` index) are the same."""
+        prev_ids = self._prev_ids if plan.uses_prev else self._no_prev
+        out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md, plan.prev_rows,
+                           prev_ids)
         logits, self.k_cache, self.v_cache, *load = out
-        so, plp = self._postprocess(logits, plan.sampling, plan.targets, plan.rows, plan.num_top)
+        so, plp, self._prev_ids = self._postprocess(logits, plan.sampling, plan.targets,
+                                                    plan.rows, plan.num_top)
+        self.num_launched += 1
         return logits, so, plp, (load[0] if load else None)
 
     def _finish(self, plan: "StepPlan", outs, return_logits: bool) -> StepResult:
@@ -339,8 +391,15 @@ class ModelRunner:
             logits=np.asarray(logits)[:n] if return_logits else None,
             expert_load=self.last_expert_load)
 
-    def prepare(self, batch: ScheduledBatch) -> "StepPlan":
-        """Build a step's host arrays (padded to the buckets) from the batch."""
+    def prepare(self, batch: ScheduledBatch, prev_rows_of: dict | None = None) -> "StepPlan":
+        """Build a step's host arrays (padded to the buckets) from the batch.
+
+        Args:
+          batch: the scheduler's plan.
+          prev_rows_of: {request: its row in the step launched just before},
+            for the requests whose last token is that step's placeholder
+            (async scheduling); None when no request holds one.
+        """
         reqs, q_lens = batch.requests, batch.q_lens
         n, nd = len(reqs), batch.num_decode
         L = self.page_size
@@ -353,6 +412,7 @@ class ModelRunner:
         rows = S = min(T, self.max_rows)
         E = T if plp_need else 0  # prompt logprobs: every token's logits (shapes.py)
         input_ids = np.zeros(T, np.int32)
+        prev_rows = np.full(T, -1, np.int32)
         positions = np.zeros(T, np.int32)
         slot_pages = np.full(T, self.num_pages, np.int32)  # out of range: dropped
         slot_offsets = np.zeros(T, np.int32)
@@ -367,6 +427,11 @@ class ModelRunner:
             pos = np.arange(start, start + q, dtype=np.int32)
             pages = np.asarray(r.page_ids, np.int32)
             input_ids[t:t + q] = r.all_token_ids[start:start + q]
+            if r.num_placeholders:  # its last token is still on device: one decode token
+                assert r.num_placeholders == 1 and q == 1 and start == r.num_tokens - 1, \
+                    (r.request_id, r.num_placeholders, q, start, r.num_tokens)
+                input_ids[t] = 0
+                prev_rows[t] = prev_rows_of[r]
             positions[t:t + q] = pos
             slot_pages[t:t + q] = pages[pos // L]
             slot_offsets[t:t + q] = pos % L
@@ -395,4 +460,6 @@ class ModelRunner:
                                logits_indices, np.array([nd], np.int32))
         st = make_sampling_tensors(reqs, rows)
         return StepPlan(decode=batch.decode, rows=rows, num_top=top, md=md, sampling=st,
-                        targets=targets, num_requests=n, plp_spans=plp_spans)
+                        targets=targets, prev_rows=prev_rows,
+                        uses_prev=bool((prev_rows >= 0).any()), num_requests=n,
+                        plp_spans=plp_spans)

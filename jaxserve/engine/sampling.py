@@ -45,7 +45,8 @@ class SamplingTensors:
       top_p: f32[S] in (0, 1]; 1 means off.
       min_p: f32[S] in [0, 1]; 0 means off.
       seeds: u32[S] per-request seed.
-      steps: i32[S] tokens generated so far (folded into the key).
+      steps: i32[S] tokens generated so far, a token still in flight
+        included (folded into the key).
       banned_ids: i32[S, MAX_BANNED] ids whose logit is forced to -inf; -1 pads.
       presence_penalty: f32[S]; 0 means off.
       frequency_penalty: f32[S]; 0 means off.
@@ -99,7 +100,10 @@ def make_sampling_tensors(reqs, rows: int) -> SamplingTensors:
     Args:
       reqs: the step's requests, in row order; each has ``.params`` (a
         ``SamplingParams``), ``.seed``, ``.output_token_ids``,
-        ``.prompt_token_ids`` and ``.eos_token_ids``.
+        ``.prompt_token_ids`` and ``.eos_token_ids``. ``output_token_ids``
+        may end in placeholders (-1, tokens of a step in flight): they count
+        in ``steps`` and for min_tokens; the engine never launches a
+        penalised row before its output history is on the host.
       rows: S, the padded row count (>= len(reqs)); later rows are greedy with
         no penalties.
 

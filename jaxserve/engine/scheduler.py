@@ -19,6 +19,15 @@ When a running sequence needs a page and none is free, the most recently
 admitted running sequence is preempted (recompute: its pages are freed, and
 it rejoins the front of the queue keeping its output tokens, which the next
 prefill recomputes, mostly from the prefix cache).
+
+With async scheduling the engine plans step N+1 while step N runs: the
+sequences of N already count N's tokens as computed and each row of N that
+samples holds a placeholder token (``Request.num_placeholders``), so a
+decoding sequence simply takes its next token and page. A sequence whose
+placeholders already reach ``max_tokens`` or ``max_model_len`` is not
+planned again (it finishes when they resolve); one that still holds a
+placeholder is never admitted (a preempted one waits for it), and the prefix
+cache only ever hashes tokens known on the host.
 """
 
 from __future__ import annotations
@@ -100,6 +109,9 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted below, or out of budget
+            if req.num_placeholders and (len(req.output_token_ids) >= req.params.max_tokens
+                                         or req.num_tokens >= self.max_model_len):
+                continue  # its token in flight is its last (async scheduling)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget:
                 if not cfg.enable_chunked_prefill:
@@ -140,7 +152,10 @@ class Scheduler:
         return ScheduledBatch(reqs, q_lens, num_decode=len(decode))
 
     def _gated(self, req: Request) -> bool:
-        """Choices 1.. of an n > 1 request wait for choice 0's prompt pages."""
+        """Choices 1.. of an n > 1 request wait for choice 0's prompt pages; a
+        sequence preempted with a token in flight waits for that token."""
+        if req.num_placeholders:
+            return True
         parent = req.fork_of
         return (parent is not None and not req.output_token_ids
                 and parent.status is not RequestStatus.FINISHED
@@ -194,7 +209,8 @@ class Scheduler:
     def cache_computed_pages(self, req: Request) -> None:
         """Put ``req``'s newly filled, computed pages into the prefix cache."""
         alloc, L = self.allocator, self.allocator.page_size
-        full = min(req.num_computed_tokens // L, len(req.page_ids))
+        known = min(req.num_computed_tokens, req.num_tokens - req.num_placeholders)
+        full = min(known // L, len(req.page_ids))
         if not alloc.enable_prefix_caching or full <= req.num_registered_pages:
             return
         req.page_hashes = page_hashes(req.all_token_ids[:full * L], L, req.page_hashes)
@@ -213,8 +229,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def requeue(self, req: Request) -> None:
+        """Send an unfinished ``req`` back to the front of the queue with only
+        its tokens known on the host (after a failed step): its pages are
+        freed and it is prefilled again. Not counted as a preemption."""
+        req.drop_placeholders()
+        if req in self.running:
+            self.running.remove(req)
+            self.allocator.free(req.page_ids)
+            req.page_ids = []
+            req.num_computed_tokens = 0
+            req.num_registered_pages = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
-        """Retire ``req`` (running or waiting) and free its pages."""
+        """Retire ``req`` (running or waiting) and free its pages; a token
+        of it still in flight is dropped."""
+        req.drop_placeholders()
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
