@@ -59,6 +59,7 @@ from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, pr
 from jaxserve.engine.scheduler import ScheduledBatch
 from jaxserve.engine.shapes import bucket
 from jaxserve.models.llama import AttentionMetadata
+from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 from sharding.mesh import make_mesh, validate_mesh_for_model
 from sharding.rules import ShardingRules, named_sharding, param_shardings
 
@@ -193,7 +194,8 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         # Whole page blocks of the XLA attention, so it never pads the table.
-        self.pages_per_row = cdiv(self.max_pages_per_seq, 8) * 8
+        ppb = rpa_xla.DEFAULT_PAGES_PER_BLOCK
+        self.pages_per_row = cdiv(self.max_pages_per_seq, ppb) * ppb
         self.max_rows = bucket(max_num_seqs)
         # One [P, L, K, H] buffer per layer (a tuple, donated as a pytree): a
         # kernel then reads its layer's pages without a slice copy.

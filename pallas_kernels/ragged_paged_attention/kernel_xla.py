@@ -169,6 +169,8 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_i
         new_RKGH = jnp.where(own_R[:, None, None, None], o_RKGH, old_RKGH)
         return jax.lax.dynamic_update_slice(out_TKGH, new_RKGH, (start, 0, 0, 0))
 
+    if min(S, T) <= R:  # one block holds every row: no loop over row blocks
+        return jax.lax.cond(num_decode > 0, lambda o: row_block(0, o), lambda o: o, out_TKGH)
     return jax.lax.fori_loop(0, _cdiv(num_decode, R), row_block, out_TKGH)
 
 
