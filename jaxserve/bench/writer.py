@@ -700,7 +700,9 @@ def main(argv=None) -> int:
                                   "max_model_len": engine.max_model_len,
                                   "kv_pages": engine.allocator.num_pages,
                                   "page_size": engine.allocator.page_size,
-                                  "attention_impl": engine.attention_impl},
+                                  "attention_impl": engine.attention_impl,
+                                  "async_scheduling": getattr(engine.config,
+                                                              "async_scheduling", None)},
             "engines": {}}
         entry, ref = run_jaxserve(engine, w1, w2, t0)
         result["workloads"]["engines"]["jaxserve"] = entry
