@@ -27,19 +27,19 @@ def test_failed_step_fails_in_flight_requests_and_loop_survives(make_tiny_llm):
     llm = make_tiny_llm()
     engine = llm.engine
     want = llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
     calls = {"n": 0}
 
     def flaky(*a, **kw):
         calls["n"] += 1
         if calls["n"] == 2:  # the second step of the run below
             raise RuntimeError("injected device fault")
-        return real_execute(*a, **kw)
+        return real_launch(*a, **kw)
 
     async def run():
         ae = AsyncEngine(engine)
         ae.start()
-        engine.runner.execute = flaky
+        engine.runner.launch = flaky
         try:
             with pytest.raises(EngineError, match="injected device fault"):
                 await _collect(ae, [5, 6, 7])
@@ -89,18 +89,18 @@ def test_abort_all_ends_streams_while_a_step_is_stuck(make_tiny_llm):
     from jaxserve.server.async_engine import StreamAborted
     llm = make_tiny_llm()
     engine = llm.engine
-    real_execute = engine.runner.execute
+    real_finish = engine.runner.finish
     slow = {"on": False}
 
-    def execute(*a, **kw):
+    def finish(*a, **kw):
         if slow["on"]:
             time.sleep(3.0)  # a long compile or step
-        return real_execute(*a, **kw)
+        return real_finish(*a, **kw)
 
     async def run():
         ae = AsyncEngine(engine)
         ae.start()
-        engine.runner.execute = execute
+        engine.runner.finish = finish
         try:
             stream = await ae.generate([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
             await stream.__anext__()
@@ -117,7 +117,7 @@ def test_abort_all_ends_streams_while_a_step_is_stuck(make_tiny_llm):
             assert await ae.stop(timeout_s=30)
             return waited
         finally:
-            engine.runner.execute = real_execute
+            engine.runner.finish = real_finish
 
     waited = asyncio.run(asyncio.wait_for(run(), 120))
     assert waited < 1.0, waited

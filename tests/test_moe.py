@@ -179,13 +179,15 @@ def _serve_recording_load(llm):
     """``test_sharding._serve`` (staggered arrivals, a shared prefix, chunked
     prompts), recording each step's scheduled token count and expert load."""
     runner, seen = llm.engine.runner, []
-    execute = runner.execute
+    finish = runner.finish
 
-    def recording(batch, **kw):
-        res = execute(batch, **kw)
-        seen.append((sum(batch.q_lens), batch.num_decode, res.expert_load))
+    def recording(plan, outs, *a, **kw):
+        res = finish(plan, outs, *a, **kw)
+        md = plan.md  # host arrays: tokens of the real rows, decode rows
+        seen.append((int(md.cu_q_lens[plan.num_requests]), int(md.num_decode[0]),
+                     res.expert_load))
         return res
-    runner.execute = recording
+    runner.finish = recording
     return _serve(llm), seen
 
 
