@@ -243,8 +243,8 @@ class EngineConfig:
         metadata and detokenizes (``jaxserve.engine.async_step``; vLLM v1's
         async scheduling). Outputs are the same as with synchronous steps;
         steps whose plan needs step N's tokens on the host (penalties,
-        prompt logprobs) run synchronously. False: every step is
-        synchronous.
+        prompt logprobs), and every step of a multi-host job, run
+        synchronously. False: every step is synchronous.
     """
 
     model: str = "smollm2-135m"

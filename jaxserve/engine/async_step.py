@@ -36,13 +36,17 @@ results are read when a live sequence of N uses presence / frequency /
 repetition penalties (they need the output history on the host) or prompt
 logprobs (their spans follow the logprobs already on the host), or when
 another step ran on the runner since N (``Engine.last_token_logits``):
-``prev_rows`` always index the step launched just before.
+``prev_rows`` always index the step launched just before; and in a
+multi-host job (below).
 
-Multi-host: ``prev_rows`` is one more leaf of the plan process 0 broadcasts,
-and each process merges with the sampled ids of its own previous step (every
-process runs every step), so async scheduling runs there too. Process 0's
-broadcast of N+1 waits for the other processes to finish N, so there it
-overlaps the host's planning less.
+Multi-host (``runner.channel`` set): every step is synchronous. The plan
+could carry ``prev_rows`` (it is one more leaf of the broadcast, and every
+process keeps its own previous sampled ids), but process 0's broadcast of
+N+1 is itself a collective: launched while N runs, it has no data dependency
+on N, and with gloo it hung instead of failing when a follower died
+mid-step (tests/test_multihost.py ``test_killed_follower_fails_the_job``);
+and the followers cannot join it before they finish N, so little would
+overlap anyway.
 
 Timing (``StepInfo``): all host clocks (``time.monotonic``). A step's results
 count as ready at the first moment the host sees them ready (it polls
@@ -168,6 +172,8 @@ class InFlightStep:
 def sync_reason(step: InFlightStep, runner) -> str | None:
     """Why the step after ``step`` must wait for ``step``'s results on the
     host (None: it may be launched first)."""
+    if runner.channel is not None:
+        return "multi-host: the next plan's broadcast would race this step's collectives"
     if runner.num_launched != step.index + 1:
         return "another step ran on the runner since"
     for r in step.batch.requests:
