@@ -92,12 +92,14 @@ def markdown(result: dict) -> str:
         "## jaxserve per level",
         "",
         "Latencies in ms (client side: TTFT and E2E from send; TPOT = (E2E - TTFT) / "
-        "(tokens - 1); ITL between streamed outputs), throughputs per s.",
+        "(tokens - 1); ITL between streamed outputs), throughputs per s. Device idle: the "
+        "share of the device's step timeline it waited on the host between steps "
+        "(in-process only; `StepInfo.idle_ms` / (idle + device ms)).",
         "",
         "| C | done | dur s | req/s | goodput | in tok/s | out tok/s | TTFT mean | p50 | p90 "
         "| p99 | TPOT p50 | p90 | p99 | ITL p50 | p99 | E2E p50 | p99 | KV peak pages | "
-        "prefix hit | preempt | compiles |",
-        "|" + "---:|" * 23,
+        "prefix hit | preempt | compiles | device idle |",
+        "|" + "---:|" * 24,
     ]
     for lv in result["levels"]:
         s = lv["summary"]
@@ -111,7 +113,8 @@ def markdown(result: dict) -> str:
             f"{_f(e['p50'], '{:.0f}')} | {_f(e['p99'], '{:.0f}')} | "
             f"{lv['kv']['peak_pages']}/{lv['kv']['pages_total']} | "
             f"{_f(lv['prefix_cache']['hit_rate'], '{:.1%}')} | {lv['preemptions']} | "
-            f"{_f(lv['compilations'], '{}')} |")
+            f"{_f(lv['compilations'], '{}')} | "
+            f"{_f((lv.get('device') or {}).get('idle_fraction'), '{:.1%}')} |")
     for lv in result["levels"]:
         if lv.get("reruns"):
             lines += ["", f"C={lv['concurrency']} was run {lv['reruns'] + 1} times: XLA "

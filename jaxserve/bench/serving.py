@@ -14,8 +14,9 @@ Two backends:
   requests between steps with ``arrival_time`` = their send time, so queueing
   behind a running step counts in TTFT. After every step it stamps each
   request's new tokens (``time.monotonic()``), and records the step's shape
-  and wall time (``Engine.last_step``, for the roofline) and the KV pages in
-  use (``Engine.stats()``).
+  and wall time (``Engine.last_step``, for the roofline), the KV pages in
+  use (``Engine.stats()``), and sums the steps' device, device-idle and host
+  times (``StepInfo``) into the level's device idle fraction.
 * ``run_grpc``: asyncio tasks stream ``Generate`` calls (token-id prompts,
   DELTA outputs) through ``jaxserve.server.client.AsyncClient`` to a server
   (``spawn_server`` starts one); each streamed message carrying tokens is
@@ -66,6 +67,10 @@ class LevelRun:
       preemptions: sequences preempted during the level.
       compilations: XLA compilations during the level (in-process; None over gRPC).
       t0: the level's start, monotonic s.
+      device_s, idle_s, host_s: the steps' ``StepInfo.device_ms``,
+        ``idle_ms`` and ``host_ms`` summed, s (in-process; 0 over gRPC).
+      overlapped_steps: steps whose successor was launched before their
+        results were read (async scheduling).
     """
 
     concurrency: int
@@ -79,6 +84,26 @@ class LevelRun:
     preemptions: int
     compilations: int | None
     t0: float
+    device_s: float = 0.0
+    idle_s: float = 0.0
+    host_s: float = 0.0
+    overlapped_steps: int = 0
+
+    @property
+    def idle_fraction(self) -> float | None:
+        """Share of the steps' device timeline the device sat idle between
+        steps with requests unfinished: idle / (idle + device); None without
+        steps (gRPC)."""
+        total = self.idle_s + self.device_s
+        return self.idle_s / total if self.steps and total > 0 else None
+
+    def device_dict(self) -> dict | None:
+        """The level's device timeline for the JSON (None over gRPC)."""
+        if not self.steps:
+            return None
+        return {"device_s": self.device_s, "idle_s": self.idle_s, "host_s": self.host_s,
+                "idle_fraction": self.idle_fraction, "overlapped_steps": self.overlapped_steps,
+                "steps": len(self.steps)}
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int) -> np.ndarray:
@@ -120,6 +145,8 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
     freed_at = t0
     kv = [(0.0, s0.pages_used, s0.num_running, s0.num_waiting)]
     i = 0
+    device_s = idle_s = host_s = 0.0
+    overlapped = 0
     while i < len(requests) or in_flight:
         now = time.monotonic()
         while i < len(requests) and len(in_flight) < concurrency and t0 + offsets[i] <= now:
@@ -142,6 +169,10 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
             last_step = info
             steps.append(StepRecord(info.start - t0, info.seconds, list(info.q_lens),
                                     list(info.kv_lens), info.num_decode, info.compiled))
+            device_s += info.device_ms / 1e3
+            idle_s += info.idle_ms / 1e3
+            host_s += info.host_ms / 1e3
+            overlapped += info.overlapped
         for o in outs:
             rec = records.get(o.request_id)
             if rec is None:
@@ -168,7 +199,8 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
                     s1.prefix_cache_hits - s0.prefix_cache_hits,
                     s1.prefix_cache_queries - s0.prefix_cache_queries,
                     s1.num_preemptions - s0.num_preemptions,
-                    engine.runner.num_compilations - comp0, t0)
+                    engine.runner.num_compilations - comp0, t0, device_s, idle_s, host_s,
+                    overlapped)
 
 
 # ---- gRPC ----------------------------------------------------------------------
