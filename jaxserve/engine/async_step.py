@@ -96,9 +96,9 @@ class StepInfo:
       q_lens: tokens computed per sequence in the step, decode rows first.
       kv_lens: tokens in each sequence's KV cache after the step.
       num_decode: leading rows that computed one token each (decode rows).
-      compiled: XLA traced/compiled something when the step was launched, so
-        ``host_ms`` (and, synchronously, the times after it) include compile
-        time.
+      compiled: XLA traced/compiled something when the step was launched (on
+        the host, inside the launch), so its ``device_ms`` includes compile
+        time (the roofline leaves such steps out).
       host_ms: host work for the step: scheduling, metadata, the launch and
         the processing of its outputs (tokens, detokenizing, stop checks).
       device_ms: from the later of its launch and the previous step's end

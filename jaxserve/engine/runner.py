@@ -279,7 +279,7 @@ class ModelRunner:
     def _execute_plan(self, plan: "StepPlan", return_logits: bool = False) -> StepResult:
         return self.finish(plan, self.launch(plan), return_logits)
 
-    def launch(self, plan: "StepPlan"):
+    def launch(self, plan: StepPlan):
         """Start a plan's step on device without waiting for it (in a
         multi-host job, after broadcasting the plan); returns its device
         arrays for ``finish``.
@@ -295,7 +295,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - the processes are out of step: fatal
             raise self.channel.fail(e) from e
 
-    def finish(self, plan: "StepPlan", outs, return_logits: bool = False) -> StepResult:
+    def finish(self, plan: StepPlan, outs, return_logits: bool = False) -> StepResult:
         """Wait for a launched step and copy its results to the host.
 
         Raises:
@@ -305,7 +305,7 @@ class ModelRunner:
             return self._finish(plan, outs, return_logits)
         try:
             return self._finish(plan, outs, return_logits)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # the processes are out of step: fatal
             raise self.channel.fail(e) from e
 
     def empty_plan(self, num_tokens: int, num_top: int = 0) -> "StepPlan":
