@@ -29,7 +29,11 @@ aborted between steps) but was computed in N+1 has its N+1 token dropped,
 and nothing of it reaches the outputs; its pages were freed when it finished
 (the device writes N+1's K/V into them before any later step, which may
 reuse them, runs). A sequence whose token in flight reaches ``max_tokens``
-is not planned again.
+is not planned again. A request added between calls joins the step after
+the one already in flight (one step later than with synchronous steps). If
+launching or collecting a step fails, the unfinished sequences of the steps
+in flight go back to the queue with only their tokens known on the host
+(``StepPipeline.fail``), so a later ``step()`` recomputes them.
 
 Synchronous fallback (``sync_reason``): N+1 is not launched before N's
 results are read when a live sequence of N uses presence / frequency /
