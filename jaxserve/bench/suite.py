@@ -162,6 +162,7 @@ def _level_dict(run: serving.LevelRun, slo: dict) -> dict:
         "preemptions": run.preemptions,
         "compilations": run.compilations,
         "num_steps": len(run.steps) if run.steps else None,
+        "device": run.device_dict(),
         "requests": [_request_dict(r, run.t0) for r in run.records],
     }
 
