@@ -22,8 +22,9 @@ loops over. The page table is always ``pages_per_row`` wide. So one program
 per T serves decode and mixed steps alike (a decode step of n rows is T = S =
 ladder(n)), every T a config can reach is known up front
 (``shapes.step_token_counts``), and ``warmup`` compiles them all.
-Prompt-logprob steps compute the logits of every token (a second program
-per T, on first use). Sampling is its own jit keyed by S, the top-N count
+The step also returns the last layer's output x [D, T]; a step with prompt
+logprobs gets them from a small jit over it (the LM head and log-softmax of
+every token, one program per T on first use, not a second copy of the model). Sampling is its own jit keyed by S, the top-N count
 and the penalty tensors' widths. ``num_compilations`` counts traces of all
 jits.
 
@@ -127,15 +128,17 @@ class StepPlan:
       num_top: top-N logprobs to compute (0 or ``MAX_LOGPROBS``).
       md: ``AttentionMetadata`` of numpy i32 arrays (shapes in its docstring).
       sampling: ``SamplingTensors`` of numpy arrays, R rows.
-      targets: i32[E] prompt-logprob target ids (E = 0 when none).
+      targets: i32[T] prompt-logprob target of each token (the prompt token
+        after it; 0 where none), or i32[0] when no request of the step asks.
       prev_rows: i32[T] for each token, the row of the previous launched
         step whose sampled id is its input id (``md.input_ids`` holds 0
         there), or -1: the host's id (async scheduling).
       uses_prev: some ``prev_rows`` >= 0 (the step then waits for the
         previous step's sampling on device).
       num_requests: n real requests (host only, process 0).
-      plp_spans: request row -> (first logits row, lo, hi) of its prompt
-        logprobs (host only, process 0).
+      plp_spans: request row -> (first token, lo, hi): its prompt logprobs
+        for positions lo..hi-1 are those of tokens first..first+hi-lo-1 of
+        the step (host only, process 0).
     """
 
     decode: bool
@@ -210,7 +213,8 @@ class ModelRunner:
         # An MoE model also returns its expert load (jaxserve.models.moe).
         self.has_expert_load = getattr(model, "has_expert_load", False)
         self.last_expert_load: np.ndarray | None = None  # i32[num_layers, E], last step
-        outs = (replicated, caches, caches) + ((replicated,) if self.has_expert_load else ())
+        outs = (replicated, caches, caches) + ((replicated,) if self.has_expert_load else ()) \
+            + (replicated,)  # the last layer's output x_DT, for prompt logprobs
         step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated,
                                             replicated, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
@@ -218,8 +222,11 @@ class ModelRunner:
         self.step_fn = jax.jit(self._step, **step_shardings)
         # Sampling is its own jit: its compilations depend only on the row
         # buckets, so they are shared by every prefill/decode shape.
-        self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(3, 4),
+        self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(2, 3),
                                     in_shardings=replicated, out_shardings=replicated)
+        # Prompt logprobs: every token's logits from the step's x_DT, a small
+        # program per token count (not a second copy of the model's step).
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, static_argnums=(3,))
         # The latest launched step's sampled ids, i32[max_rows] on device
         # (what ``prev_rows`` index), and the launches so far.
         self._no_prev = jnp.zeros(self.max_rows, jnp.int32, device=replicated)
@@ -246,14 +253,19 @@ class ModelRunner:
                                                                prev_ids_R))
         model = nnx.merge(self.graphdef, state)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # MoE's shard_map reads it
-            return model(k_cache, v_cache, md)
+            return model(k_cache, v_cache, md, return_hidden=True)
 
-    def _postprocess_fn(self, logits_RV, st, targets_E, rows, num_top):
+    def _postprocess_fn(self, logits_RV, st, rows, num_top):
         self.num_compilations += 1
         out = sample(logits_RV[:rows], st, num_top)
-        plp = prompt_logprobs(logits_RV[rows:], targets_E, num_top) if targets_E.shape[0] else None
         ids_R = jnp.pad(out.token_ids, (0, self.max_rows - rows))  # the next step's prev ids
-        return out, plp, ids_R
+        return out, ids_R
+
+    def _prompt_logprobs_fn(self, state, x_DT, targets_T, num_top):
+        """Raw logprobs of ``targets_T[t]`` after token t, for every token t."""
+        self.num_compilations += 1
+        model = nnx.merge(self.graphdef, state)
+        return prompt_logprobs(model.logits_of(x_DT), targets_T, num_top)
 
     # ---- host-side metadata -------------------------------------------------
 
@@ -373,9 +385,10 @@ class ModelRunner:
         prev_ids = self._prev_ids if plan.uses_prev else self._no_prev
         out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md, plan.prev_rows,
                            prev_ids)
-        logits, self.k_cache, self.v_cache, *load = out
-        so, plp, self._prev_ids = self._postprocess(logits, plan.sampling, plan.targets,
-                                                    plan.rows, plan.num_top)
+        logits, self.k_cache, self.v_cache, *load, x_DT = out
+        so, self._prev_ids = self._postprocess(logits, plan.sampling, plan.rows, plan.num_top)
+        plp = self._prompt_logprobs(self.state, x_DT, plan.targets, plan.num_top) \
+            if plan.targets.shape[0] else None
         self.num_launched += 1
         return logits, so, plp, (load[0] if load else None)
 
@@ -412,7 +425,8 @@ class ModelRunner:
                                   for r in reqs) else 0
         T = bucket(sum(q_lens))
         rows = S = min(T, self.max_rows)
-        E = T if plp_need else 0  # prompt logprobs: every token's logits (shapes.py)
+        # Prompt logprobs: every token's target (the prompt token after it), 0 elsewhere.
+        targets = np.zeros(T if plp_need else 0, np.int32)
         input_ids = np.zeros(T, np.int32)
         prev_rows = np.full(T, -1, np.int32)
         positions = np.zeros(T, np.int32)
@@ -422,7 +436,7 @@ class ModelRunner:
         page_indices = np.zeros((S, self.pages_per_row), np.int32)
         cu_q_lens = np.zeros(S + 1, np.int32)
         sample_rows = np.zeros(n, np.int32)
-        plp_rows, plp_targets, plp_spans = [], [], {}
+        plp_spans, num_plp = {}, 0
         t = 0
         for k, (r, q) in enumerate(zip(reqs, q_lens)):
             start = r.num_computed_tokens
@@ -445,18 +459,16 @@ class ModelRunner:
                 P = len(r.prompt_token_ids)
                 lo, hi = max(start + 1, len(r.prompt_logprobs)), min(start + q, P - 1) + 1
                 if hi > lo:
-                    plp_spans[k] = (len(plp_rows), lo, hi)
-                    plp_rows.extend(range(t + lo - 1 - start, t + hi - 1 - start))
-                    plp_targets.extend(r.prompt_token_ids[lo:hi])
+                    i = t + lo - 1 - start  # the token whose logits predict prompt token lo
+                    plp_spans[k] = (i, lo, hi)
+                    targets[i:i + hi - lo] = r.prompt_token_ids[lo:hi]
+                    num_plp += hi - lo
             t += q
             cu_q_lens[k + 1] = t
         cu_q_lens[n + 1:] = t
-        assert len(plp_rows) == plp_need, (len(plp_rows), plp_need)
-        logits_indices = np.zeros(rows + E, np.int32)
+        assert num_plp == plp_need, (num_plp, plp_need)
+        logits_indices = np.zeros(rows, np.int32)
         logits_indices[:n] = sample_rows
-        logits_indices[rows:rows + len(plp_rows)] = plp_rows
-        targets = np.zeros(E, np.int32)
-        targets[:len(plp_targets)] = plp_targets
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                                page_indices, cu_q_lens, np.array([n], np.int32),
                                logits_indices, np.array([nd], np.int32))

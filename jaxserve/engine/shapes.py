@@ -15,9 +15,8 @@ the Pallas kernels on GPU/TPU) loops over what is real. So:
   cost only their sampling row.
 * the page table is always ``pages_per_row`` wide (``max_model_len`` /
   page size, rounded up to whole page blocks): its width is no dimension.
-* prompt-logprob rows: 0, or T (every token's logits) in a step where some
-  request asks for prompt logprobs, a second program per T compiled on
-  first use.
+* prompt logprobs are computed from the step's last-layer output by a small
+  jit (LM head and log-softmax over the T tokens), one per T, on first use.
 
 ``step_token_counts`` lists every T a config can reach, so ``--mode serve``
 compiles all of them before it reports ready. For SmolLM2 with the default

@@ -232,7 +232,7 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 
-    def __call__(self, k_cache, v_cache, md: AttentionMetadata):
+    def __call__(self, k_cache, v_cache, md: AttentionMetadata, return_hidden: bool = False):
         """Forward one step.
 
         Args:
@@ -240,9 +240,12 @@ class LlamaForCausalLM(nnx.Module):
             (separate buffers, so a kernel gets its layer without a copy).
           md: the step's ``AttentionMetadata`` (its shapes are the only
             static part of a step).
+          return_hidden: also return the last layer's output x [D, T] (before
+            the final norm), for ``logits_of`` (prompt logprobs).
 
         Returns:
-          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as tuples).
+          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as
+          tuples[, x_DT]).
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
@@ -253,10 +256,15 @@ class LlamaForCausalLM(nnx.Module):
                 layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md)
             x_DT = x_DT + h_DT
             x_DT = x_DT + layer.mlp(layer.post_attention_layernorm(x_DT))
-        x_DS = self.norm(x_DT[:, md.logits_indices])
+        out = (self.logits_of(x_DT[:, md.logits_indices]), tuple(k_caches), tuple(v_caches))
+        return out + (x_DT,) if return_hidden else out
+
+    def logits_of(self, x_DR):
+        """Next-token logits f32 [R, V] of last-layer outputs x [D, R] (final
+        norm, then the LM head)."""
         head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
-        logits_VS = jnp.einsum("vd,ds->vs", head_VD, x_DS, preferred_element_type=jnp.float32)
-        return logits_VS.T, tuple(k_caches), tuple(v_caches)
+        return jnp.einsum("vd,dr->rv", head_VD, self.norm(x_DR),
+                          preferred_element_type=jnp.float32)
 
 
 def attention_hf_params(layer, pre: str) -> dict[str, nnx.Param]:

@@ -66,8 +66,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, RMSNorm, _param,
-                                   attention_hf_params, put_param, rope_cos_sin)
+from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
+                                   _param, attention_hf_params, put_param, rope_cos_sin)
 from sharding.rules import ShardingRules
 
 # ragged_dot_general: lhs [A, in] with A ragged (grouped), rhs [E, out, in]
@@ -250,13 +250,13 @@ class MoEForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"),
                                                                    dtype, rngs)
 
-    def __call__(self, k_cache, v_cache, md: AttentionMetadata):
+    def __call__(self, k_cache, v_cache, md: AttentionMetadata, return_hidden: bool = False):
         """Forward one step (arguments as ``LlamaForCausalLM.__call__``).
 
         Returns:
           (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as
           tuples, expert_load i32[num_layers, E]: real tokens routed to each
-          expert per layer, zeros for dense layers).
+          expert per layer, zeros for dense layers[, x_DT with return_hidden]).
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
@@ -275,10 +275,11 @@ class MoEForCausalLM(nnx.Module):
                 h_DT, load_E = layer.mlp(h_DT), jnp.zeros(cfg.num_experts, jnp.int32)
             x_DT = x_DT + h_DT
             loads.append(load_E)
-        x_DS = self.norm(x_DT[:, md.logits_indices])
-        head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
-        logits_VS = jnp.einsum("vd,ds->vs", head_VD, x_DS, preferred_element_type=jnp.float32)
-        return logits_VS.T, tuple(k_caches), tuple(v_caches), jnp.stack(loads)
+        out = (self.logits_of(x_DT[:, md.logits_indices]), tuple(k_caches), tuple(v_caches),
+               jnp.stack(loads))
+        return out + (x_DT,) if return_hidden else out
+
+    logits_of = LlamaForCausalLM.logits_of
 
 
 def hf_params(model: MoEForCausalLM) -> dict[str, tuple[nnx.Param, int | None]]:
