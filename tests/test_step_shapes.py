@@ -81,22 +81,3 @@ def test_serve_compiles_before_serving(tiny_gguf):
         assert s.metrics()["jaxserve_xla_compilations_total"] == before
     finally:
         s.kill()
-
-
-def test_measured_remap_runs_steps_in_larger_shapes(make_tiny_llm):
-    """``measure_buckets`` only maps a count to a larger, faster one; and a
-    step run in a larger shape than its own gives the same tokens."""
-    from jaxserve import SamplingParams
-    llm = make_tiny_llm(max_num_seqs=8, max_num_batched_tokens=32)
-    runner = llm.engine.runner
-    t = runner.measure_buckets(ladder(8), iters=2)
-    assert set(t["ms"]) == set(ladder(8))
-    for a, b in t["remap"].items():
-        assert b > a and t["ms"][b] < 0.9 * t["ms"][a]
-    prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (1, 3, 5, 9)]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    runner.token_buckets = {}
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    runner.token_buckets = {T: bucket(T + 1) for T in ladder(31)}  # every step one size up
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got == want

@@ -12,9 +12,7 @@ One run, on the machine at hand, on the same prompts for every engine:
    context of ``--contexts``; each row has exactly ``ctx`` tokens in its
    cache (``ctx - 1`` cached, one computed in the step; pages allocated by
    hand, ``device._step_batch``) and the step is ``engine.runner.execute`` of
-   that batch, in the shape a serving engine runs it (the sweep engine first
-   times its row buckets, ``ModelRunner.measure_buckets``, as ``warmup``
-   does): step ms = the median of ``--iters`` timed calls after one
+   that batch: step ms = the median of ``--iters`` timed calls after one
    untimed call (which compiles the row bucket; the K/V read are zeros,
    timing does not depend on them), output tokens/s = rows / step s. Beside
    each point the bandwidth roofline at the matvec bytes/s: weights = param
@@ -669,16 +667,10 @@ def main(argv=None) -> int:
         result["weights_ms"] = 1e3 * result["param_bytes"] / lim["matvec_bytes_per_s"]
         _log(t0, f"sweep engine: {engine.allocator.num_pages} KV pages "
                  f"({engine.allocator.num_pages * page} tokens)")
-        # As a server's warm-up does: time the row buckets and let a step run
-        # in a faster larger one (ModelRunner.measure_buckets).
-        timing = engine.runner.measure_buckets(
-            [T for T in engine.step_token_counts() if T <= engine.runner.max_rows])
-        _log(t0, "measured step shapes that run in a faster larger one: "
-                 + (", ".join(f"{a}->{b}" for a, b in timing["remap"].items()) or "none"))
         result["sweep"] = {"iters": iters, "rows": rows, "contexts": contexts,
                            "kv_pages": engine.allocator.num_pages, "kv_pages_wanted": want,
                            "page_size": page, "max_model_len": engine.max_model_len,
-                           "cap_note": cap, "bucket_timing": timing,
+                           "cap_note": cap,
                            "points": run_sweep(engine, rows, contexts, iters, lim, t0)}
         if any(p.get("smooth_flag") for p in result["sweep"]["points"]):
             notes.append("the sweep has flagged row counts (step > "

@@ -198,7 +198,6 @@ class Engine:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.last_step: StepInfo | None = None  # the latest step's shape and time
-        self.bucket_timing: dict | None = None  # set by ``warmup``
 
     # ---- requests -----------------------------------------------------------
 
@@ -346,19 +345,13 @@ class Engine:
         before serving, so no request waits on XLA; with
         ``compilation_cache_dir`` set, a second start loads them from disk.
         Prompt-logprob steps and penalty tensor widths still compile on first
-        use. Then it times the token counts up to the row ceiling and lets
-        steps run in a faster larger one (``ModelRunner.measure_buckets``;
-        the timings and remap in ``bucket_timing``). ``on_compiled(i, T,
-        seconds)`` reports progress. Returns the compilations it caused.
+        use. ``on_compiled(i, T, seconds)`` reports progress. Returns the
+        compilations it caused.
 
         Raises:
           MultihostError: a multi-host step failed.
         """
-        counts = self.step_token_counts()
-        compilations = self.runner.warmup(counts, on_compiled)
-        self.bucket_timing = self.runner.measure_buckets(
-            [T for T in counts if T <= self.runner.max_rows])
-        return compilations
+        return self.runner.warmup(self.step_token_counts(), on_compiled)
 
     # ---- multi-host ---------------------------------------------------------
 

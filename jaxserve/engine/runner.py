@@ -219,7 +219,6 @@ class ModelRunner:
                                             replicated, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
         self.num_compilations = 0
-        self.token_buckets: dict[int, int] = {}  # T -> a faster T' > T (measure_buckets)
         self.step_fn = jax.jit(self._step, **step_shardings)
         # Sampling is its own jit: its compilations depend only on the row
         # buckets, so they are shared by every prefill/decode shape.
@@ -335,36 +334,6 @@ class ModelRunner:
                         sampling=make_sampling_tensors([], S), targets=z(0),
                         prev_rows=np.full(T, -1, np.int32))
 
-    def measure_buckets(self, token_counts, iters: int = 3, min_gain: float = 0.1) -> dict:
-        """Time an empty step of each token count (compiling it first if
-        needed) and run every step in the fastest count at or above its own:
-        XLA:CPU's matmul cost is not monotonic in the column count (SmolLM2
-        on the 2-core AVX-512 dev machine, weights only: 50 ms at 5 columns,
-        37 ms at 8), so the ladder alone can pad a step into a slower shape
-        than a larger one. A count is remapped only to one at least
-        ``min_gain`` faster. Sets ``token_buckets`` {T: T' > T}; returns
-        {"ms": {T: median ms}, "remap": token_buckets}. In a multi-host job
-        every process runs the timed steps; the remap is process 0's (only it
-        prepares plans)."""
-        ms = {}
-        for T in sorted(token_counts):
-            plan = self.empty_plan(T)
-            self._execute_plan(plan)
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                self._execute_plan(plan)
-                times.append(time.perf_counter() - t0)
-            ms[T] = 1e3 * sorted(times)[len(times) // 2]
-        remap, best = {}, None
-        for T in sorted(ms, reverse=True):  # best: the fastest count above T so far
-            if best is not None and ms[best] < (1 - min_gain) * ms[T]:
-                remap[T] = best
-            if best is None or ms[T] < ms[best]:
-                best = T
-        self.token_buckets = remap
-        return {"ms": ms, "remap": dict(sorted(remap.items()))}
-
     def warmup(self, token_counts, on_compiled=None) -> int:
         """Compile the step for every token count T in ``token_counts`` (and
         sampling for its S rows, with and without top-N logprobs), by running
@@ -455,7 +424,6 @@ class ModelRunner:
         top = MAX_LOGPROBS if any(r.params.logprobs or r.params.prompt_logprobs
                                   for r in reqs) else 0
         T = bucket(sum(q_lens))
-        T = self.token_buckets.get(T, T)  # a faster larger shape (measure_buckets)
         rows = S = min(T, self.max_rows)
         # Prompt logprobs: every token's target (the prompt token after it), 0 elsewhere.
         targets = np.zeros(T if plp_need else 0, np.int32)

@@ -286,13 +286,9 @@ class Server:
             self.startup["warmup_compilations"] = await _in_daemon_thread(engine.warmup)
             self.startup["warmup_s"] = time.monotonic() - t1
             cache = engine.config.compilation_cache_dir or "off"
-            remap = (engine.bucket_timing or {}).get("remap") or {}
             print(f"jaxserve: compiled {len(counts)} step shapes in "
                   f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
-                  f"XLA programs traced; persistent cache: {cache}); measured step shapes "
-                  f"that run in a faster larger one: "
-                  f"{', '.join(f'{a}->{b}' for a, b in remap.items()) or 'none'}",
-                  file=sys.stderr, flush=True)
+                  f"XLA programs traced; persistent cache: {cache})", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         self.async_engine = AsyncEngine(
             engine, metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
