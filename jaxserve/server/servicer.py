@@ -399,6 +399,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except BrokenProcessPool as e:  # as in Generate: the retry's pool died too
+            log.error("tokenizer workers died twice in a row: %s", e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the tokenizer workers died; retry")
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
