@@ -122,6 +122,14 @@ class ModelConfig:
                              f"in [0, {self.num_layers}), got {layers!r}")
 
 
+# KV cache dtypes (None: the parameter dtype). ``--kv_cache_dtype`` names:
+# auto -> None, fp8_e4m3 -> "float8_e4m3fn".
+KV_CACHE_DTYPES = (None, "float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+
+# Weight quantization methods (``jaxserve.models.quant`` defines each).
+QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "gguf")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The preallocated paged KV cache.
@@ -131,7 +139,10 @@ class CacheConfig:
       num_pages: pages P to allocate. When None, sized from ``memory_bytes``.
       memory_bytes: KV budget in bytes (K and V of all layers together), used when
         ``num_pages`` is None. Default 1 GiB.
-      dtype: KV cache dtype name; None means the model's parameter dtype.
+      dtype: KV cache dtype name; None means the model's parameter dtype
+        ("auto"). ``"int8"`` stores int8 K/V with one f32 scale per token per
+        kv head beside its page; ``"float8_e4m3fn"`` stores fp8 (GPU/TPU);
+        ``"bfloat16"``, ``"float32"``, ``"float16"`` store that dtype.
       enable_prefix_caching: reuse the K/V of full pages whose chained hash
         (previous page's hash, this page's token ids) matches a new request's
         prefix. On by default, as in vLLM v1.
@@ -147,6 +158,9 @@ class CacheConfig:
         _positive("page_size", self.page_size)
         _positive("num_pages", self.num_pages, allow_none=True)
         _positive("memory_bytes", self.memory_bytes)
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +259,15 @@ class EngineConfig:
         steps whose plan needs step N's tokens on the host (penalties,
         prompt logprobs), and every step of a multi-host job, run
         synchronously. False: every step is synchronous.
+      quantization: weight format of the linear projections (q/k/v/o,
+        gate/up/down, experts): ``"none"``, ``"int8"`` (weight-only, per output
+        channel, symmetric), ``"w8a8"`` (int8 weights x per-token int8
+        activations, int32 accumulation), ``"int4"`` (weight-only, groups of
+        ``quantization_group_size`` along the input dim, scale and zero point),
+        ``"gguf"`` (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, kept as they
+        are). Embeddings, norms, the MoE router, the LM head and attention
+        stay precise. See ``jaxserve.models.quant``.
+      quantization_group_size: input elements per scale of ``"int4"``.
     """
 
     model: str = "smollm2-135m"
@@ -257,6 +280,8 @@ class EngineConfig:
     attention_impl: str = "auto"
     attention_interpret: bool = False
     async_scheduling: bool = True
+    quantization: str = "none"
+    quantization_group_size: int = 32
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -264,6 +289,10 @@ class EngineConfig:
         if self.attention_impl not in ("auto", "pallas", "xla"):
             raise ValueError(f"attention_impl must be auto, pallas or xla, "
                              f"got {self.attention_impl!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
+        _positive("quantization_group_size", self.quantization_group_size)
 
 
 @dataclasses.dataclass(frozen=True)
