@@ -46,7 +46,8 @@ from jaxserve.bench.workloads import WORKLOADS
 from jaxserve.engine.request import check_text
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve", "convert"], "What to run.")
+flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve", "convert", "eval"],
+                  "What to run.")
 flags.DEFINE_string("model", "smollm2-135m",
                     "Model alias, path to a .gguf file, an HF model folder (config.json + "
                     "safetensors [+ tokenizer.json]) or an Orbax folder (--mode convert).")
@@ -62,6 +63,15 @@ flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 is off.")
 flags.DEFINE_integer("seed", None, "Per-request sampling seed.")
 flags.DEFINE_bool("json", False, "Print one JSON object per request instead of text.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter dtype.")
+flags.DEFINE_string("quantization", "none", "Weight format of the linear projections: none, "
+                    "int8 (weight-only, per channel), w8a8 (int8 weights x int8 activations), "
+                    "int4 (groups along the input dim, scale + zero point) or gguf (the "
+                    "file's own Q8_0/Q4_0/Q4_1 blocks). Embeddings, norms, router, LM head "
+                    "and attention stay precise.")
+flags.DEFINE_integer("quantization_group_size", 32, "int4: input elements per scale.")
+flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache dtype: auto (the parameter dtype), "
+                    "float32, bfloat16, float16, int8 (one scale per token per kv head) or "
+                    "fp8_e4m3.")
 flags.DEFINE_integer("page_size", 16, "KV cache page size, tokens.")
 flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from --kv_cache_mib).")
 flags.DEFINE_integer("kv_cache_mib", 1024, "KV cache budget, MiB.")
@@ -166,7 +176,10 @@ def _engine_args() -> dict:
             raise ValueError(f"--num_devices must be in [1, {len(jax.devices())}] (the devices "
                              f"present), got {FLAGS.num_devices}")
         extra["devices"] = jax.devices()[:FLAGS.num_devices]
-    return dict(**extra, dtype=FLAGS.dtype, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+    return dict(**extra, dtype=FLAGS.dtype, quantization=FLAGS.quantization,
+                quantization_group_size=FLAGS.quantization_group_size,
+                kv_cache_dtype=FLAGS.kv_cache_dtype,
+                page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                 kv_cache_memory_bytes=FLAGS.kv_cache_mib << 20, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_model_len=FLAGS.max_model_len, mesh=FLAGS.mesh,

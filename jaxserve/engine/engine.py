@@ -546,6 +546,21 @@ class Engine:
                 self.allocator.free(r.page_ids)
 
 
+def kv_cache_dtype_name(name: str) -> str | None:
+    """``CacheConfig.dtype`` of a ``--kv_cache_dtype`` name: ``"auto"`` -> None,
+    ``"fp8_e4m3"`` (vLLM's name) -> ``"float8_e4m3fn"``, others unchanged.
+
+    Raises:
+      ValueError: an unknown name (names the value and the choices).
+    """
+    from jaxserve.config import KV_CACHE_DTYPES
+    value = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn"}.get(name, name)
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, "
+                         f"int8, fp8_e4m3; got {name!r}")
+    return value
+
+
 class LLM:
     """vLLM-style offline facade: ``LLM(model=...).generate(prompts, params)``.
 
@@ -560,6 +575,10 @@ class LLM:
       ``jaxserve.config``).
       mesh: device mesh spec such as ``"tp=2"`` or ``"dp=1,tp=4,ep=2"``
         (``sharding.mesh.parse_mesh_spec``); None means one device.
+      quantization, quantization_group_size: the weight format
+        (``EngineConfig.quantization``): none, int8, w8a8, int4 or gguf.
+      kv_cache_dtype: ``"auto"`` (the parameter dtype), ``"float32"``,
+        ``"bfloat16"``, ``"float16"``, ``"int8"`` or ``"fp8_e4m3"``.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
 
     Raises:
@@ -573,13 +592,15 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
                  attention_interpret: bool = False, async_scheduling: bool = True,
-                 mesh: str | None = None, **parts):
+                 mesh: str | None = None, quantization: str = "none",
+                 quantization_group_size: int = 32, kv_cache_dtype: str = "auto", **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
             model=model, dtype=dtype, seed=seed,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                               memory_bytes=kv_cache_memory_bytes,
+                              dtype=kv_cache_dtype_name(kv_cache_dtype),
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
@@ -587,7 +608,8 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,
-            parallel=parallel)
+            parallel=parallel, quantization=quantization,
+            quantization_group_size=quantization_group_size)
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):
