@@ -1,0 +1,463 @@
+"""Quantized linear weights: the formats of ``--quantization`` and their matmuls.
+
+Dimension letters as in ``llama.py`` (F a projection's output dim, D its
+input dim, T tokens), plus G groups along D and E experts (a leading dim of
+stacked expert weights).
+
+One weight is a ``QuantizedWeight`` (an NNX module holding up to three
+``nnx.Param``s) whose ``TensorFormat`` says how to read them::
+
+    w[f, d] = scale[f, d // g] * q[f, d] + zero[f, d // g]      (zero: 0 if absent)
+
+| method (``EngineConfig.quantization``) | q | g | zero | activations |
+|---|---|---|---|---|
+| ``int8`` | int8 in [-127, 127] | D (one scale per output channel) | no | precise |
+| ``w8a8`` | int8 in [-127, 127] | D | no | int8 per token, int32 accumulation |
+| ``int4`` | uint4 in [0, 15], two per byte | ``group_size`` (32) | yes (the group minimum) | precise |
+| ``gguf`` Q8_0 | int8 | 32 | no | precise |
+| ``gguf`` Q4_0 | uint4 | 32 | yes, ``-8 d`` | precise |
+| ``gguf`` Q4_1 | uint4 | 32 | yes, ``m`` | precise |
+
+Each holds its source exactly: ggml's Q8_0 block is ``d * q`` (``d`` f16),
+Q4_0's ``d * (q - 8)`` = ``d * q - 8 d`` (both products exact in f32), Q4_1's
+``d * q + m``, computed in the same f32 order as ``gguf.quants`` (so
+``QuantizedTensor.dequantize`` equals ``gguf.quants.dequantize`` bit for bit).
+A GGUF tensor of another type (F32, F16, Q4_K, ...) under ``gguf`` stays a
+dense f32 weight (``bits=0``), its values exactly the library's dequantization.
+
+int4 packing: byte ``j`` of a row holds input ``2j`` in its low nibble and
+``2j + 1`` in its high nibble.
+
+The w8a8 activation quantization is symmetric per token (one scale per column
+of ``x_DT``: ``amax / 127``), as in SmoothQuant's dynamic per-token scheme
+(Xiao et al. 2023) and vLLM's ``w8a8`` int8 path; accumulation is exact in
+int32 (|q_w q_x| <= 127^2, so D < 2^31 / 127^2 = 133,144 cannot overflow).
+
+Lowerings (measured on the AVX-512 dev machine, XLA:CPU, jax 0.10.2; 30
+SmolLM2 layers, 106M weights, ms per forward at M columns 1 / 2 / 8 / 32 / 128):
+
+| form | M=1 | 2 | 8 | 32 | 128 |
+|---|---|---|---|---|---|
+| f32 ``W @ x`` | 20.8 | 21.9 | 25.8 | 47.8 | 144 |
+| int8 x int8 -> int32, M padded to >= 2 | 15.3 | 14.1 | 17.0 | 34.9 | 109 |
+| ``dot(convert(q_int8) * s, x)`` | 138 | 138 | 144 | 172 | 257 |
+| grouped dequantize, then dot | 164 | 148 | 151 | 193 | 280 |
+| packed int4 unpacked in the dot | 168 | 187 | 189 | 313 | 599 |
+
+XLA:CPU runs only one quantized form fast: an int8 x int8 dot with at least
+two columns (one column falls onto a slow path: 140 ms above). A convert
+fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
+
+* CPU, ``w8a8``: quantize x per token, int8 dot, M padded to 2.
+* CPU, ``int8``: the activations are written exactly enough as two int8
+  terms, ``x = s1 q1 + s2 q2`` (``s1 = amax / 127``, ``s2 = s1 / 254``, so
+  ``|x - s1 q1 - s2 q2| <= amax / 64516`` per element: ~16 bits, finer than
+  the bf16 activations GPU/TPU serving uses); both terms go through ONE int8
+  dot as 2M columns (so M = 1 needs no padding). ``lowering="exact"`` gives
+  the dequantize-then-dot form instead (f32 rounding only; slow on CPU).
+* CPU, grouped formats (``int4``, Q8_0, Q4_0/1): dequantize to f32 inside
+  the dot. Correct, and slower than f32 on this machine: they save memory
+  (0.16x of f32's bytes), not time, until XLA:CPU gains a grouped int8 dot.
+* GPU / TPU: the dequantization fuses into the dot (XLA:GPU's Triton GEMM
+  fusion, XLA:TPU's MXU feed) in the activation dtype (bf16); ``w8a8`` is
+  a native int8 dot with int32 accumulation (MXU / IMMA).
+
+Sharding: ``q`` carries the weight's logical axis names; ``scale`` and
+``zero`` carry the output axis and, when grouped, the input axis (their G
+dim splits like D, so ``tp`` must divide G); per-channel scales have one
+column, replicated along the input axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import QUANTIZATION_METHODS
+
+INT8_MAX = 127
+_SPLIT = 2 * INT8_MAX  # s2 = s1 / 254: the residual of the first int8 term fills [-127, 127]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFormat:
+    """How one weight is stored.
+
+    Attributes:
+      bits: 8 (int8 ``q``), 4 (uint4, two per uint8 byte) or 0 (dense f32, no
+        quantization: ``gguf`` tensors of other types).
+      group_size: input elements per scale; None: the whole input dim (one
+        scale per output channel).
+      zero_point: the format stores ``zero`` (asymmetric).
+      act_int8: activations are quantized per token to int8 (``w8a8``).
+    """
+
+    bits: int
+    group_size: int | None = None
+    zero_point: bool = False
+    act_int8: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (0, 4, 8):
+            raise ValueError(f"TensorFormat.bits must be 0, 4 or 8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"TensorFormat.group_size must be >= 1, got {self.group_size}")
+        if self.bits == 4 and self.group_size is not None and self.group_size % 2:
+            raise ValueError(f"int4 groups hold whole bytes: group_size must be even, "
+                             f"got {self.group_size}")
+
+    def groups(self, in_dim: int) -> int:
+        """G, the scales per output channel for an input dim of ``in_dim``."""
+        return 1 if self.group_size is None else in_dim // self.group_size
+
+
+DENSE = TensorFormat(bits=0)
+INT8 = TensorFormat(bits=8)
+W8A8 = TensorFormat(bits=8, act_int8=True)
+Q8_0 = TensorFormat(bits=8, group_size=32)
+Q4 = TensorFormat(bits=4, group_size=32, zero_point=True)  # Q4_0 and Q4_1 alike
+
+
+def method_format(method: str, group_size: int = 32) -> TensorFormat | None:
+    """The ``TensorFormat`` every quantized projection gets under ``method``;
+    None for ``"none"``; for ``"gguf"`` a placeholder (each tensor then takes
+    its file's format when it loads).
+
+    Raises:
+      ValueError: an unknown method, or a bad group size.
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                         f"got {method!r}")
+    if method == "none":
+        return None
+    if method == "int4":
+        return TensorFormat(bits=4, group_size=group_size, zero_point=True)
+    return {"int8": INT8, "w8a8": W8A8, "gguf": Q4}[method]
+
+
+def check_shapes(method: str, group_size: int, shapes) -> None:
+    """Check, before any weight loads, that ``method`` can hold every
+    projection of ``shapes`` (``[..., out, in]`` tuples).
+
+    Raises:
+      ValueError: ``int4`` with a group size that does not divide an input dim
+        (names the dim and the size), or an odd input dim for int4.
+    """
+    fmt = method_format(method, group_size)
+    if fmt is None or fmt.bits != 4 or method == "gguf":
+        return
+    for shape in shapes:
+        if shape[-1] % group_size:
+            raise ValueError(f"int4 quantization_group_size={group_size} does not divide the "
+                             f"input dim {shape[-1]} of a {tuple(shape)} weight; pick a group "
+                             f"size that divides every input dim (e.g. 32)")
+
+
+@dataclasses.dataclass
+class QuantizedTensor:
+    """A quantized weight on the host (numpy arrays), or read back from device.
+
+    Attributes:
+      fmt: its ``TensorFormat``.
+      shape: the logical weight shape ``[..., F, D]`` (HF's ``[out, in]``).
+      q: int8 ``[..., F, D]`` (bits 8), uint8 ``[..., F, D/2]`` (bits 4) or
+        f32 ``[..., F, D]`` (bits 0, the dense weight itself).
+      scale: f32 ``[..., F, G]`` (G = 1 per channel); None for bits 0.
+      zero: f32 ``[..., F, G]`` or None.
+    """
+
+    fmt: TensorFormat
+    shape: tuple[int, ...]
+    q: np.ndarray
+    scale: np.ndarray | None
+    zero: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.zero) if a is not None)
+
+    def dequantize(self) -> np.ndarray:
+        """f32 ``[..., F, D]`` values: ``scale * q + zero`` per group, in that
+        f32 order (bit-equal to ``gguf.quants.dequantize`` for Q8_0/Q4_0/Q4_1)."""
+        if self.fmt.bits == 0:
+            return np.asarray(self.q, np.float32)
+        q = unpack_int4_np(self.q) if self.fmt.bits == 4 else self.q
+        *lead, F, D = self.shape
+        G = self.scale.shape[-1]
+        qg = q.reshape(*lead, F, G, D // G).astype(np.float32)
+        w = self.scale[..., None].astype(np.float32) * qg
+        if self.zero is not None:
+            w = w + self.zero[..., None].astype(np.float32)
+        return w.reshape(self.shape)
+
+
+def pack_int4_np(q: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., D/2]`` of uint4 values ``q`` ``[..., D]`` in [0, 15]
+    (input 2j in the low nibble of byte j, 2j + 1 in the high one)."""
+    q = np.asarray(q, np.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4_np(p: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., 2 * n]`` values in [0, 15] of packed bytes ``p`` ``[..., n]``."""
+    return np.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+
+
+def quantize_np(w: np.ndarray, fmt: TensorFormat) -> QuantizedTensor:
+    """Quantize a float weight ``w`` ``[..., F, D]`` to ``fmt`` (round to nearest).
+
+    * bits 8 (symmetric): ``scale = amax / 127`` per group (1 where the group
+      is all zero), ``q = clip(round(w / scale), -127, 127)``.
+    * bits 4 (asymmetric, as ggml's Q4_1): ``zero = min``, ``scale = (max -
+      min) / 15`` (1 where max == min), ``q = clip(round((w - zero) / scale), 0, 15)``.
+    * bits 0: the weight as f32.
+
+    Raises:
+      ValueError: the group size does not divide D, or int4 with an odd D.
+    """
+    w = np.asarray(w, np.float32)
+    *lead, F, D = w.shape
+    if fmt.bits == 0:
+        return QuantizedTensor(fmt, w.shape, w.copy(), None)
+    g = D if fmt.group_size is None else fmt.group_size
+    if D % g or (fmt.bits == 4 and D % 2):
+        raise ValueError(f"group size {g} does not divide the input dim {D} of a "
+                         f"{tuple(w.shape)} weight" + (" (int4 also needs an even dim)"
+                                                       if fmt.bits == 4 else ""))
+    wg = w.reshape(*lead, F, D // g, g)
+    if fmt.bits == 8:
+        scale = np.abs(wg).max(axis=-1) / INT8_MAX
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        q = np.clip(np.rint(wg / scale[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+        return QuantizedTensor(fmt, w.shape, q.reshape(w.shape), scale)
+    lo, hi = wg.min(axis=-1), wg.max(axis=-1)
+    scale = np.where(hi > lo, (hi - lo) / 15, 1.0).astype(np.float32)
+    zero = lo.astype(np.float32)
+    q = np.clip(np.rint((wg - zero[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return QuantizedTensor(fmt, w.shape, pack_int4_np(q.reshape(w.shape)), scale, zero)
+
+
+def quantize_act_np(x_DT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token symmetric int8 of feature-major activations: (q i8[D, T],
+    scale f32[T]) with ``x ~= scale * q`` (the w8a8 definition)."""
+    amax = np.abs(x_DT).max(axis=0)
+    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    q = np.clip(np.rint(x_DT / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale
+
+
+def reference_linear(qt: QuantizedTensor, x_DT: np.ndarray) -> np.ndarray:
+    """The numpy (f64) reference of a format's definition: ``W x`` with W the
+    dequantized weight [F, D] and, for ``act_int8``, x replaced by its
+    per-token int8 quantization; f64 [F, T]."""
+    x = np.asarray(x_DT, np.float64)
+    if qt.fmt.act_int8:
+        q, s = quantize_act_np(np.asarray(x_DT, np.float32))
+        x = q.astype(np.float64) * s.astype(np.float64)
+    return qt.dequantize().astype(np.float64) @ x
+
+
+# ---- device side ---------------------------------------------------------
+
+
+def _unpack_int4(p):
+    """uint8 [..., n] packed bytes -> uint8 [..., 2n] values in [0, 15]."""
+    return jnp.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+
+
+def _quantize_act(x_DT):
+    """Per-token (column) symmetric int8: (q i8[D, T], scale f32[1, T])."""
+    x = x_DT.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=0, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def _int8_dot(q_FD, xq_DM):
+    """int8 [F, D] x int8 [D, M] -> int32 [F, M]; M is padded to 2 and cut
+    back (XLA:CPU's one-column int8 dot is ~10x slower than two columns)."""
+    M = xq_DM.shape[1]
+    if M == 1:
+        xq_DM = jnp.pad(xq_DM, ((0, 0), (0, 1)))
+    return jax.lax.dot_general(q_FD, xq_DM, (((q_FD.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.int32)[..., :M]
+
+
+def dequantize(fmt: TensorFormat, q, scale, zero, dtype=jnp.float32):
+    """``[..., F, D]`` values of a quantized weight in ``dtype`` (math in f32)."""
+    if fmt.bits == 0:
+        return q.astype(dtype)
+    q = _unpack_int4(q) if fmt.bits == 4 else q
+    *lead, F, D = q.shape
+    G = scale.shape[-1]
+    w = scale[..., None] * q.reshape(*lead, F, G, D // G).astype(jnp.float32)
+    if zero is not None:
+        w = w + zero[..., None]
+    return w.reshape(*lead, F, D).astype(dtype)
+
+
+def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "auto"):
+    """``W x`` for a quantized weight W [F, D] and feature-major x [D, T];
+    f32 [F, T] (the caller casts).
+
+    ``lowering``: ``"auto"`` (the fastest form measured for the backend; see
+    the module docstring), ``"exact"`` (dequantize, then one dot in f32) or
+    ``"cpu"`` (the CPU forms on any backend, for tests).
+    """
+    backend = "cpu" if lowering == "cpu" else jax.default_backend()
+    if fmt.act_int8:  # w8a8: the definition quantizes x; one int8 dot everywhere
+        xq, sx = _quantize_act(x_DT)
+        if fmt.group_size is None:
+            acc = (_int8_dot(q, xq) if backend == "cpu" else jax.lax.dot_general(
+                q, xq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32))
+            return acc.astype(jnp.float32) * sx * scale
+        x_DT = xq.astype(jnp.float32) * sx  # grouped w8a8: dequantized x, then as below
+    if lowering == "exact" or fmt.bits != 8 or fmt.group_size is not None:
+        dtype = jnp.float32 if backend == "cpu" or lowering == "exact" else x_DT.dtype
+        w = dequantize(fmt, q, scale, zero, dtype)
+        return jnp.einsum("fd,dt->ft", w, x_DT.astype(dtype), preferred_element_type=jnp.float32)
+    if backend != "cpu":  # per-channel int8, weight-only: dequantize in the dot
+        w = q.astype(x_DT.dtype)
+        return jnp.einsum("fd,dt->ft", w, x_DT, preferred_element_type=jnp.float32) * scale
+    # CPU per-channel int8, weight-only: x = s1 q1 + s2 q2, one int8 dot of 2T columns.
+    T = x_DT.shape[1]
+    x = x_DT.astype(jnp.float32)
+    q1, s1 = _quantize_act(x)
+    s2 = s1 / _SPLIT
+    q2 = jnp.clip(jnp.round((x - s1 * q1.astype(jnp.float32)) / s2), -INT8_MAX,
+                  INT8_MAX).astype(jnp.int8)
+    acc = _int8_dot(q, jnp.concatenate([q1, q2], axis=1)).astype(jnp.float32)
+    return (acc[:, :T] * s1 + acc[:, T:] * s2) * scale
+
+
+class QuantizedWeight(nnx.Module):
+    """One quantized projection weight ``[..., F, D]`` (HF's ``[out, in]``,
+    optionally stacked over experts), replacing an ``nnx.Param`` in a model.
+
+    Args:
+      shape: the logical weight shape.
+      names: its logical axis names (``sharding.rules``), e.g. ``("mlp", "embed")``.
+      fmt: the ``TensorFormat``; ``adopt=True`` lets ``load`` switch it to a
+        loaded tensor's own format (``gguf``: each tensor keeps its file's type).
+
+    Attributes:
+      q, scale, zero: ``nnx.Param``s as in ``QuantizedTensor`` (zero and,
+        for bits 0, scale are None).
+      lowering: see ``quantized_matmul`` (``"auto"`` by default).
+    """
+
+    def __init__(self, shape, names, fmt: TensorFormat, adopt: bool = False,
+                 lowering: str = "auto"):
+        self.shape = tuple(shape)
+        self.names = tuple(names)
+        self.adopt = adopt
+        self.lowering = lowering
+        self._build(fmt)
+
+    def _build(self, fmt: TensorFormat) -> None:
+        *lead, F, D = self.shape
+        G = fmt.groups(D)
+        self.fmt = fmt
+        param = lambda a, n: nnx.Param(a, sharding_names=n, eager_sharding=False)  # noqa: E731
+        q_dtype = {0: jnp.float32, 4: jnp.uint8, 8: jnp.int8}[fmt.bits]
+        q_shape = (*lead, F, D // 2) if fmt.bits == 4 else self.shape
+        self.q = param(jnp.zeros(q_shape, q_dtype), self.names)
+        # Per-channel scales have one column: no input axis to split.
+        scale_names = self.names[:-1] + ((self.names[-1],) if fmt.group_size else (None,))
+        self.scale = None if fmt.bits == 0 else param(jnp.ones((*lead, F, G), jnp.float32),
+                                                      scale_names)
+        self.zero = param(jnp.zeros((*lead, F, G), jnp.float32), scale_names) \
+            if fmt.zero_point else None
+
+    def load(self, value, name: str = "weight") -> None:
+        """Fill from a float array (quantized here to ``self.fmt``) or a
+        ``QuantizedTensor`` (its format must equal ``self.fmt`` unless
+        ``adopt``), numpy or already-placed ``jax.Array``s.
+
+        Raises:
+          ValueError: a shape or format that does not match (names ``name``).
+        """
+        if not isinstance(value, QuantizedTensor):
+            if tuple(value.shape) != self.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
+                                 f"{self.shape}")
+            value = quantize_np(np.asarray(value, np.float32), self.fmt)
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
+                             f"{self.shape}")
+        if value.fmt != self.fmt:
+            if not self.adopt:
+                raise ValueError(f"{name}: checkpoint format {value.fmt} != model {self.fmt}")
+            self._build(value.fmt)
+        for part in ("q", "scale", "zero"):
+            p, arr = getattr(self, part), getattr(value, part)
+            if (p is None) != (arr is None):
+                raise ValueError(f"{name}: checkpoint {part} is "
+                                 f"{'missing' if arr is None else 'unexpected'}")
+            if p is None:
+                continue
+            if tuple(arr.shape) != tuple(p.value.shape):
+                raise ValueError(f"{name}.{part}: checkpoint shape {tuple(arr.shape)} != "
+                                 f"model {tuple(p.value.shape)}")
+            p.value = arr if isinstance(arr, jax.Array) and arr.dtype == p.value.dtype \
+                else jnp.asarray(arr, p.value.dtype)
+
+    def parts(self):
+        """(q, scale, zero) arrays (None where absent)."""
+        return tuple(None if p is None else p.value for p in (self.q, self.scale, self.zero))
+
+    def matmul(self, x_DT):
+        """``W x``: [F, D] @ [D, T] -> f32 [F, T] (2-D weights only)."""
+        q, scale, zero = self.parts()
+        return quantized_matmul(self.fmt, q, scale, zero, x_DT, self.lowering)
+
+    def dense(self, dtype=jnp.float32):
+        """The dequantized ``[..., F, D]`` weight (for ops without a quantized
+        form, e.g. the experts' ragged dots)."""
+        return dequantize(self.fmt, *self.parts(), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.parts() if a is not None)
+
+
+def weight(shape, names, dtype, rngs, fmt: TensorFormat | None, adopt: bool = False,
+           scale: float = 0.02):
+    """A projection weight: an ``nnx.Param`` (``fmt`` None) or a
+    ``QuantizedWeight``; random init (``rngs``) draws N(0, scale^2) and
+    quantizes it."""
+    from jaxserve.models.llama import _param  # llama imports this module
+    if fmt is None:
+        return _param(shape, names, dtype, rngs, scale=scale)
+    w = QuantizedWeight(shape, names, fmt, adopt=adopt)
+    if rngs is not None and fmt.bits != 0:
+        value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+        w.load(np.asarray(value), "random init")
+    return w
+
+
+def linear(w, x_DT, b_F=None):
+    """``W x (+ b)`` for feature-major activations: [F, D] @ [D, T] (+ [F]) ->
+    [F, T] in x's dtype; ``w`` an ``nnx.Param`` or a ``QuantizedWeight``."""
+    if isinstance(w, QuantizedWeight):
+        y_FT = w.matmul(x_DT).astype(x_DT.dtype)
+    else:
+        y_FT = jnp.einsum("fd,dt->ft", w.value, x_DT)
+    return y_FT if b_F is None else y_FT + b_F[:, None]
+
+
+def weight_bytes(state) -> int:
+    """Bytes of every array of an NNX state (parameters as stored)."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+__all__ = ["DENSE", "INT8", "Q4", "Q8_0", "W8A8", "QuantizedTensor", "QuantizedWeight",
+           "TensorFormat", "check_shapes", "dequantize", "linear", "method_format",
+           "pack_int4_np", "quantize_act_np", "quantize_np", "quantized_matmul",
+           "reference_linear", "unpack_int4_np", "weight", "weight_bytes"]
