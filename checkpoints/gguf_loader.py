@@ -32,6 +32,24 @@ every count, length, type tag, offset and tensor extent against the file size),
 then its metadata types, special token ids, tokenizer fields and tensor shapes
 against the metadata; every failure is a one-line ``ValueError`` starting with
 the path. Anything the library still raises is translated the same way.
+
+``load_gguf(path, keep_blocks=True)`` (``--quantization gguf``) keeps every
+Q8_0, Q4_0 and Q4_1 tensor as a ``jaxserve.models.quant.QuantizedTensor``
+parsed straight from the file's bytes (``blocks_to_quantized``; no f32 round
+trip), so the weights stay as small as in the file. ggml's blocks of 32
+inputs along a row (little-endian, ``ggml-common.h``)::
+
+  Q8_0  34 bytes: f16 d, int8 q[32]           w = d * q
+  Q4_0  18 bytes: f16 d, u8 qs[16]            w = d * (q - 8)
+  Q4_1  20 bytes: f16 d, f16 m, u8 qs[16]     w = d * q + m
+        element j of the block in the low nibble of qs[j], j + 16 in the high one
+
+become ``quant.Q8_0`` (scale d) and ``quant.Q4`` (scale d, zero -8d or m; the
+nibbles repacked to quant.py's order, input 2j low and 2j + 1 high in byte j).
+Their ``dequantize()`` equals ``gguf.quants.dequantize`` bit for bit. The q/k
+row un-permutation moves the rows of q, scale and zero alike (a row's blocks
+never mix rows). ``tensor_types(path)`` reads each tensor's type from the
+header alone, for planning before anything loads.
 """
 
 from __future__ import annotations
@@ -44,6 +62,7 @@ from typing import Any, Iterator, Mapping
 
 import gguf
 import numpy as np
+from gguf import GGMLQuantizationType
 from tqdm.auto import tqdm
 
 from checkpoints.gguf_check import GGUFLayout, check_gguf
@@ -51,6 +70,8 @@ from checkpoints.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# ggml types ``keep_blocks`` keeps quantized (``blocks_to_quantized``).
+KEPT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
 # GGUF tensor name -> HF name. ``{i}`` is the layer index; ``.weight`` / ``.bias``
 # suffixes are carried over unchanged.
@@ -82,7 +103,8 @@ class GGUFCheckpoint:
 
     Attributes:
       config: architecture, from ``model_config_from_gguf``.
-      params: HF name -> array of ``dtype``, HF layout (see module docstring).
+      params: HF name -> array of ``dtype``, HF layout (see module docstring);
+        with ``keep_blocks``, a ``QuantizedTensor`` for each Q8_0/Q4_0/Q4_1 tensor.
       tokenizer: built from the ``tokenizer.*`` metadata.
       chat_template: ``tokenizer.chat_template`` (Jinja source) or None.
       metadata: every scalar / string metadata field (arrays such as the token
@@ -90,7 +112,7 @@ class GGUFCheckpoint:
     """
 
     config: ModelConfig
-    params: dict[str, np.ndarray]
+    params: dict[str, Any]
     tokenizer: Tokenizer
     chat_template: str | None
     metadata: dict[str, Any]
@@ -226,6 +248,63 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
+def blocks_to_quantized(data: np.ndarray, qtype: GGMLQuantizationType,
+                        shape: tuple[int, ...]):
+    """A ``QuantizedTensor`` holding a Q8_0 / Q4_0 / Q4_1 tensor's ggml blocks
+    as they are (module docstring); no value is rounded.
+
+    Args:
+      data: the tensor's bytes (``ReaderTensor.data``: uint8, any shape).
+      qtype: one of ``KEPT_TYPES``.
+      shape: numpy shape ``[..., F, D]`` (ggml ``ne`` reversed); 32 | D.
+
+    Returns:
+      ``QuantizedTensor`` with ``q`` int8 ``[..., F, D]`` (Q8_0) or packed
+      uint8 ``[..., F, D/2]`` (Q4_0/1), f32 ``scale`` (and ``zero``) ``[..., F, D/32]``.
+
+    Raises:
+      ValueError: another type, or bytes that do not fill ``shape``'s blocks.
+    """
+    from jaxserve.models import quant  # local: reading GGUF as floats needs no jax
+
+    if qtype not in KEPT_TYPES:
+        raise ValueError(f"keep_blocks holds {[t.name for t in KEPT_TYPES]}, not {qtype.name}")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    *lead, F, D = shape
+    if D % block or np.asarray(data).size != int(np.prod(shape)) // block * type_size:
+        raise ValueError(f"{np.asarray(data).size} bytes of {qtype.name} do not fill a "
+                         f"{tuple(shape)} tensor")
+    blocks = np.asarray(data, np.uint8).reshape(-1, type_size)
+    groups = (*lead, F, D // block)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(groups)
+    if qtype == GGMLQuantizationType.Q8_0:
+        q = blocks[:, 2:].copy().view(np.int8).reshape(shape)
+        return quant.QuantizedTensor(quant.Q8_0, tuple(shape), q, d)
+    if qtype == GGMLQuantizationType.Q4_0:
+        zero, qs = -8 * d, blocks[:, 2:]
+    else:
+        zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(groups)
+        qs = blocks[:, 4:]
+    values = np.concatenate([qs & 15, qs >> 4], axis=1)  # ggml: j low, j + 16 high
+    q = quant.pack_int4_np(values).reshape(*lead, F, D // 2)
+    return quant.QuantizedTensor(quant.Q4, tuple(shape), q, d, zero)
+
+
+def tensor_types(path: str | os.PathLike) -> dict[str, GGMLQuantizationType]:
+    """HF name -> ggml type of every tensor of a GGUF file, from its header
+    alone (``check_gguf``; nothing is read past the tensor table), so the
+    engine can say before loading which tensors ``--quantization gguf``
+    keeps quantized (``KEPT_TYPES``) and which become dense f32.
+
+    Raises:
+      ValueError: as ``check_gguf``, or an unknown tensor name.
+    """
+    path = os.fspath(path)
+    with _errors_name(path):
+        return {name: t.ggml_type for t in check_gguf(path).tensors
+                if (name := hf_name(t.name)) is not None}
+
+
 @contextlib.contextmanager
 def _errors_name(path: str) -> Iterator[None]:
     """Re-raise what reading ``path`` raises as a one-line ``ValueError`` that
@@ -320,7 +399,7 @@ def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
-              show_progress: bool = True) -> GGUFCheckpoint:
+              show_progress: bool = True, keep_blocks: bool = False) -> GGUFCheckpoint:
     """Load a llama-architecture GGUF file.
 
     Args:
@@ -328,6 +407,9 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
       dtype: numpy dtype of the returned params (e.g. ``np.float32``,
         ``ml_dtypes.bfloat16``); values are dequantized in float32 first.
       show_progress: draw a tqdm bar over the tensors.
+      keep_blocks: every Q8_0 / Q4_0 / Q4_1 tensor comes back as a
+        ``QuantizedTensor`` of its file's blocks (``blocks_to_quantized``;
+        f32 scales whatever ``dtype``); other types as ``dtype`` arrays.
 
     Returns:
       A ``GGUFCheckpoint``; params are fresh arrays (not views of the file).
@@ -346,11 +428,20 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
             name = hf_name(tensor.name)
             if name is None:
                 continue
+            n_head = (config.num_heads if ".self_attn.q_proj." in name else
+                      config.num_kv_heads if ".self_attn.k_proj." in name else 0)
+            if keep_blocks and tensor.tensor_type in KEPT_TYPES:
+                qt = blocks_to_quantized(tensor.data, tensor.tensor_type,
+                                         tuple(int(d) for d in reversed(tensor.shape)))
+                if n_head:  # rows of q, scale and zero alike; fresh arrays
+                    qt = dataclasses.replace(qt, **{k: unpermute_qk(getattr(qt, k), n_head)
+                                                    for k in ("q", "scale", "zero")
+                                                    if getattr(qt, k) is not None})
+                params[name] = qt
+                continue
             values = dequantize_tensor(tensor)
-            if ".self_attn.q_proj." in name:
-                values = unpermute_qk(values, config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                values = unpermute_qk(values, config.num_kv_heads)
+            if n_head:
+                values = unpermute_qk(values, n_head)
             params[name] = np.array(values, dtype=dtype)  # copies: never a view of the mmap
         metadata = {k: v for k, v in fields.items() if not isinstance(v, list)}
         return GGUFCheckpoint(
@@ -362,6 +453,7 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
         )
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFCheckpoint", "check_tensor_shapes",
-           "dequantize_tensor", "hf_name", "load_gguf", "load_gguf_config", "load_gguf_fields",
-           "model_config_from_gguf", "read_fields", "unpermute_qk"]
+__all__ = ["KEPT_TYPES", "SUPPORTED_ARCHITECTURES", "GGUFCheckpoint", "blocks_to_quantized",
+           "check_tensor_shapes", "dequantize_tensor", "hf_name", "load_gguf",
+           "load_gguf_config", "load_gguf_fields", "model_config_from_gguf", "read_fields",
+           "tensor_types", "unpermute_qk"]
