@@ -15,6 +15,12 @@ Modes:
 
   serve: the gRPC server (``jaxserve.server``): ``--host``, ``--port``,
     ``--metrics_port``, TLS, bearer token, queue bound, grace period.
+  eval: perplexity of ``--model`` in the given ``--quantization`` /
+    ``--kv_cache_dtype`` over a held-out text, and the KL divergence of its
+    next-token distributions from the unquantized run of the same model
+    (``jaxserve.bench.eval``, llama.cpp's ``perplexity --kl-divergence``
+    figures): JSON to ``--output`` (else one line on stdout) and a summary
+    (on stderr when the JSON takes stdout).
   convert: load ``--model`` (alias, .gguf, HF folder) and write it as an Orbax
     checkpoint folder in ``--output`` (``checkpoints.orbax_ckpt``), tensors in
     ``--dtype``; prints the paths written. ``--model <that folder>`` then
@@ -53,7 +59,8 @@ flags.DEFINE_string("model", "smollm2-135m",
                     "safetensors [+ tokenizer.json]) or an Orbax folder (--mode convert).")
 flags.DEFINE_string("output", None, "convert: the Orbax checkpoint folder to write (must not "
                     "exist or be empty). bench --workload: the results folder (default "
-                    "bench-results/<workload>-<time>).")
+                    "bench-results/<workload>-<time>). eval: the JSON file to write (default: "
+                    "print it).")
 flags.DEFINE_multi_string("prompt", None, "Prompt(s); repeat the flag for several.")
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template.")
 flags.DEFINE_integer("max_tokens", None, "Most output tokens per request (demo: per prompt).")
@@ -130,6 +137,11 @@ flags.DEFINE_float("peak_tflops", None, "bench --workload: the device's peak TFL
                    "MFU (default: measured with a large matmul).")
 flags.DEFINE_float("peak_gbps", None, "bench --workload: the device's peak GB/s for MBU "
                    "(default: measured with a large copy).")
+flags.DEFINE_string("eval_text", None, "eval: UTF-8 text file to score (default: the shipped "
+                    "jaxserve/bench/data/python_reference.txt, see its README).")
+flags.DEFINE_integer("eval_context", 512, "eval: tokens per window (non-overlapping windows; "
+                     "the second half of each is scored, as llama.cpp does).")
+flags.DEFINE_integer("eval_max_tokens", 4096, "eval: most text tokens used (whole windows).")
 
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind (loopback by default).")
 flags.DEFINE_integer("port", 50051, "serve: gRPC port; 0 picks a free one (printed).")
@@ -305,6 +317,32 @@ def _bench(llm) -> None:
     print(f"  new compilations in timed run: {warm.num_compilations - cold.num_compilations}")
 
 
+def _eval() -> None:
+    """``--mode eval``: options and text checked before any model loads; the
+    reference engine (quantization none, KV auto) is built only when the
+    candidate is not that config already (``jaxserve.bench.eval``)."""
+    from jaxserve import LLM
+    from jaxserve.bench import eval as ev
+    from jaxserve.engine.page_table import cdiv
+    ev.check_options(FLAGS.eval_context, FLAGS.eval_max_tokens)
+    text, path = ev.load_text(FLAGS.eval_text)
+    args = _engine_args()
+    if FLAGS.num_pages is None:  # one window's pages, not --kv_cache_mib of zeros per engine
+        args["num_pages"] = cdiv(FLAGS.eval_context, FLAGS.page_size)
+    llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **args)
+    ids, bos = ev.tokenize(llm.engine, text)
+    reference = None if ev.is_reference(args) else \
+        LLM(FLAGS.model, seed=FLAGS.seed or 0, **ev.reference_args(args)).engine
+    result = ev.evaluate(llm.engine, ids, reference=reference, context=FLAGS.eval_context,
+                         max_tokens=FLAGS.eval_max_tokens, bos=bos)
+    result = dict(model=FLAGS.model, text=ev.text_info(text, path, len(ids)), **result)
+    ev.write_json(result, FLAGS.output)
+    print(ev.format_summary(result), file=sys.stdout if FLAGS.output else sys.stderr,
+          flush=True)
+    if FLAGS.output:
+        print(f"wrote {FLAGS.output}")
+
+
 def _serving_bench() -> None:
     """``--mode bench --workload W``: options checked before the model loads."""
     from jaxserve.bench import peers, stats, suite
@@ -466,6 +504,9 @@ def main(argv) -> None:
             check_text(p, "--prompt" if len(FLAGS.prompt) == 1 else f"--prompt #{i + 1}")
         if FLAGS.mode == "bench" and FLAGS.workload is not None:
             _serving_bench()
+            return
+        if FLAGS.mode == "eval":
+            _eval()
             return
         llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
         if not _is_leader():

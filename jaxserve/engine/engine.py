@@ -545,6 +545,30 @@ class Engine:
             for r in reqs:
                 self.allocator.free(r.page_ids)
 
+    def prompt_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """f32[T, V] next-token logits after each of the T tokens: row t is
+        the model's distribution over token t + 1 given tokens 0..t. One
+        prefill of the whole sequence in fresh pages (no prefix cache; the
+        pages are freed after), through ``ModelRunner.token_logits``. For
+        perplexity and KL divergence (``jaxserve.bench.eval``); T x V f32 is
+        ~100 MB for T = 512, V = 49152.
+
+        Raises:
+          ValueError: bad ids, T above ``max_model_len``, more pages than are
+            free, or a multi-host job.
+        """
+        ids = self.encode(token_ids)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt_logits: {len(ids)} tokens exceed max_model_len "
+                             f"{self.max_model_len}")
+        r = Request("_prompt_logits", None, ids, SamplingParams(temperature=0), 0,
+                    self.eos_token_ids)
+        r.page_ids = self.allocator.allocate(cdiv(len(ids), self.allocator.page_size))
+        try:
+            return self.runner.token_logits(ScheduledBatch([r], [len(ids)], num_decode=0))
+        finally:
+            self.allocator.free(r.page_ids)
+
 
 def kv_cache_dtype_name(name: str) -> str | None:
     """``CacheConfig.dtype`` of a ``--kv_cache_dtype`` name: ``"auto"`` -> None,

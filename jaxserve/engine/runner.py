@@ -24,7 +24,9 @@ ladder(n)), every T a config can reach is known up front
 (``shapes.step_token_counts``), and ``warmup`` compiles them all.
 The step also returns the last layer's output x [D, T]; a step with prompt
 logprobs gets them from a small jit over it (the LM head and log-softmax of
-every token, one program per T on first use, not a second copy of the model). Sampling is its own jit keyed by S, the top-N count
+every token, one program per T on first use, not a second copy of the model);
+``token_logits`` (eval's full-vocabulary logits of every token) is the same
+kind of jit. Sampling is its own jit keyed by S, the top-N count
 and the penalty tensors' widths. ``num_compilations`` counts traces of all
 jits.
 
@@ -227,6 +229,7 @@ class ModelRunner:
         # Prompt logprobs: every token's logits from the step's x_DT, a small
         # program per token count (not a second copy of the model's step).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, static_argnums=(3,))
+        self._all_logits = jax.jit(self._all_logits_fn)  # token_logits: f32[T, V] per T
         # The latest launched step's sampled ids, i32[max_rows] on device
         # (what ``prev_rows`` index), and the launches so far.
         self._no_prev = jnp.zeros(self.max_rows, jnp.int32, device=replicated)
@@ -266,6 +269,31 @@ class ModelRunner:
         self.num_compilations += 1
         model = nnx.merge(self.graphdef, state)
         return prompt_logprobs(model.logits_of(x_DT), targets_T, num_top)
+
+    def _all_logits_fn(self, state, x_DT):
+        self.num_compilations += 1
+        return nnx.merge(self.graphdef, state).logits_of(x_DT)
+
+    def token_logits(self, batch: ScheduledBatch) -> np.ndarray:
+        """f32[t, V] next-token logits after every token of ``batch`` (t its
+        tokens, in the batch's order): one step, then the LM head over the
+        step's last-layer output x_DT (``_all_logits``, a small jit per token
+        count, as prompt logprobs do). Nothing is sampled; the step counts as
+        launched, so an async engine step after it runs synchronously. For
+        ``Engine.prompt_logits`` (eval).
+
+        Raises:
+          ValueError: in a multi-host job (the other processes would not run
+            the step).
+        """
+        if self.channel is not None:
+            raise ValueError("token_logits runs in a single-process job only")
+        plan = self.prepare(batch)
+        out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md, plan.prev_rows,
+                           self._no_prev)
+        _, self.k_cache, self.v_cache, *_, x_DT = out
+        self.num_launched += 1
+        return np.asarray(self._all_logits(self.state, x_DT))[:sum(batch.q_lens)]
 
     # ---- host-side metadata -------------------------------------------------
 
