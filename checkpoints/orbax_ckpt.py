@@ -21,6 +21,25 @@ a ``ValueError`` naming the params folder and the tensors being read. The JSON
 files are checked too (``jaxserve_orbax.json``'s tables must be objects of
 non-negative ints over paths inside ``params/``), and ``load_orbax`` checks
 the tensor shapes in Orbax's metadata against ``model_config.json``.
+
+Quantized checkpoints (``convert_to_orbax(..., quantization="int8")``): each
+projection (``quant.is_projection``) is stored as its parts, ``<HF name>:q``
+(int8 ``[..., F, D]``, or uint8 ``[..., F, D/2]`` of packed int4), ``:scale``
+(f32 ``[..., F, G]``) and ``:zero`` (f32 ``[..., F, G]``, only when the
+format has one); ``jaxserve_orbax.json`` records under ``quantization`` the
+method, its group size and every such tensor's ``TensorFormat``::
+
+    "quantization": {"method": "int4", "group_size": 32,
+                     "formats": {"model.layers.0.self_attn.q_proj.weight":
+                                 {"bits": 4, "group_size": 32, "zero_point": true,
+                                  "act_int8": false}, ...}}
+
+The parts restore in their saved dtypes (never cast to ``dtype``), each
+straight into its sharding (``sharding.rules.hf_shardings`` names one per
+part), and come back re-assembled as ``quant.QuantizedTensor``s under the HF
+name, of ``jax.Array``s when restored into shardings (so
+``QuantizedWeight.load`` keeps them in place). ``restore_for_model`` does all
+of this for a model's own params.
 """
 
 from __future__ import annotations
@@ -42,6 +61,22 @@ _INFO, _CONFIG, _PARAMS = "jaxserve_orbax.json", "model_config.json", "params"
 CHUNK_BYTES = 4 << 20  # largest chunk of a saved tensor
 _TOKENIZER, _TOKENIZER_META = "tokenizer.json", "tokenizer_meta.json"
 _GROUP_BYTES = 1 << 30  # tensors restored per Orbax call (and per progress-bar update)
+_PARTS = ("q", "scale", "zero")  # a quantized tensor's parts, stored as "<name>:<part>"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedQuantization:
+    """How a quantized checkpoint stores its projections (module docstring).
+
+    Attributes:
+      method: the ``EngineConfig.quantization`` it was converted with (never "none").
+      group_size: its ``quantization_group_size``.
+      formats: HF name -> ``quant.TensorFormat`` of every tensor stored as parts.
+    """
+
+    method: str
+    group_size: int
+    formats: dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -55,6 +90,7 @@ class OrbaxCheckpoint:
       tokenizer: ``checkpoints.tokenizer.Tokenizer``, or None if none was saved.
       chat_template: Jinja source or None.
       metadata: the source checkpoint's scalar metadata, plus ``"source"``.
+      quantization: how the projections are stored; None when unquantized.
     """
 
     config: ModelConfig
@@ -62,6 +98,7 @@ class OrbaxCheckpoint:
     tokenizer: Any
     chat_template: str | None
     metadata: dict[str, Any]
+    quantization: SavedQuantization | None = None
 
 
 def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
@@ -89,29 +126,46 @@ def _crc32(path: pathlib.Path) -> int:
     return crc
 
 
-def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "") -> list[pathlib.Path]:
+def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
+               quantization: str = "none", group_size: int = 32) -> list[pathlib.Path]:
     """Write ``checkpoint`` (what ``checkpoints.loader.load_checkpoint`` returns)
     as an Orbax checkpoint folder (layout in the module docstring).
 
     Args:
       output_dir: folder to create; it must not exist or be empty.
       checkpoint: has ``config`` (``ModelConfig``), ``params`` (HF name ->
-        numpy array), ``tokenizer`` (or None), ``chat_template``, ``metadata``.
+        numpy array, or ``quant.QuantizedTensor``, stored as its parts),
+        ``tokenizer`` (or None), ``chat_template``, ``metadata``.
       source: what it was loaded from (recorded in ``jaxserve_orbax.json``).
+      quantization, group_size: the method the ``QuantizedTensor``s were
+        made with (recorded in ``jaxserve_orbax.json``).
 
     Returns:
       The files and folders written, ``params/`` first.
 
     Raises:
-      ValueError: ``output_dir`` exists and is not an empty folder.
+      ValueError: ``output_dir`` exists and is not an empty folder, or
+        ``QuantizedTensor``s with ``quantization="none"``.
     """
     import orbax.checkpoint as ocp  # local: loading GGUF/HF never needs Orbax
+
+    from jaxserve.models import quant
 
     out = pathlib.Path(output_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: output folder exists and is not empty")
+    params, formats = {}, {}
+    for name, a in checkpoint.params.items():
+        if not isinstance(a, quant.QuantizedTensor):
+            params[name] = np.asarray(a)
+            continue
+        formats[name] = dataclasses.asdict(a.fmt)
+        params |= {f"{name}:{part}": np.asarray(getattr(a, part)) for part in _PARTS
+                   if getattr(a, part) is not None}
+    if formats and quantization == "none":
+        raise ValueError(f"{out}: tensor {next(iter(formats))!r} is quantized, but "
+                         f"quantization='none'")
     out.mkdir(parents=True, exist_ok=True)
-    params = {name: np.asarray(a) for name, a in checkpoint.params.items()}
     # Chunks of at most 4 MiB: a process restoring into a sharding reads only
     # the chunks its devices' slices overlap (one chunk per tensor would make
     # every host read every whole tensor).
@@ -133,6 +187,9 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "") -> l
             "metadata": _json_safe(checkpoint.metadata or {}),
             "params_files": sizes,
             "params_crc32": {rel: _crc32(out / _PARAMS / rel) for rel in sizes}}
+    if quantization != "none":
+        info["quantization"] = {"method": quantization, "group_size": group_size,
+                                "formats": formats}
     (out / _INFO).write_text(json.dumps(info, indent=1, default=str))
     return written + [out / _INFO]
 
@@ -188,7 +245,82 @@ def _read_info(folder: pathlib.Path) -> dict[str, Any]:
             parts = pathlib.PurePosixPath(rel).parts
             if not parts or rel.startswith("/") or ".." in parts:
                 raise bad(f"{key} names {rel!r:.80}, which is not a path inside params/")
+    if "quantization" in info:
+        info["quantization"] = _parse_quantization(info["quantization"], bad)
     return info
+
+
+def _parse_quantization(value, bad) -> SavedQuantization:
+    """``jaxserve_orbax.json``'s ``quantization`` object as a ``SavedQuantization``.
+
+    Raises:
+      ``bad(what)``: an unknown method, a bad group size, or a format that is
+        not a ``TensorFormat``'s fields.
+    """
+    from jaxserve.config import QUANTIZATION_METHODS
+    from jaxserve.models import quant
+
+    if not isinstance(value, dict):
+        raise bad("quantization is not an object")
+    method, group_size, formats = (value.get(k) for k in ("method", "group_size", "formats"))
+    if method not in QUANTIZATION_METHODS or method == "none":
+        raise bad(f"quantization.method {method!r:.40} is not one of "
+                  f"{[m for m in QUANTIZATION_METHODS if m != 'none']}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise bad(f"quantization.group_size {group_size!r:.40} is not a positive int")
+    if not isinstance(formats, dict):
+        raise bad("quantization.formats is not an object")
+    parsed = {}
+    for name, fields in formats.items():
+        try:
+            if not isinstance(fields, dict):
+                raise TypeError("not an object")
+            parsed[name] = quant.TensorFormat(**fields)
+        except (TypeError, ValueError) as e:
+            raise bad(f"quantization.formats[{name!r:.80}] is not a TensorFormat: "
+                      f"{' '.join(str(e).split())[:120]}") from None
+    return SavedQuantization(method, group_size, parsed)
+
+
+def saved_quantization(path: str | os.PathLike) -> SavedQuantization | None:
+    """How an Orbax checkpoint folder stores its projections, from
+    ``jaxserve_orbax.json`` alone; None for an unquantized checkpoint.
+
+    Raises:
+      ValueError: a corrupt ``jaxserve_orbax.json`` (names it).
+    """
+    return _read_info(pathlib.Path(path).expanduser()).get("quantization")
+
+
+def part_shapes(fmt, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Stored part name (``"q"``, ``"scale"``, ``"zero"``) -> shape of a
+    ``[..., F, D]`` weight in ``fmt`` (as ``quant.QuantizedTensor`` holds it)."""
+    *lead, F, D = shape
+    out = {"q": (*lead, F, D // 2) if fmt.bits == 4 else tuple(shape)}
+    if fmt.bits:
+        out["scale"] = (*lead, F, fmt.groups(D))
+    if fmt.zero_point:
+        out["zero"] = out["scale"]
+    return out
+
+
+def _assemble(params: dict[str, Any], formats: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with each complete set of ``<name>:<part>`` arrays replaced
+    by one ``quant.QuantizedTensor`` under ``name`` (in the same order)."""
+    from jaxserve.models import quant
+
+    out: dict[str, Any] = {}
+    for key, arr in params.items():
+        name, _, part = key.rpartition(":")
+        if part not in _PARTS or name not in formats:
+            out[key] = arr
+        elif name not in out:
+            fmt = formats[name]
+            q = params[f"{name}:q"]
+            shape = (*q.shape[:-1], 2 * q.shape[-1]) if fmt.bits == 4 else tuple(q.shape)
+            out[name] = quant.QuantizedTensor(fmt, shape, q, params.get(f"{name}:scale"),
+                                              params.get(f"{name}:zero"))
+    return out
 
 
 def load_orbax_config(path: str | os.PathLike) -> ModelConfig:
@@ -244,40 +376,57 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
 
     Args:
       path: the folder (``save_orbax``'s ``output_dir``).
-      shardings: HF name -> ``jax.sharding.Sharding`` of each tensor to restore
-        (``sharding.rules.hf_shardings``; tensors of the checkpoint not named
-        are skipped): each array is restored straight into its sharding, every
-        process reading only its shards. None: every tensor, as numpy arrays
-        on the host.
-      dtype: dtype of the restored arrays (numpy or jnp dtype); None keeps the
-        saved dtype (float32 for GGUF and HF sources).
+      shardings: stored name -> ``jax.sharding.Sharding`` of each tensor to
+        restore (``sharding.rules.hf_shardings``: HF names, and
+        ``<HF name>:<part>`` for the parts of a quantized one; tensors of the
+        checkpoint not named are skipped): each array is restored straight
+        into its sharding, every process reading only its shards. None: every
+        tensor, as numpy arrays on the host.
+      dtype: dtype of the restored unquantized arrays (numpy or jnp dtype);
+        None keeps the saved dtype (float32 for GGUF and HF sources). The
+        parts of quantized tensors always keep theirs.
       show_progress: draw a tqdm bar over the tensors.
 
     Returns:
-      HF name -> ``jax.Array`` (with ``shardings``) or ``np.ndarray``.
+      HF name -> ``jax.Array`` (with ``shardings``), ``np.ndarray``, or, for
+      a quantized tensor, a ``quant.QuantizedTensor`` of either.
 
     Raises:
       ValueError: missing folder or file, a truncated file (names it), a
-        tensor in ``shardings`` that the checkpoint lacks, or a read error
-        (names the tensors).
+        tensor in ``shardings`` that the checkpoint lacks (or stores
+        quantized: name its parts), some but not all parts of a quantized
+        tensor, or a read error (names the tensors).
     """
     import orbax.checkpoint as ocp
 
     folder = pathlib.Path(path).expanduser().absolute()
     check_params_files(folder)
     tree = _metadata_tree(folder)
+    saved = _read_info(folder).get("quantization")
+    formats = saved.formats if saved is not None else {}
     with ocp.PyTreeCheckpointer() as ckptr:
         if shardings is not None:
             missing = [name for name in shardings if name not in tree]
             if missing:
+                stored = f" (stored quantized: restore {missing[0]}:q and its other parts)" \
+                    if f"{missing[0]}:q" in tree else ""
                 raise ValueError(f"{folder / _PARAMS}: the checkpoint lacks tensor "
-                                 f"{missing[0]!r} ({len(missing)} missing)")
+                                 f"{missing[0]!r} ({len(missing)} missing){stored}")
+            for name in shardings:
+                base, _, part = name.rpartition(":")
+                lacking = [f"{base}:{p}" for p in _PARTS if part in _PARTS and base in formats
+                           and f"{base}:{p}" in tree and f"{base}:{p}" not in shardings]
+                if lacking:
+                    raise ValueError(f"{folder / _PARAMS}: restoring {name!r} needs "
+                                     f"{lacking[0]!r} too (the parts of one quantized tensor)")
             tree = {name: tree[name] for name in shardings}
 
         def args(name):
+            base, _, part = name.rpartition(":")
+            cast = None if part in _PARTS and base in formats else dtype  # parts as saved
             if shardings is None:
-                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-            return ocp.ArrayRestoreArgs(sharding=shardings[name], dtype=dtype)
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
+            return ocp.ArrayRestoreArgs(sharding=shardings[name], dtype=cast)
 
         groups, size = [[]], 0
         for name, meta in tree.items():
@@ -300,7 +449,49 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
                     raise ValueError(f"{folder / _PARAMS}: cannot restore tensors {names[0]!r}.."
                                      f"{names[-1]!r}: {e}") from None
                 bar.update(len(names))
-    return params
+    return _assemble(params, formats)
+
+
+def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[Any, Any]],
+                      mesh, rules, dtype: Any = None, show_progress: bool = True) -> dict[str, Any]:
+    """Restore a model's params from an Orbax folder straight into the
+    shardings its variables give them (``restore_orbax`` over
+    ``sharding.rules.hf_shardings(named_params, mesh, rules)``).
+
+    A ``QuantizedWeight`` whose placeholder format differs from the saved
+    one (``adopt``, ``gguf``: each tensor keeps its file's type) is sharded
+    as the saved format would be (an abstract ``QuantizedWeight`` of that
+    format, ``nnx.eval_shape``; nothing is allocated); its ``load`` then
+    adopts the format.
+
+    Args:
+      named_params: HF name -> (variable or ``QuantizedWeight``, expert index
+        or None), as ``llama.hf_params`` / ``moe.hf_params`` return.
+      mesh, rules: as ``hf_shardings``.
+      dtype, show_progress: as ``restore_orbax``.
+
+    Raises:
+      ValueError: as ``restore_orbax``, or a saved format a non-``adopt``
+        weight does not have (names the tensor and both formats).
+    """
+    from flax import nnx
+
+    from jaxserve.models import quant
+    from sharding.rules import hf_shardings
+
+    saved = saved_quantization(path)
+    formats = saved.formats if saved is not None else {}
+    named = dict(named_params)
+    for name, (var, expert) in named_params.items():
+        fmt = formats.get(name)
+        if not isinstance(var, quant.QuantizedWeight) or fmt is None or fmt == var.fmt:
+            continue
+        if not var.adopt:
+            raise ValueError(f"{path}: tensor {name!r} is stored as {fmt}, the model's "
+                             f"weight is {var.fmt}")
+        named[name] = (nnx.eval_shape(lambda v=var, f=fmt: quant.QuantizedWeight(
+            v.shape, v.names, f)), expert)
+    return restore_orbax(path, hf_shardings(named, mesh, rules), dtype, show_progress)
 
 
 def _metadata_tree(folder: pathlib.Path) -> dict[str, Any]:
@@ -339,7 +530,15 @@ def check_orbax_shapes(path: str | os.PathLike, config: ModelConfig) -> None:
 
     params = pathlib.Path(path).expanduser().absolute() / _PARAMS
     tree = _metadata_tree(params.parent)
-    expected = expected_tensors(config)
+    saved = _read_info(params.parent).get("quantization")
+    formats = saved.formats if saved is not None else {}
+    expected = {}  # stored name -> shape
+    for name, shape in expected_tensors(config).items():
+        if name in formats:
+            expected |= {f"{name}:{part}": s for part, s in part_shapes(formats[name],
+                                                                       shape).items()}
+        else:
+            expected[name] = shape
     missing = [name for name in expected if name not in tree]
     if missing:
         raise ValueError(f"{params}: lacks tensor {missing[0]!r} ({len(missing)} missing) "
@@ -400,8 +599,11 @@ def load_orbax(path: str | os.PathLike, dtype: Any = np.float32,
     params = restore_orbax(folder, shardings, dtype, show_progress) if with_params else None
     return OrbaxCheckpoint(config=config, params=params, tokenizer=tokenizer,
                            chat_template=template,
-                           metadata={**info.get("metadata", {}), "source": info.get("source", "")})
+                           metadata={**info.get("metadata", {}), "source": info.get("source", "")},
+                           quantization=info.get("quantization"))
 
 
-__all__ = ["OrbaxCheckpoint", "check_orbax_shapes", "check_params_files", "is_orbax_checkpoint", "load_orbax",
-           "load_orbax_config", "load_orbax_tokenizer", "restore_orbax", "save_orbax"]
+__all__ = ["OrbaxCheckpoint", "SavedQuantization", "check_orbax_shapes", "check_params_files",
+           "is_orbax_checkpoint", "load_orbax", "load_orbax_config", "load_orbax_tokenizer",
+           "part_shapes", "restore_for_model", "restore_orbax", "save_orbax",
+           "saved_quantization"]

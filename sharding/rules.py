@@ -169,7 +169,10 @@ def hf_shardings(named_params: Mapping[str, tuple[Any, int | None]], mesh: Mesh,
         as ``jaxserve.models.llama.hf_params`` / ``moe.hf_params`` return. A
         tensor with an expert index is one slice of a stacked ``[E, ...]``
         variable: it gets that variable's spec without the experts dim
-        (replicated over ``ep``; the stacked param is resharded after).
+        (replicated over ``ep``; the stacked param is resharded after). A
+        ``QuantizedWeight`` (a module with ``q``, ``scale``, ``zero``
+        variables) gives one sharding per part present, named
+        ``<HF name>:q``, ``:scale``, ``:zero`` (the quantized Orbax layout).
       mesh, rules: as ``param_shardings``.
 
     Raises:
@@ -177,8 +180,12 @@ def hf_shardings(named_params: Mapping[str, tuple[Any, int | None]], mesh: Mesh,
     """
     out = {}
     for name, (var, expert) in named_params.items():
-        spec = param_shardings(var, mesh, rules).spec
-        if expert is not None:
-            spec = PartitionSpec(*tuple(spec)[1:])
-        out[name] = NamedSharding(mesh, spec)
+        parts = {name: var} if hasattr(var, "get_metadata") else {
+            f"{name}:{p}": getattr(var, p) for p in ("q", "scale", "zero")
+            if getattr(var, p, None) is not None}
+        for part_name, part in parts.items():
+            spec = param_shardings(part, mesh, rules).spec
+            if expert is not None:
+                spec = PartitionSpec(*tuple(spec)[1:])
+            out[part_name] = NamedSharding(mesh, spec)
     return out

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -457,7 +458,22 @@ def weight_bytes(state) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
+_PROJECTION_RE = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123]|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight")
+
+
+def is_projection(hf_name: str) -> bool:
+    """True for an HF tensor name that ``--quantization`` quantizes:
+    ``self_attn.{q,k,v,o}_proj.weight``, ``mlp.{gate,up,down}_proj.weight``,
+    Mixtral's ``block_sparse_moe.experts.{e}.w{1,2,3}.weight`` and Qwen3-MoE's
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``; False for the routers
+    (``mlp.gate.weight``, ``block_sparse_moe.gate.weight``), embeddings,
+    norms, biases and the LM head."""
+    return _PROJECTION_RE.fullmatch(hf_name) is not None
+
+
 __all__ = ["DENSE", "INT8", "Q4", "Q8_0", "W8A8", "QuantizedTensor", "QuantizedWeight",
-           "TensorFormat", "check_shapes", "dequantize", "linear", "method_format",
+           "TensorFormat", "check_shapes", "dequantize", "is_projection", "linear", "method_format",
            "pack_int4_np", "quantize_act_np", "quantize_np", "quantized_matmul",
            "reference_linear", "unpack_int4_np", "weight", "weight_bytes"]
