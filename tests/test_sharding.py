@@ -198,7 +198,8 @@ def test_tiny_tp_matches_one_device(tiny_parts, tiny_ref, tp):
     # KV cache [P, L, K, H]: split over kv heads when tp divides K = 2, else
     # replicated; still so after donated steps.
     kv_split = 2 % tp == 0
-    for cache in runner.k_cache + runner.v_cache:
+    for kv in runner.k_cache + runner.v_cache:
+        cache = kv.pages_PLKH
         assert cache.sharding.spec == P(None, None, "tp" if kv_split else None, None)
         assert _shard_shape(cache) == (128, 8, 2 // tp if kv_split else 2, 16)
         assert len(cache.sharding.device_set) == tp

@@ -39,6 +39,7 @@ from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 from jaxserve.models import MODEL_CLASSES, llama, moe
+from pallas_kernels.ragged_paged_attention.quant import check_kv_cache_dtype
 from sharding.mesh import make_mesh, parse_mesh_spec, validate_mesh_for_model
 from sharding.rules import hf_shardings
 
@@ -122,6 +123,8 @@ class Engine:
             devices = jax.devices()[:1]
         self.mesh = make_mesh(config.parallel.mesh_shape, devices)
         dtype = jnp.dtype(config.dtype)
+        # An fp8 KV cache where the device has no fp8 fails before any weights load.
+        check_kv_cache_dtype(config.cache.dtype or config.dtype, self.mesh.devices.flat[0])
         orbax_dir = None
         if jax.process_count() > 1:  # every process of a job must build the same engine
             if self.mesh.devices.size != jax.device_count():

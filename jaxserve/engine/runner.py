@@ -34,7 +34,13 @@ Sharding: every jit runs over the runner's mesh (axes dp, tp, ep; one device
 by default). Params carry the ``NamedSharding`` their logical axis names get
 from ``sharding.rules.ShardingRules.for_model``; each layer's K and V cache
 is split over kv heads on ``tp`` (replicated when tp does not divide them);
-the metadata, sampling tensors and logits are replicated. The caches keep
+the metadata, sampling tensors and logits are replicated.
+
+Each layer's K and V cache is a ``quant.KVPages``: the [P, L, K, H] pages
+and, for an int8 / fp8 cache, their f32[P, L, K] per-token scales (None
+otherwise, so an unquantized cache is one array per layer and compiles as
+before); the scales shard over kv heads like their pages, and are donated
+with them. The caches keep
 their sharding through ``out_shardings``, so donation still updates them in
 place; XLA inserts the all-reduces of the row-parallel projections. The
 model is traced under the mesh's abstract mesh, which an MoE block's
@@ -63,6 +69,7 @@ from jaxserve.engine.scheduler import ScheduledBatch
 from jaxserve.engine.shapes import bucket
 from jaxserve.models.llama import AttentionMetadata
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
+from pallas_kernels.ragged_paged_attention.quant import KVPages, is_quantized
 from sharding.mesh import make_mesh, validate_mesh_for_model
 from sharding.rules import ShardingRules, named_sharding, param_shardings
 
@@ -175,7 +182,7 @@ class ModelRunner:
       num_pages: pages P of the cache; page_size L tokens each.
       max_model_len: longest sequence, tokens (the page table's width).
       max_num_seqs: most rows of a step (S's ceiling).
-      kv_dtype: cache dtype.
+      kv_dtype: cache dtype; int8 and float8_e4m3fn pages carry f32 scales.
       mesh: the device mesh (axes dp, tp, ep; ``sharding.mesh.make_mesh``);
         None means the first device alone.
       rules: sharding rules of this model on ``mesh``; None means
@@ -202,15 +209,23 @@ class ModelRunner:
         ppb = rpa_xla.DEFAULT_PAGES_PER_BLOCK
         self.pages_per_row = cdiv(self.max_pages_per_seq, ppb) * ppb
         self.max_rows = bucket(max_num_seqs)
-        # One [P, L, K, H] buffer per layer (a tuple, donated as a pytree): a
-        # kernel then reads its layer's pages without a slice copy.
+        # One KVPages of [P, L, K, H] pages (and f32[P, L, K] scales when
+        # quantized) per layer, a tuple donated as a pytree: a kernel then
+        # reads its layer's pages without a slice copy.
+        self.kv_dtype = jnp.dtype(kv_dtype)
+        quantized = is_quantized(kv_dtype)
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_sharding = named_sharding(self.mesh, self.rules, (None, None, "kv_heads", None))
-        self.k_cache = tuple(jnp.zeros(shape, kv_dtype, device=self.kv_sharding)
-                             for _ in range(cfg.num_layers))
-        self.v_cache = tuple(jnp.zeros(shape, kv_dtype, device=self.kv_sharding)
-                             for _ in range(cfg.num_layers))
-        caches = (self.kv_sharding,) * cfg.num_layers
+        self.scale_sharding = named_sharding(self.mesh, self.rules, (None, None, "kv_heads")) \
+            if quantized else None
+
+        def layer_cache():
+            return KVPages(jnp.zeros(shape, kv_dtype, device=self.kv_sharding),
+                           jnp.zeros(shape[:3], jnp.float32, device=self.scale_sharding)
+                           if quantized else None)
+        self.k_cache = tuple(layer_cache() for _ in range(cfg.num_layers))
+        self.v_cache = tuple(layer_cache() for _ in range(cfg.num_layers))
+        caches = (KVPages(self.kv_sharding, self.scale_sharding),) * cfg.num_layers
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # An MoE model also returns its expert load (jaxserve.models.moe).
         self.has_expert_load = getattr(model, "has_expert_load", False)
@@ -246,9 +261,12 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
-        """Bytes of K and V for one page across all layers."""
-        return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * \
-            jnp.dtype(dtype).itemsize
+        """Bytes of K and V for one page across all layers, int8/fp8 scales
+        (f32, one per token per kv head) included. At SmolLM2's K = 3, H = 64,
+        30 layers, L = 16: f32 737,280, bf16 368,640, int8/fp8 195,840, so
+        1 GiB holds 1,456 / 2,912 / 5,482 pages (int8 3.76x f32, 1.88x bf16)."""
+        per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized(dtype) else 0)
+        return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * per_head
 
     def _step(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation

@@ -160,8 +160,9 @@ class Attention(nnx.Module):
         self.attention_impl = attention_impl
         self.interpret = interpret
 
-    def __call__(self, x_DT, cos_TH2, sin_TH2, k_pages_PLKH, v_pages_PLKH,
-                 md: AttentionMetadata):
+    def __call__(self, x_DT, cos_TH2, sin_TH2, k_cache, v_cache, md: AttentionMetadata):
+        """k_cache, v_cache: this layer's ``KVPages`` ([P, L, K, H] pages, f32
+        [P, L, K] scales when int8/fp8); returns (out [D, T], k_cache, v_cache)."""
         cfg = self.cfg
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -174,9 +175,12 @@ class Attention(nnx.Module):
         q_TNH = apply_rope(q_TNH, cos_TH2, sin_TH2)
         k_TKH = apply_rope(k_TKH, cos_TH2, sin_TH2)
         # Write this step's K/V first; padding tokens target page P (dropped).
-        k_pages, v_pages = rpa_kernel.write_kv(k_pages_PLKH, v_pages_PLKH, k_TKH, v_TKH,
+        # int8/fp8 caches quantize here and dequantize inside the attention.
+        k_cache, v_cache = rpa_kernel.write_kv(k_cache, v_cache, k_TKH, v_TKH,
                                                md.slot_pages, md.slot_offsets)
-        kw = dict(sm_scale=H ** -0.5, sliding_window=cfg.sliding_window)
+        k_pages, v_pages = k_cache.pages_PLKH, v_cache.pages_PLKH
+        kw = dict(sm_scale=H ** -0.5, sliding_window=cfg.sliding_window,
+                  k_scales_PLK=k_cache.scales_PLK, v_scales_PLK=v_cache.scales_PLK)
         if self.attention_impl == "pallas":
             o_TNH = rpa_kernel.ragged_paged_attention(
                 q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices,
@@ -186,7 +190,7 @@ class Attention(nnx.Module):
                 q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
                 md.num_seqs, md.num_decode, **kw)
         return (_linear(self.o_proj.value, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
-                k_pages, v_pages)
+                k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -236,8 +240,9 @@ class LlamaForCausalLM(nnx.Module):
         """Forward one step.
 
         Args:
-          k_cache, v_cache: tuples of one [P, L, K, H] paged cache per layer
-            (separate buffers, so a kernel gets its layer without a copy).
+          k_cache, v_cache: tuples of one ``KVPages`` per layer: [P, L, K, H]
+            pages, plus f32[P, L, K] scales for an int8/fp8 cache (separate
+            buffers, so a kernel gets its layer without a copy).
           md: the step's ``AttentionMetadata`` (its shapes are the only
             static part of a step).
           return_hidden: also return the last layer's output x [D, T] (before

@@ -12,19 +12,24 @@
 Semantics are those of ``reference.ref_ragged_paged_attention`` (the tests
 hold every lowering to it). Every query row owned by a sequence must see at
 least one kv position (true whenever ``kv_len >= q_len >= 1``).
+
+A layer's cache is a ``quant.KVPages`` (pages, and f32 scales for int8 /
+fp8 pages); ``write_kv`` quantizes a step's K/V as it writes them, and the
+attention lowerings take the scales as ``k_scales_PLK`` / ``v_scales_PLK``.
 """
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels.ragged_paged_attention.quant import KVPages, quantize
 from pallas_kernels.ragged_paged_attention.reference import validate_inputs
 
 
 def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
                            cu_q_lens_S1, num_seqs, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           interpret=False):
+                           interpret=False, k_scales_PLK=None, v_scales_PLK=None):
     """Causal attention of a packed ragged batch over a paged KV cache.
 
     Args:
@@ -41,6 +46,7 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
       soft_cap: None, or c: scores become c * tanh(s / c) (Gemma 2).
       interpret: False (compile for the device), True (GPU kernel in the Pallas
         interpreter) or a ``pltpu.InterpretParams`` (TPU kernel, TPU interpreter).
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages, or None.
 
     Returns:
       [T, N, H] in q's dtype; softmax statistics in f32. Rows owned by no sequence are 0.
@@ -50,8 +56,10 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
         backend (CPU without ``interpret``).
     """
     validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap,
+                    k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK)
     args = (q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
             num_seqs)
     use_tpu = interpret is not False and interpret is not True  # InterpretParams
@@ -68,22 +76,31 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     return ragged_paged_attention_gpu(*args, interpret=bool(interpret), **kw)
 
 
-def write_kv(k_pages_PLKH, v_pages_PLKH, k_TKH, v_TKH, slot_pages_T, slot_offsets_T):
+def write_kv(k_cache: KVPages, v_cache: KVPages, k_TKH, v_TKH, slot_pages_T, slot_offsets_T):
     """Write a step's new K and V into their pages, in place when the caches
-    are donated (XLA turns the scatter into an in-place update).
+    are donated (XLA turns the scatter into an in-place update). Quantized
+    caches (scales present) get each token's K/V quantized per kv head
+    (``quant.quantize``) and its scales written beside it.
 
     Args:
-      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache.
-      k_TKH, v_TKH: [T, K, H] this step's keys and values (cast to the cache dtype).
+      k_cache, v_cache: one layer's ``KVPages``: [P, L, K, H] pages, and
+        f32[P, L, K] scales for int8/fp8 pages.
+      k_TKH, v_TKH: [T, K, H] this step's keys and values (cast to, or
+        quantized to, the cache dtype).
       slot_pages_T: i32[T] page of each token; P (out of range) for padding,
         whose writes are dropped.
       slot_offsets_T: i32[T] offset of each token inside its page.
 
     Returns:
-      (k_pages, v_pages) updated.
+      (k_cache, v_cache) updated.
     """
-    k_pages_PLKH = k_pages_PLKH.at[slot_pages_T, slot_offsets_T].set(
-        k_TKH.astype(k_pages_PLKH.dtype), mode="drop")
-    v_pages_PLKH = v_pages_PLKH.at[slot_pages_T, slot_offsets_T].set(
-        v_TKH.astype(v_pages_PLKH.dtype), mode="drop")
-    return k_pages_PLKH, v_pages_PLKH
+    def put(cache: KVPages, x_TKH) -> KVPages:
+        if cache.scales_PLK is None:
+            return KVPages(cache.pages_PLKH.at[slot_pages_T, slot_offsets_T].set(
+                x_TKH.astype(cache.dtype), mode="drop"))
+        q_TKH, scales_TK = quantize(x_TKH, cache.dtype)
+        return KVPages(
+            cache.pages_PLKH.at[slot_pages_T, slot_offsets_T].set(q_TKH, mode="drop"),
+            cache.scales_PLK.at[slot_pages_T, slot_offsets_T].set(scales_TK, mode="drop"))
+
+    return put(k_cache, k_TKH), put(v_cache, v_TKH)

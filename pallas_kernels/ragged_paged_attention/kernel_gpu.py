@@ -35,6 +35,12 @@ masked out of the store, so programs never write the same element; the
 output is padded by ``block_q`` rows (and to G', H') so that masked rows
 have in-bounds addresses, and the wrapper slices it back.
 
+Quantized pages (int8 / float8_e4m3fn, ``quant``): the f32[P, L, K]
+scales are loaded beside each gathered K/V row and the block is
+dequantized in f32, then cast to q's dtype for the dots, inside the kernel;
+the cache is never dequantized in HBM. ``None`` scale refs (unquantized
+pages) leave the kernel as it was.
+
 Interpreter (``interpret=True``) notes: ``plgpu.store`` with a mask only
 discharges when every index is a slice or every index is an array, so the
 store indexes the head dim with an explicit iota; plain ``ref[...]`` loads
@@ -73,6 +79,8 @@ def _rpa_kernel(
     q_ref,              # [T, K, G, H]
     k_pages_ref,        # [P, L, K, H]
     v_pages_ref,        # [P, L, K, H]
+    k_scales_ref,       # f32[P, L, K] (int8/fp8 pages) or None
+    v_scales_ref,       # f32[P, L, K] (int8/fp8 pages) or None
     # outputs
     o_ref,              # [T + block_q, K, G', H']
     *, sm_scale: float, sliding_window: int | None, soft_cap: float | None,
@@ -127,6 +135,11 @@ def _rpa_kernel(
             off_B = kv_pos_B % L
             k_BH = k_pages_ref[col(page_B), col(off_B), kh, h_idx]
             v_BH = v_pages_ref[col(page_B), col(off_B), kh, h_idx]
+            if k_scales_ref is not None:  # dequantize in f32, dots in q's dtype
+                k_BH = (k_BH.astype(jnp.float32) * k_scales_ref[page_B, off_B, kh][:, None]
+                        ).astype(q_RH.dtype)
+                v_BH = (v_BH.astype(jnp.float32) * v_scales_ref[page_B, off_B, kh][:, None]
+                        ).astype(q_RH.dtype)
             # Positions past kv_len may hold anything (NaN included): p is 0 there,
             # but 0 * NaN is NaN, so zero them in v.
             v_BH = jnp.where(kv_ok_B[:, None], v_BH, 0).astype(v_BH.dtype)
@@ -191,13 +204,14 @@ def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
                                sliding_window: int | None = None,
                                soft_cap: float | None = None, interpret: bool = False,
                                block_q: int | None = None, block_kv: int = 64,
-                               num_warps: int | None = None, num_stages: int = 2):
+                               num_warps: int | None = None, num_stages: int = 2,
+                               k_scales_PLK=None, v_scales_PLK=None):
     """Causal ragged paged attention (Pallas, Triton lowering).
 
     Args:
       q_TNH: [T, N, H] f32 or bf16 query tokens of all sequences, packed.
-      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache in q's dtype,
-        this step's K/V already written.
+      k_pages_PLKH, v_pages_PLKH: [P, L, K, H] one layer's cache in q's dtype
+        (or int8 / float8_e4m3fn with scales), this step's K/V already written.
       kv_lens_S: i32[max_seqs] context length per sequence, new tokens included.
       page_indices_SP: i32[max_seqs, pages_per_seq] page ids of each sequence.
       cu_q_lens_S1: i32[max_seqs + 1] prefix sums of the query lengths (0 allowed).
@@ -211,20 +225,23 @@ def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
       block_kv: kv positions per inner iteration (power of 2, >= 16).
       num_warps, num_stages: Triton launch parameters (default warps: 4 if
         H <= 64 else 8, as in JAX's ``attention.py``).
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages, or None.
 
     Returns:
       [T, N, H] in q's dtype; rows owned by no sequence are 0.
 
     Raises:
-      ValueError: bad shapes or dtypes (``validate_inputs``), q and pages of
-        different dtypes, or bad block sizes.
+      ValueError: bad shapes or dtypes (``validate_inputs``), q and unquantized
+        pages of different dtypes, or bad block sizes.
     """
     validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap)
+                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap,
+                    k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK)
     T, N, H = q_TNH.shape
     K = k_pages_PLKH.shape[2]
     g_pad = _next_pow2(N // K)
-    if q_TNH.dtype != k_pages_PLKH.dtype or q_TNH.dtype != v_pages_PLKH.dtype:
+    if k_scales_PLK is None and (q_TNH.dtype != k_pages_PLKH.dtype
+                                 or q_TNH.dtype != v_pages_PLKH.dtype):
         raise ValueError(f"ragged_paged_attention_gpu: q ({q_TNH.dtype}) and the pages "
                          f"({k_pages_PLKH.dtype}, {v_pages_PLKH.dtype}) must share a dtype")
     if block_q is None:
@@ -246,14 +263,14 @@ def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
         cu_q_lens_S1, num_seqs, block_q=block_q,
         num_blocks=_num_blocks(T, block_q, kv_lens_S.shape[0]))
     return _run(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
-                num_seqs, block_seq, block_q_start, sm_scale=sm_scale,
+                num_seqs, block_seq, block_q_start, k_scales_PLK, v_scales_PLK, sm_scale=sm_scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
                 block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
                 interpret=interpret)
 
 
 def _run(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1, num_seqs,
-         block_seq, block_q_start, *, sm_scale, sliding_window, soft_cap, block_q, block_kv,
+         block_seq, block_q_start, k_scales_PLK=None, v_scales_PLK=None, *, sm_scale, sliding_window, soft_cap, block_q, block_kv,
          num_warps, num_stages, interpret):
     """The pallas_call over a given schedule (any order of its blocks), and the
     slicing of its padded output back to [T, N, H]."""
@@ -274,7 +291,8 @@ def _run(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_len
         interpret=interpret,
         name=f"ragged_paged_attention_{block_q=}_{block_kv=}",
     )(i32(block_seq), i32(block_q_start), i32(cu_q_lens_S1), i32(kv_lens_S),
-      i32(page_indices_SP), q_TNH.reshape(T, K, G, H), k_pages_PLKH, v_pages_PLKH)
+      i32(page_indices_SP), q_TNH.reshape(T, K, G, H), k_pages_PLKH, v_pages_PLKH,
+      k_scales_PLK, v_scales_PLK)
 
     # The kernel writes only owned rows: the rest of its output is uninitialized.
     owned_T = jnp.arange(T) < i32(cu_q_lens_S1)[jnp.reshape(num_seqs, ()).astype(jnp.int32)]

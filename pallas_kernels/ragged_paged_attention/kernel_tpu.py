@@ -39,6 +39,13 @@ past the sequence's last page copy its first page instead (as JAX does), so
 no page-table entry beyond ``cdiv(kv_len, L)`` is ever read; positions
 ``>= kv_len`` are masked, and their V rows zeroed, so NaN there cannot leak.
 
+Quantized pages (int8 / float8_e4m3fn, ``quant``): the f32[P, L, K] scales
+stay in HBM too; each page copy brings its ``[L, kb]`` scales into a
+double buffer ``[2, bp, L, kb]`` on the same semaphore, and ``attend``
+dequantizes each kv head's ``[bkv, H]`` block in f32 before the dots (cast
+to q's dtype). Tested in the TPU interpreter only; on a chip the narrow
+``[L, kb]`` scale tiles are a layout Mosaic may pad or refuse.
+
 Online softmax: per kv head, statistics m, l ``[bq * G, 128]`` f32 (value
 repeated over 128 lanes, as JAX does for Mosaic) and an f32 accumulator
 ``[bq * G, H]``; query row r of the block is token ``r // G``, head
@@ -82,11 +89,15 @@ def _kernel(
     q_ref,             # [bq, kb * G, H] VMEM block of q
     k_hbm_ref,         # [P, L, K, H] left in HBM
     v_hbm_ref,         # [P, L, K, H] left in HBM
+    ks_hbm_ref,        # f32[P, L, K] K scales in HBM (int8/fp8 pages), or None
+    vs_hbm_ref,        # f32[P, L, K] V scales in HBM, or None
     # Output.
     o_ref,             # [bq, kb * G, H] VMEM block of the output
     # Scratch.
     k_buf,             # [2, bp, L, kb, H] double buffer of K pages
     v_buf,             # [2, bp, L, kb, H] double buffer of V pages
+    ks_buf,            # f32[2, bp, L, kb] double buffer of K scales, or None
+    vs_buf,            # f32[2, bp, L, kb] double buffer of V scales, or None
     sems,              # DMA semaphores [2], one per buffer slot
     m_ref,             # f32[kb, bq * G, 128] running max
     l_ref,             # f32[kb, bq * G, 128] running sum of exp
@@ -138,6 +149,10 @@ def _kernel(
             for hbm, buf in ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf)):
                 out.append(pltpu.make_async_copy(
                     hbm.at[page_id, :, heads, :], buf.at[slot, p], sems.at[slot]))
+            if ks_buf is not None:
+                for hbm, buf in ((ks_hbm_ref, ks_buf), (vs_hbm_ref, vs_buf)):
+                    out.append(pltpu.make_async_copy(
+                        hbm.at[page_id, :, heads], buf.at[slot, p], sems.at[slot]))
         return out
 
     def first_item(blk):
@@ -172,6 +187,9 @@ def _kernel(
             q = q_ref[:, h * G:(h + 1) * G, :].reshape(R, H)
             k = k_buf[slot, :, :, h, :].reshape(bkv, H)
             v = v_buf[slot, :, :, h, :].reshape(bkv, H)
+            if ks_buf is not None:  # dequantize in f32, dots in q's dtype
+                k = (k.astype(jnp.float32) * ks_buf[slot, :, :, h].reshape(bkv, 1)).astype(q.dtype)
+                v = (v.astype(jnp.float32) * vs_buf[slot, :, :, h].reshape(bkv, 1)).astype(q.dtype)
             v = jnp.where(kv_valid, v, jnp.zeros_like(v))    # NaN past kv_len would poison p @ v
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale
@@ -270,7 +288,8 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
                                num_queries_per_block: int = 32,
                                num_kv_pages_per_block: int | None = None,
                                num_kv_heads_per_block: int | None = None,
-                               vmem_limit_bytes: int | None = None):
+                               vmem_limit_bytes: int | None = None,
+                               k_scales_PLK=None, v_scales_PLK=None):
     """Causal GQA attention of a packed ragged batch over a paged KV cache.
 
     Args:
@@ -291,14 +310,18 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
       num_kv_heads_per_block: kb, kv heads per grid step; default K. On TPU
         kb == K or kb * G a multiple of 8 keeps the blocks tile-aligned.
       vmem_limit_bytes: passed to Mosaic.
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages
+        (``quant``), or None.
 
     Returns:
       o_TNH: [T, N, H] in q's dtype; rows owned by no sequence are 0.
     """
     validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap)
+                    cu_q_lens_S1, num_seqs, sliding_window=sliding_window, soft_cap=soft_cap,
+                    k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK)
     T, N, H = q_TNH.shape
     _, L, K, _ = k_pages_PLKH.shape
+    quantized = k_scales_PLK is not None
     pages_per_seq = page_indices_SP.shape[1]
     G = N // K
     bq = min(num_queries_per_block, T)
@@ -309,11 +332,11 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
             f"ragged_paged_attention_tpu: need num_queries_per_block >= 1, "
             f"num_kv_pages_per_block >= 1 and num_kv_heads_per_block dividing K={K}; got "
             f"{num_queries_per_block}, {num_kv_pages_per_block}, {num_kv_heads_per_block}")
-    if q_TNH.dtype not in (jnp.float32, jnp.bfloat16) or k_pages_PLKH.dtype != q_TNH.dtype \
-            or v_pages_PLKH.dtype != q_TNH.dtype:
+    if q_TNH.dtype not in (jnp.float32, jnp.bfloat16) or not quantized and (
+            k_pages_PLKH.dtype != q_TNH.dtype or v_pages_PLKH.dtype != q_TNH.dtype):
         raise ValueError(f"ragged_paged_attention_tpu: q, k_pages and v_pages must all be f32 "
-                         f"or all bf16, got {q_TNH.dtype}, {k_pages_PLKH.dtype}, "
-                         f"{v_pages_PLKH.dtype}")
+                         f"or all bf16 (or the pages int8/fp8 with scales), got {q_TNH.dtype}, "
+                         f"{k_pages_PLKH.dtype}, {v_pages_PLKH.dtype}")
     if interpret is True:
         interpret = pltpu.InterpretParams()
     num_q_blks = pl.cdiv(T, bq)
@@ -321,6 +344,8 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
 
     qo_spec = pl.BlockSpec((bq, kb * G, H), lambda hb, b, *_: (b, hb, 0))
     kv_buf = pltpu.VMEM((2, bp, L, kb, H), k_pages_PLKH.dtype)
+    scale_buf = pltpu.VMEM((2, bp, L, kb), jnp.float32) if quantized else None
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     stats = pltpu.VMEM((kb, bq * G, _LANES), jnp.float32)
     scalars = (kv_lens_S.astype(jnp.int32), page_indices_SP.astype(jnp.int32),
                cu_q_lens_S1.astype(jnp.int32), seq_ids, blk_lo, blk_hi)
@@ -330,10 +355,10 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(K // kb, num_q_blks),
-            in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[qo_spec, hbm, hbm] + [hbm if quantized else None] * 2,
             out_specs=qo_spec,
-            scratch_shapes=[kv_buf, kv_buf, pltpu.SemaphoreType.DMA((2,)), stats, stats,
+            scratch_shapes=[kv_buf, kv_buf, scale_buf, scale_buf,
+                            pltpu.SemaphoreType.DMA((2,)), stats, stats,
                             pltpu.VMEM((kb, bq * G, H), jnp.float32),
                             pltpu.SMEM((1,), jnp.int32)]),
         compiler_params=pltpu.CompilerParams(
@@ -343,4 +368,4 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )
-    return kernel(*scalars, q_TNH, k_pages_PLKH, v_pages_PLKH)
+    return kernel(*scalars, q_TNH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK)

@@ -38,6 +38,11 @@ scaled score before the mask); K and V outside a row's visible range are
 masked before they are used, so garbage (NaN) in pages a row does not own
 cannot leak into its output. Rows owned by no sequence come out 0.
 
+Quantized pages (int8 / float8_e4m3fn with f32[P, L, K] scales, ``quant``)
+are dequantized in the gather of each page block (``q * scale`` in f32), the
+same place the unquantized pages are cast to f32; NaN scales of pages a row
+does not own are masked like NaN pages.
+
 Prefill tiles are computed kv-head-major, ``[K, Q * G, H]`` queries against
 ``[K, C, H]`` keys, so each product is K plain matmuls: twice as fast on
 XLA:CPU as the token-major einsum (measured below).
@@ -66,6 +71,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.quant import dequantize
 from pallas_kernels.ragged_paged_attention.reference import _MASK_VALUE, validate_inputs
 
 DEFAULT_PAGES_PER_BLOCK = 16
@@ -115,15 +121,17 @@ def _finish(l, acc):
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
-def _gather_block(pages_PLKH, page_ids_XB):
-    """[X, B] page ids -> [X, B * L, K, H] f32 (one block of pages per row)."""
+def _gather_block(pages_PLKH, page_ids_XB, scales_PLK=None):
+    """[X, B] page ids -> [X, B * L, K, H] f32 (one block of pages per row),
+    dequantized by ``scales_PLK`` f32[P, L, K] when given."""
     X, B = page_ids_XB.shape
     _, L, K, H = pages_PLKH.shape
-    return pages_PLKH[page_ids_XB].reshape(X, B * L, K, H).astype(jnp.float32)
+    scales = None if scales_PLK is None else scales_PLK[page_ids_XB]
+    return dequantize(pages_PLKH[page_ids_XB], scales).reshape(X, B * L, K, H)
 
 
-def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                 num_decode, *, sm_scale, sliding_window, soft_cap, pages_per_block,
+def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
+                 kv_lens_S, page_indices_SP, num_decode, *, sm_scale, sliding_window, soft_cap, pages_per_block,
                  rows_per_block):
     """Attend rows 0 .. num_decode - 1 (one query token each) into ``out``."""
     T, K, G, H = q_TKGH.shape
@@ -155,8 +163,9 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_i
             ids_RB = jax.lax.dynamic_slice(pages_RP, (0, b * ppb), (R, ppb))
             kv_pos_C = b * C + jnp.arange(C)
             mask_RC = (kv_pos_C[None, :] < kv_len_R[:, None]) & (kv_pos_C[None, :] >= lo_R[:, None])
-            k_RCKH = _gather_block(k_pages_PLKH, ids_RB)
-            v_RCKH = jnp.where(mask_RC[:, :, None, None], _gather_block(v_pages_PLKH, ids_RB), 0.0)
+            k_RCKH = _gather_block(k_pages_PLKH, ids_RB, k_scales_PLK)
+            v_RCKH = jnp.where(mask_RC[:, :, None, None],
+                               _gather_block(v_pages_PLKH, ids_RB, v_scales_PLK), 0.0)
             s_RKGC = _cap(jnp.einsum("rkgh,rckh->rkgc", q_RKGH, k_RCKH), soft_cap)
             return b + 1, _online_update(carry, s_RKGC, mask_RC, v_RCKH)
 
@@ -174,8 +183,8 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_i
     return jax.lax.fori_loop(0, _cdiv(num_decode, R), row_block, out_TKGH)
 
 
-def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                  cu_q_lens_S1, first_seq, num_seqs, *, sm_scale, sliding_window, soft_cap,
+def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
+                  kv_lens_S, page_indices_SP, cu_q_lens_S1, first_seq, num_seqs, *, sm_scale, sliding_window, soft_cap,
                   pages_per_block, q_block):
     """Attend sequences first_seq .. num_seqs - 1 (ragged query lengths) into ``out``."""
     T, K, G, H = q_TKGH.shape
@@ -211,8 +220,9 @@ def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_
             def kv_block(state):
                 b, carry = state
                 ids_B = jax.lax.dynamic_slice(pages_P, (b * ppb,), (ppb,))
-                k_KCH = jnp.transpose(_gather_block(k_pages_PLKH, ids_B[None])[0], (1, 0, 2))
-                v_CKH = _gather_block(v_pages_PLKH, ids_B[None])[0]
+                k_KCH = jnp.transpose(_gather_block(k_pages_PLKH, ids_B[None], k_scales_PLK)[0],
+                                      (1, 0, 2))
+                v_CKH = _gather_block(v_pages_PLKH, ids_B[None], v_scales_PLK)[0]
                 kv_pos_C = b * C + jnp.arange(C)
                 mask_QC = own_Q[:, None] & (kv_pos_C[None, :] <= q_pos_Q[:, None]) \
                     & (kv_pos_C[None, :] < kv_len)
@@ -244,7 +254,8 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
                            q_block: int = DEFAULT_Q_BLOCK,
-                           rows_per_block: int = DECODE_ROWS_PER_BLOCK):
+                           rows_per_block: int = DECODE_ROWS_PER_BLOCK,
+                           k_scales_PLK=None, v_scales_PLK=None):
     """Ragged paged attention of a step's packed batch on XLA (the module
     docstring has the algorithm).
 
@@ -265,6 +276,8 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
       pages_per_block: pages per kv block (static).
       q_block: query tokens per prefill block (static).
       rows_per_block: decode rows per block (static).
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages
+        (``quant``), or None for unquantized pages.
 
     Returns:
       o_TNH: [T, N, H] in q's dtype; rows owned by no sequence are 0.
@@ -274,12 +287,15 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
         block sizes below 1.
     """
     validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
-                    num_seqs, sliding_window=sliding_window, soft_cap=soft_cap)
+                    num_seqs, sliding_window=sliding_window, soft_cap=soft_cap,
+                    k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK)
     if min(pages_per_block, q_block, rows_per_block) < 1:
         raise ValueError(f"pages_per_block, q_block and rows_per_block must be >= 1, got "
                          f"{pages_per_block}, {q_block} and {rows_per_block}")
     k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1 = map(
         jnp.asarray, (k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1))
+    k_scales_PLK, v_scales_PLK = (None if a is None else jnp.asarray(a)
+                                  for a in (k_scales_PLK, v_scales_PLK))
     T, N, H = q_TNH.shape
     K = k_pages_PLKH.shape[2]
     G = N // K
@@ -289,8 +305,9 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               pages_per_block=pages_per_block)
     out = jnp.zeros((T, K, G, H), jnp.float32)
-    out = _decode_rows(out, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, nd,
+    kv = (k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK)
+    out = _decode_rows(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, nd,
                        rows_per_block=rows_per_block, **kw)
-    out = _prefill_seqs(out, q_TKGH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                        cu_q_lens_S1, nd, n, q_block=q_block, **kw)
+    out = _prefill_seqs(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, cu_q_lens_S1, nd, n,
+                        q_block=q_block, **kw)
     return out.reshape(T, N, H).astype(q_TNH.dtype)

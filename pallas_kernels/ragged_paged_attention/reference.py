@@ -19,12 +19,18 @@ convention: W tokens including itself); ``soft_cap=c`` replaces each score
 masked softmax per query token over its sequence's gathered pages). The
 kernels: ``kernel_xla`` (XLA:CPU, the engine's CPU path), ``kernel_gpu`` and
 ``kernel_tpu`` (Pallas), behind ``kernel.ragged_paged_attention``.
+
+Quantized pages (``quant``): int8 or float8_e4m3fn pages come with
+``k_scales_PLK`` / ``v_scales_PLK`` f32[P, L, K], and attention sees
+``pages * scales`` in f32 (every lowering dequantizes the block it reads).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.quant import dequantize, is_quantized
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -44,7 +50,8 @@ def _cap(s, soft_cap):
 def ref_ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
                                cu_q_lens_S1, num_seqs, *, sm_scale: float,
                                sliding_window: int | None = None,
-                               soft_cap: float | None = None):
+                               soft_cap: float | None = None, k_scales_PLK=None,
+                               v_scales_PLK=None):
     """The definition kernels are tested against: each query token gets one
     dense masked softmax over its sequence's gathered pages (O(T * S) memory).
 
@@ -57,6 +64,7 @@ def ref_ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
       cu_q_lens_S1: i32[max_seqs + 1] prefix sums of query lengths (0 allowed).
       num_seqs: i32[1] (or scalar) sequences in use.
       sm_scale, sliding_window, soft_cap: see the module docstring.
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages, or None.
 
     Returns:
       [T, N, H] in q's dtype; rows owned by no sequence are 0.
@@ -72,8 +80,11 @@ def ref_ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
     q_len_T = cu_q_lens_S1[seq_T + 1] - cu_q_lens_S1[seq_T]
     kv_len_T = kv_lens_S[seq_T]
     q_pos_T = kv_len_T - q_len_T + (t - cu_q_lens_S1[seq_T])
-    k_TSKH = k_pages_PLKH[page_indices_SP[seq_T]].reshape(T, -1, K, H).astype(jnp.float32)
-    v_TSKH = v_pages_PLKH[page_indices_SP[seq_T]].reshape(T, -1, K, H).astype(jnp.float32)
+    ids_TP = page_indices_SP[seq_T]
+    gather = lambda pages, scales: dequantize(  # noqa: E731
+        pages[ids_TP], None if scales is None else scales[ids_TP]).reshape(T, -1, K, H)
+    k_TSKH = gather(k_pages_PLKH, k_scales_PLK)
+    v_TSKH = gather(v_pages_PLKH, v_scales_PLK)
     S = k_TSKH.shape[1]
     kv_pos = jnp.arange(S)[None, :]
     mask_TS = _window_mask(q_pos_T[:, None], kv_pos, sliding_window) \
@@ -90,7 +101,8 @@ def ref_ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
 
 
 def validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
-                    cu_q_lens_S1, num_seqs, *, sliding_window=None, soft_cap=None) -> None:
+                    cu_q_lens_S1, num_seqs, *, sliding_window=None, soft_cap=None,
+                    k_scales_PLK=None, v_scales_PLK=None) -> None:
     """Check shapes and dtypes of a ragged paged attention call (static checks
     only: values live on device).
 
@@ -128,3 +140,17 @@ def validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_S
         bad(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     if soft_cap is not None and not soft_cap > 0:
         bad(f"soft_cap must be None or > 0, got {soft_cap!r}")
+    quantized = is_quantized(k_pages_PLKH.dtype)
+    for name, pages, scales in (("k", k_pages_PLKH, k_scales_PLK),
+                                ("v", v_pages_PLKH, v_scales_PLK)):
+        if is_quantized(pages.dtype) != quantized:
+            bad(f"k_pages ({k_pages_PLKH.dtype}) and v_pages ({v_pages_PLKH.dtype}) must both "
+                f"be quantized or neither")
+        if quantized and scales is None:
+            bad(f"{name}_pages of dtype {pages.dtype} need {name}_scales f32[P, L, K]")
+        if not quantized and scales is not None:
+            bad(f"{name}_scales given for unquantized {name}_pages of dtype {pages.dtype}")
+        if scales is not None and (scales.shape != pages.shape[:3]
+                                   or scales.dtype != jnp.float32):
+            bad(f"{name}_scales must be f32{list(pages.shape[:3])} (P, L, K of the pages), got "
+                f"{scales.dtype}{list(scales.shape)}")
