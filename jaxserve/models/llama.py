@@ -28,9 +28,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import quant
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 
@@ -119,10 +121,7 @@ def apply_rope(x_TNH, cos_TH2, sin_TH2):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNH.dtype)
 
 
-def _linear(w_FD, x_DT, b_F=None):
-    """``W x (+ b)`` for feature-major activations: [F, D] @ [D, T] (+ [F]) -> [F, T]."""
-    y_FT = jnp.einsum("fd,dt->ft", w_FD, x_DT)
-    return y_FT if b_F is None else y_FT + b_F[:, None]
+_linear = quant.linear  # W x (+ b) for a Param or a QuantizedWeight: [F, D] @ [D, T] -> [F, T]
 
 
 def _value(p: nnx.Param | None):
@@ -140,15 +139,18 @@ class Attention(nnx.Module):
 
     Optional parameters (None when the config turns them off): ``q_bias``
     [N*H], ``k_bias`` / ``v_bias`` [K*H], ``o_bias`` [D], ``q_norm`` / ``k_norm`` [H].
+    The four projections are ``quant.QuantizedWeight``s when ``qfmt`` is set
+    (``adopt``: each takes its checkpoint tensor's own format, ``gguf``).
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, attention_impl: str = "xla",
-                 interpret=False):
+                 interpret=False, qfmt: quant.TensorFormat | None = None, adopt: bool = False):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _param((N * H, D), ("q_heads", "embed"), dtype, rngs)
-        self.k_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
-        self.v_proj = _param((K * H, D), ("kv_heads", "embed"), dtype, rngs)
-        self.o_proj = _param((D, N * H), ("embed", "q_heads"), dtype, rngs)
+        proj = lambda shape, names: quant.weight(shape, names, dtype, rngs, qfmt, adopt)  # noqa: E731
+        self.q_proj = proj((N * H, D), ("q_heads", "embed"))
+        self.k_proj = proj((K * H, D), ("kv_heads", "embed"))
+        self.v_proj = proj((K * H, D), ("kv_heads", "embed"))
+        self.o_proj = proj((D, N * H), ("embed", "q_heads"))
         bias = cfg.attention_bias
         self.q_bias = _param((N * H,), ("q_heads",), dtype, rngs) if bias else None
         self.k_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
@@ -166,9 +168,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_TNH = _linear(self.q_proj.value, x_DT, _value(self.q_bias)).T.reshape(T, N, H)
-        k_TKH = _linear(self.k_proj.value, x_DT, _value(self.k_bias)).T.reshape(T, K, H)
-        v_TKH = _linear(self.v_proj.value, x_DT, _value(self.v_bias)).T.reshape(T, K, H)
+        q_TNH = _linear(self.q_proj, x_DT, _value(self.q_bias)).T.reshape(T, N, H)
+        k_TKH = _linear(self.k_proj, x_DT, _value(self.k_bias)).T.reshape(T, K, H)
+        v_TKH = _linear(self.v_proj, x_DT, _value(self.v_bias)).T.reshape(T, K, H)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm, before RoPE
             q_TNH = rms_norm_heads(q_TNH, self.q_norm.value, cfg.rms_norm_eps)
             k_TKH = rms_norm_heads(k_TKH, self.k_norm.value, cfg.rms_norm_eps)
@@ -189,32 +191,33 @@ class Attention(nnx.Module):
             o_TNH = rpa_xla.ragged_paged_attention(
                 q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
                 md.num_seqs, md.num_decode, **kw)
-        return (_linear(self.o_proj.value, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
+        return (_linear(self.o_proj, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
                 k_cache, v_cache)
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
-        D, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _param((F, D), ("mlp", "embed"), dtype, rngs)
-        self.up_proj = _param((F, D), ("mlp", "embed"), dtype, rngs)
-        self.down_proj = _param((D, F), ("embed", "mlp"), dtype, rngs)
+    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt: quant.TensorFormat | None = None,
+                 adopt: bool = False, intermediate_size: int | None = None):
+        D, F = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        self.gate_proj = quant.weight((F, D), ("mlp", "embed"), dtype, rngs, qfmt, adopt)
+        self.up_proj = quant.weight((F, D), ("mlp", "embed"), dtype, rngs, qfmt, adopt)
+        self.down_proj = quant.weight((D, F), ("embed", "mlp"), dtype, rngs, qfmt, adopt)
 
     def __call__(self, x_DT):
-        h_FT = jax.nn.silu(_linear(self.gate_proj.value, x_DT)) * _linear(self.up_proj.value, x_DT)
-        return _linear(self.down_proj.value, h_FT)
+        h_FT = jax.nn.silu(_linear(self.gate_proj, x_DT)) * _linear(self.up_proj, x_DT)
+        return _linear(self.down_proj, h_FT)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs, **attn):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt=None, adopt=False, **attn):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, **attn)
+        self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt, **attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -223,15 +226,25 @@ class LlamaForCausalLM(nnx.Module):
     ``__call__`` runs the packed tokens of one step through all layers,
     writing their K/V into the paged cache, and returns the next-token logits
     of the rows in ``md.logits_indices`` plus the updated caches.
+
+    ``quantization`` (``EngineConfig.quantization``) makes every q/k/v/o and
+    gate/up/down weight a ``quant.QuantizedWeight`` of that method's format;
+    the embedding, norms and LM head stay ``dtype``.
+
+    Raises:
+      ValueError: an unknown quantization method.
     """
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 attention_impl: str = "xla", interpret=False):
+                 attention_impl: str = "xla", interpret=False, quantization: str = "none",
+                 quantization_group_size: int = 32):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
+        qfmt = quant.method_format(quantization, quantization_group_size)
+        adopt = quantization == "gguf"
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, attention_impl=attention_impl,
-                                             interpret=interpret)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, qfmt, adopt,
+                                             attention_impl=attention_impl, interpret=interpret)
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
@@ -322,16 +335,30 @@ def load_params(model: LlamaForCausalLM, params: dict) -> None:
         put_param(p, name, params)
 
 
-def put_param(p: nnx.Param, name: str, params: dict, arr=None) -> None:
+def put_param(p, name: str, params: dict, arr=None) -> None:
     """``p.value = params[name]`` (or ``arr``) in ``p``'s dtype.
 
+    ``p`` may be a ``quant.QuantizedWeight``: a float array is quantized to
+    its format, a ``quant.QuantizedTensor`` (GGUF blocks, a quantized Orbax
+    checkpoint) is taken as it is. A ``QuantizedTensor`` for a plain param
+    (a GGUF's Q8_0 embedding) is dequantized.
+
     Raises:
-      ValueError: ``name`` missing from ``params``, or a shape that differs from ``p``'s.
+      ValueError: ``name`` missing from ``params``, or a shape (or format) that
+        differs from ``p``'s.
     """
     if arr is None:
         if name not in params:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
         arr = params[name]
+    if isinstance(p, quant.QuantizedWeight):
+        if not isinstance(arr, quant.QuantizedTensor) and p.adopt:  # gguf: another ggml type
+            arr = quant.QuantizedTensor(quant.DENSE, tuple(arr.shape), np.asarray(arr, np.float32),
+                                        None)
+        p.load(arr, name)
+        return
+    if isinstance(arr, quant.QuantizedTensor):
+        arr = arr.dequantize()
     if tuple(arr.shape) != tuple(p.value.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(arr.shape)} != model "
                          f"{tuple(p.value.shape)}")

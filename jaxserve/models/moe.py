@@ -66,9 +66,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import quant
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params, put_param, rope_cos_sin)
 from sharding.rules import ShardingRules
+from sharding.rules import _logical_axes as logical_axes
 
 # ragged_dot_general: lhs [A, in] with A ragged (grouped), rhs [E, out, in]
 # grouped on E, contracting ``in`` (lhs dim 1 with rhs dim 2): HF's [out, in].
@@ -151,15 +153,22 @@ class MoEBlock(nnx.Module):
     Parameters (HF ``[out, in]`` layout, stacked over experts):
       router [E, D] (replicated), gate_proj / up_proj [E, F, D] (``experts``,
       ``mlp``, ``embed``), down_proj [E, D, F] (``experts``, ``embed``, ``mlp``);
-      F = ``moe_intermediate_size``.
+      F = ``moe_intermediate_size``. With ``qfmt`` the three expert weights
+      are ``quant.QuantizedWeight``s (the router stays precise); each device
+      dequantizes its own experts' slices inside the expert function (the
+      grouped matmul has no quantized form), and w8a8 quantizes the tokens
+      per token first, so the numbers are those of the format's definition.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt=None, adopt=False):
         E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.router = _param((E, D), (None, "embed"), dtype, rngs)
-        self.gate_proj = _param((E, F, D), ("experts", "mlp", "embed"), dtype, rngs)
-        self.up_proj = _param((E, F, D), ("experts", "mlp", "embed"), dtype, rngs)
-        self.down_proj = _param((E, D, F), ("experts", "embed", "mlp"), dtype, rngs)
+        self.gate_proj = quant.weight((E, F, D), ("experts", "mlp", "embed"), dtype, rngs, qfmt,
+                                      adopt)
+        self.up_proj = quant.weight((E, F, D), ("experts", "mlp", "embed"), dtype, rngs, qfmt,
+                                    adopt)
+        self.down_proj = quant.weight((E, D, F), ("experts", "embed", "mlp"), dtype, rngs, qfmt,
+                                      adopt)
         self.cfg = cfg
 
     def __call__(self, x_DT, valid_T):
@@ -179,47 +188,81 @@ class MoEBlock(nnx.Module):
         ids_TX, weights_TX = route(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         ids_TX = jnp.where(valid_T[:, None], ids_TX, E)  # padding: expert E, i.e. none
         load_E = jnp.zeros(E, jnp.int32).at[ids_TX.reshape(-1)].add(1, mode="drop")
-        args = (x_DT.T, ids_TX, weights_TX, self.gate_proj.value, self.up_proj.value,
-                self.down_proj.value)
+        x_TD = x_DT.T
+        experts = (self.gate_proj, self.up_proj, self.down_proj)
+        if isinstance(self.gate_proj, quant.QuantizedWeight) and self.gate_proj.fmt.act_int8:
+            xq_DT, sx_1T = quant._quantize_act(x_DT)  # w8a8: the tokens as int8 per token
+            x_TD = (xq_DT.astype(jnp.float32) * sx_1T).T.astype(x_DT.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
-            y_TD = expert_ffn(*args, 0)
+            y_TD = expert_ffn(x_TD, ids_TX, weights_TX,
+                              *(_dense(w, x_DT.dtype) for w in experts), 0)
         else:
-            y_TD = _expert_parallel_ffn(mesh, cfg, *args)
+            y_TD = _expert_parallel_ffn(mesh, cfg, x_TD, ids_TX, weights_TX, experts)
         return y_TD.astype(x_DT.dtype).T, load_E
 
 
-def _expert_parallel_ffn(mesh, cfg: ModelConfig, x_TD, ids_TX, weights_TX,
-                         gate_EFD, up_EFD, down_EDF):
+def _dense(w, dtype):
+    """The array of an expert weight: a Param's value, or a QuantizedWeight dequantized."""
+    return w.dense(dtype) if isinstance(w, quant.QuantizedWeight) else w.value
+
+
+def _expert_parallel_ffn(mesh, cfg: ModelConfig, x_TD, ids_TX, weights_TX, experts):
     """``expert_ffn`` over a mesh: experts split on the ``experts`` mesh axis
     (ep), F on the ``mlp`` one (tp); tokens and routing replicated; partial
-    outputs summed by one psum. Shapes as ``expert_ffn``, weights global.
+    outputs summed by one psum. Shapes as ``expert_ffn``; ``experts`` the
+    gate, up and down weights (``nnx.Param`` or ``quant.QuantizedWeight``,
+    global; a quantized one's parts enter split like its values and are
+    dequantized per device).
     """
     rules = ShardingRules.for_model(dict(mesh.shape), cfg)
-    gate_spec = rules.spec(("experts", "mlp", "embed"))
-    down_spec = rules.spec(("experts", "embed", "mlp"))
     expert_axis = rules.experts
     summed = tuple(a for a in (rules.experts, rules.mlp) if a is not None)
+    # Flatten every weight into (arrays, their specs); remember how to rebuild.
+    arrays, specs, kinds = [], [], []
+    for w in experts:
+        if isinstance(w, quant.QuantizedWeight):
+            parts = [p for p in (w.q, w.scale, w.zero) if p is not None]
+            kinds.append((w.fmt, w.zero is not None, len(parts)))
+        else:
+            parts = [w]
+            kinds.append((None, False, 1))
+        for p in parts:
+            arrays.append(p.value)
+            specs.append(rules.spec(logical_axes(p)))
+    dtype = x_TD.dtype
 
-    def local(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF):
-        first = 0 if expert_axis is None else jax.lax.axis_index(expert_axis) * gate_EFD.shape[0]
-        y_TD = expert_ffn(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF, first)
+    def local(x_TD, ids_TX, weights_TX, *flat):
+        dense, i = [], 0
+        for fmt, has_zero, n in kinds:
+            part = flat[i:i + n]
+            i += n
+            if fmt is None:
+                dense.append(part[0])
+            else:
+                zero = part[2] if has_zero else None
+                dense.append(quant.dequantize(fmt, part[0], part[1] if n > 1 else None, zero,
+                                              dtype))
+        first = 0 if expert_axis is None else jax.lax.axis_index(expert_axis) * dense[0].shape[0]
+        y_TD = expert_ffn(x_TD, ids_TX, weights_TX, *dense, first)
         return jax.lax.psum(y_TD, summed) if summed else y_TD
 
     rep = PartitionSpec()
-    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, gate_spec, gate_spec, down_spec),
-                         out_specs=rep)(x_TD, ids_TX, weights_TX, gate_EFD, up_EFD, down_EDF)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, *specs),
+                         out_specs=rep)(x_TD, ids_TX, weights_TX, *arrays)
 
 
 class MoEDecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)), where ffn is
     an ``MoEBlock`` or, for ``mlp_only_layers``, llama's dense ``MLP``."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs, sparse: bool, **attn):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, sparse: bool, qfmt=None, adopt=False,
+                 **attn):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, **attn)
+        self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt, **attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoEBlock(cfg, dtype, rngs) if sparse else MLP(cfg, dtype, rngs)
+        self.mlp = MoEBlock(cfg, dtype, rngs, qfmt, adopt) if sparse \
+            else MLP(cfg, dtype, rngs, qfmt, adopt)
 
 
 class MoEForCausalLM(nnx.Module):
@@ -235,15 +278,18 @@ class MoEForCausalLM(nnx.Module):
     has_expert_load = True
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 attention_impl: str = "xla", interpret=False):
+                 attention_impl: str = "xla", interpret=False, quantization: str = "none",
+                 quantization_group_size: int = 32):
         if cfg.num_experts < 1:
             raise ValueError(f"architecture {cfg.architecture!r} needs num_experts >= 1, "
                              f"got {cfg.num_experts}")
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
+        qfmt = quant.method_format(quantization, quantization_group_size)
+        adopt = quantization == "gguf"
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([
-            MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers,
+            MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers, qfmt, adopt,
                             attention_impl=attention_impl, interpret=interpret)
             for i in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
@@ -338,5 +384,20 @@ def load_params(model: MoEForCausalLM, params: dict) -> None:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
         stacks.setdefault(id(p), (p, name, []))[2].append(params[name])
     for p, name, arrs in stacks.values():
-        stack = jnp.stack if isinstance(arrs[0], jax.Array) else np.stack
-        put_param(p, f"{name} (stacked over experts)", params, stack(arrs))
+        put_param(p, f"{name} (stacked over experts)", params, _stack(arrs))
+
+
+def _stack(arrs):
+    """Stack the experts' tensors over a new leading E dim (numpy, jax, or
+    ``quant.QuantizedTensor``s part by part)."""
+    if isinstance(arrs[0], quant.QuantizedTensor):
+        fmts = {a.fmt for a in arrs}
+        if len(fmts) > 1:  # gguf: experts of one tensor in different ggml types
+            arrs = [quant.QuantizedTensor(quant.DENSE, a.shape, a.dequantize(), None)
+                    for a in arrs]
+        part = lambda n: None if getattr(arrs[0], n) is None else _stack(  # noqa: E731
+            [getattr(a, n) for a in arrs])
+        return quant.QuantizedTensor(arrs[0].fmt, (len(arrs), *arrs[0].shape), part("q"),
+                                     part("scale"), part("zero"))
+    stack = jnp.stack if isinstance(arrs[0], jax.Array) else np.stack
+    return stack(arrs)
