@@ -292,6 +292,37 @@ def saved_quantization(path: str | os.PathLike) -> SavedQuantization | None:
     return _read_info(pathlib.Path(path).expanduser()).get("quantization")
 
 
+def resolve_quantization(path: str | os.PathLike, config):
+    """``config`` (an ``EngineConfig``) with the quantization of the Orbax
+    checkpoint at ``path``: a quantized checkpoint's method and group size
+    replace ``"none"``; an unquantized one keeps ``config``'s (int8 / w8a8 /
+    int4 then quantize the restored floats as they load). Reads only
+    ``jaxserve_orbax.json``.
+
+    Raises:
+      ValueError: an explicit method other than the checkpoint's (or an
+        int4 group size other than its), or ``"gguf"`` for an unquantized
+        checkpoint (no GGUF blocks to keep); names the folder and both.
+    """
+    saved = saved_quantization(path)
+    if saved is None:
+        if config.quantization == "gguf":
+            raise ValueError(f"{path}: quantization='gguf' keeps a GGUF file's own blocks, but "
+                             f"this Orbax checkpoint is unquantized; convert the .gguf with "
+                             f"--quantization gguf, or use int8, w8a8 or int4")
+        return config
+    if config.quantization not in ("none", saved.method):
+        raise ValueError(f"{path}: the checkpoint is quantized {saved.method!r}, but "
+                         f"quantization={config.quantization!r} was asked; pass "
+                         f"{saved.method!r} or 'none' (the checkpoint's), or convert the "
+                         f"source again with --quantization {config.quantization}")
+    if config.quantization == "int4" and config.quantization_group_size != saved.group_size:
+        raise ValueError(f"{path}: the checkpoint is int4 in groups of {saved.group_size}, but "
+                         f"quantization_group_size={config.quantization_group_size} was asked")
+    return dataclasses.replace(config, quantization=saved.method,
+                               quantization_group_size=saved.group_size)
+
+
 def part_shapes(fmt, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """Stored part name (``"q"``, ``"scale"``, ``"zero"``) -> shape of a
     ``[..., F, D]`` weight in ``fmt`` (as ``quant.QuantizedTensor`` holds it)."""
@@ -462,7 +493,8 @@ def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[
     one (``adopt``, ``gguf``: each tensor keeps its file's type) is sharded
     as the saved format would be (an abstract ``QuantizedWeight`` of that
     format, ``nnx.eval_shape``; nothing is allocated); its ``load`` then
-    adopts the format.
+    adopts the format. A ``QuantizedWeight`` over an unquantized tensor gets
+    the float tensor in its ``q``'s layout (``load`` quantizes it).
 
     Args:
       named_params: HF name -> (variable or ``QuantizedWeight``, expert index
@@ -484,6 +516,8 @@ def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[
     named = dict(named_params)
     for name, (var, expert) in named_params.items():
         fmt = formats.get(name)
+        if isinstance(var, quant.QuantizedWeight) and fmt is None:
+            named[name] = (var.q, expert)
         if not isinstance(var, quant.QuantizedWeight) or fmt is None or fmt == var.fmt:
             continue
         if not var.adopt:
@@ -605,5 +639,5 @@ def load_orbax(path: str | os.PathLike, dtype: Any = np.float32,
 
 __all__ = ["OrbaxCheckpoint", "SavedQuantization", "check_orbax_shapes", "check_params_files",
            "is_orbax_checkpoint", "load_orbax", "load_orbax_config", "load_orbax_tokenizer",
-           "part_shapes", "restore_for_model", "restore_orbax", "save_orbax",
-           "saved_quantization"]
+           "part_shapes", "resolve_quantization", "restore_for_model", "restore_orbax",
+           "save_orbax", "saved_quantization"]

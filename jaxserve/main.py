@@ -23,8 +23,10 @@ Modes:
     (on stderr when the JSON takes stdout).
   convert: load ``--model`` (alias, .gguf, HF folder) and write it as an Orbax
     checkpoint folder in ``--output`` (``checkpoints.orbax_ckpt``), tensors in
-    ``--dtype``; prints the paths written. ``--model <that folder>`` then
-    restores it straight into the mesh's shardings.
+    ``--dtype``, the projections quantized by ``--quantization`` (int8 /
+    uint8 parts and f32 scales; ``gguf`` keeps the file's blocks); prints
+    the paths written. ``--model <that folder>`` then restores it straight
+    into the mesh's shardings (in the quantization it was converted with).
 
 Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
 input (unknown model, empty prompt, a prompt that is not valid Unicode,
@@ -462,8 +464,11 @@ def _convert() -> None:
     from checkpoints.loader import convert_to_orbax
     if not FLAGS.output:
         raise ValueError("--mode convert needs --output (the Orbax folder to write)")
-    written = convert_to_orbax(FLAGS.model, FLAGS.output, dtype=np.dtype(jnp.dtype(FLAGS.dtype)))
-    print(f"converted {FLAGS.model} ({FLAGS.dtype}) to an Orbax checkpoint:")
+    written = convert_to_orbax(FLAGS.model, FLAGS.output, dtype=np.dtype(jnp.dtype(FLAGS.dtype)),
+                               quantization=FLAGS.quantization,
+                               group_size=FLAGS.quantization_group_size)
+    quantized = "" if FLAGS.quantization == "none" else f", projections {FLAGS.quantization}"
+    print(f"converted {FLAGS.model} ({FLAGS.dtype}{quantized}) to an Orbax checkpoint:")
     for path in written:
         print(f"  {path}")
 

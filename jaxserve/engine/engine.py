@@ -42,7 +42,6 @@ from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 from jaxserve.models import MODEL_CLASSES, llama, moe
 from pallas_kernels.ragged_paged_attention.quant import check_kv_cache_dtype
 from sharding.mesh import make_mesh, parse_mesh_spec, validate_mesh_for_model
-from sharding.rules import hf_shardings
 
 
 @dataclasses.dataclass
@@ -141,7 +140,10 @@ class Engine:
                 mesh=dict(self.mesh.shape)))
         if model_config is None:
             from checkpoints.loader import load_checkpoint, load_model_config
-            from checkpoints.orbax_ckpt import is_orbax_checkpoint, load_orbax
+            from checkpoints.orbax_ckpt import (is_orbax_checkpoint, load_orbax,
+                                                resolve_quantization)
+            if is_orbax_checkpoint(config.model):  # a quantized one brings its own quantization
+                config = self.config = resolve_quantization(config.model, config)
             # The mesh and the quantization are checked against the model's
             # config before any weights load.
             source_config = load_model_config(config.model)
@@ -182,10 +184,10 @@ class Engine:
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size)
         family = moe if isinstance(model, moe.MoEForCausalLM) else llama
-        if orbax_dir is not None:
-            from checkpoints.orbax_ckpt import restore_orbax
-            params = restore_orbax(orbax_dir, hf_shardings(
-                family.hf_params(model), self.mesh, sharding_rules), dtype=dtype)
+        if orbax_dir is not None:  # each tensor (or quantized part) into its sharding
+            from checkpoints.orbax_ckpt import restore_for_model
+            params = restore_for_model(orbax_dir, family.hf_params(model), self.mesh,
+                                       sharding_rules, dtype=dtype)
         if params is not None:
             family.load_params(model, params)
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
@@ -600,16 +602,18 @@ def check_quantization(config: EngineConfig, cfg: ModelConfig) -> None:
 
     Raises:
       ValueError: ``int4`` with a group size that does not divide an input
-        dim; ``gguf`` for a checkpoint that is not a GGUF file (an HF or
-        Orbax folder).
+        dim; ``gguf`` for an HF folder (an Orbax folder converted with
+        ``gguf`` keeps the blocks: ``orbax_ckpt.resolve_quantization``).
     """
+    from checkpoints.orbax_ckpt import is_orbax_checkpoint
     from jaxserve.models import quant
     quant.check_shapes(config.quantization, config.quantization_group_size,
                        projection_shapes(cfg))
     if config.quantization == "gguf" and config.model and \
-            pathlib.Path(config.model).expanduser().is_dir():
+            pathlib.Path(config.model).expanduser().is_dir() and \
+            not is_orbax_checkpoint(config.model):
         raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks, but "
-                         f"{config.model!r} is a folder (HF or Orbax); use int8, w8a8 or int4")
+                         f"{config.model!r} is an HF folder; use int8, w8a8 or int4")
 
 
 def kv_cache_dtype_name(name: str) -> str | None:
