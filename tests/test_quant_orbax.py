@@ -197,3 +197,12 @@ def test_mixtral_int8_experts_stored_quantized(mixtral_folders, tmp_path):
     assert tree["model.layers.0.block_sparse_moe.experts.3.w2.weight:q"].dtype == np.int8
     assert tree["model.layers.0.block_sparse_moe.gate.weight"].dtype == np.float32  # router
     assert greedy(make_llm(out)) == greedy(make_llm(hf, quantization="int8"))
+
+
+def test_unquantized_orbax_quantized_on_load(source, tmp_path):
+    out = tmp_path / "f32"
+    convert_to_orbax(source, out, show_progress=False)
+    assert greedy(make_llm(out, quantization="int8")) == greedy(make_llm(source,
+                                                                          quantization="int8"))
+    with pytest.raises(ValueError, match="unquantized"):
+        make_llm(out, quantization="gguf")
