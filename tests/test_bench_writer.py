@@ -1,7 +1,9 @@
 """The issue-16 writer benchmark (``python -m jaxserve.bench.writer``): its
 ``--smoke`` run writes the JSON with every sweep point and its roofline, the
 workloads' figures and the targets, the report and the plot; the smoothness
-flag and the memory cap are checked on made-up numbers."""
+flag and the memory cap are checked on made-up numbers; ``--formats`` /
+``--kv_cache_dtypes`` (issue 17) run W1/W2 once per pair with weight bytes,
+KV pages at one budget, MBU and the issue-17 targets."""
 
 import json
 
@@ -32,6 +34,65 @@ def test_writer_smoke(tmp_path, capsys):
     assert "## Decode sweep" in md and "## W1 and W2" in md and "## Issue 16 targets" in md
     assert (out / "sweep.png").read_bytes()[:8] == PNG
     assert "## W1 and W2" in capsys.readouterr().out
+
+
+def test_writer_smoke_formats(tmp_path, capsys):
+    """Every (format, KV dtype) pair once, warmed up, 0 compilations timed;
+    int8 weights and KV shrink what the issue says they shrink."""
+    from jaxserve.bench import writer
+    out = tmp_path / "q"
+    assert writer.main(["--smoke", "--skip_sweep", "--formats", "none,int8", "--kv_cache_dtypes",
+                        "auto,int8", "--output", str(out)]) == 0
+    r = json.loads((out / "result.json").read_text())
+    fm = r["quant"]["formats"]
+    assert [(e["quantization"], e["kv_cache_dtype"]) for e in fm] == [
+        ("none", "auto"), ("none", "int8"), ("int8", "auto"), ("int8", "int8")]
+    base = fm[0]
+    assert base["w1"] == r["workloads"]["engines"]["jaxserve"]["w1"]  # f32 run once
+    for e in fm:
+        assert e["w1"]["output_tokens_each"] == [8] and e["w1"]["output_tok_per_s"] > 0
+        assert e["w2"]["tpot_ms"] > 0 and e["w1"]["compilations"] == e["w2"]["compilations"] == 0
+        assert e["warmup"]["compilations"] >= 0 and 0 < e["mbu"]
+        assert e["decode_bytes_per_step"] == e["weight_bytes"]["total"] + e[
+            "kv_bytes_per_token"] * (40 + 8 / 2)
+        assert e["vs"]["f32"]["w2_tpot"] > 0 and e["kv_cache_mib"] == 1
+    int8 = fm[2]
+    # Projections: int8 values + one f32 scale per output row, vs f32 values.
+    assert 0.25 < int8["weight_bytes_vs_f32"]["projections"] < 0.27
+    assert int8["weight_bytes_vs_f32"]["total"] < 1
+    assert fm[1]["kv_pages"] > 3 * base["kv_pages"] and fm[1]["kv_bytes_per_token"] < \
+        base["kv_bytes_per_token"] / 3  # int8 with f32 scales: 160 of 512 bytes at H = 16
+    got = {t["target"]: t for t in r["quant"]["targets"]}
+    assert got["W2 TPOT int8 (KV int8) / llama.cpp's"]["met"] is None  # no peers in smoke
+    assert got["weight bytes int8 / f32, projections"]["met"] is True
+    md = (out / "report.md").read_text()
+    assert "## Weight formats and KV cache dtypes (issue 17)" in md and "## Issue 17 targets" in md
+    assert "| int8 | int8 |" in md and "| none | auto |" in md
+    assert "## Issue 17 targets" in capsys.readouterr().out
+
+
+def test_quant_formats_parse_and_targets():
+    from jaxserve.bench import quant_bench
+    import pytest
+    assert quant_bench.parse_formats("int8,none", "int8") == [
+        ("none", "auto"), ("int8", "int8"), ("none", "int8")]
+    for bad in ("int3", "", "int8,int8"):
+        with pytest.raises(ValueError, match="--formats"):
+            quant_bench.parse_formats(bad, "auto")
+    with pytest.raises(ValueError, match="--kv_cache_dtypes"):
+        quant_bench.parse_formats("none", "int4")
+    run = lambda q, kv, tps, tpot, wb: {"quantization": q, "kv_cache_dtype": kv,  # noqa: E731
+                                        "w1": {"output_tok_per_s": tps},
+                                        "w2": {"tpot_ms": tpot},
+                                        "weight_bytes_vs_f32": {"total": wb, "projections": wb}}
+    formats = [run("none", "auto", 100.0, 40.0, 1.0), run("w8a8", "auto", 160.0, 10.0, 0.4),
+               run("int4", "auto", 90.0, 9.0, 0.15)]
+    got = {t["target"]: t for t in quant_bench.targets(formats, {"w2": {"tpot_ms": 10.0}})}
+    assert got["W2 TPOT w8a8 (KV auto) / llama.cpp's"]["met"] is True  # 1.0 <= 1.0
+    assert got["W2 TPOT int4 (KV auto) / llama.cpp's"]["met"] is False  # 0.9 > 0.8
+    assert got["W1 out tok/s w8a8 (KV auto) / f32 (KV auto)"]["value"] == 1.6
+    assert got["weight bytes int4 / f32, whole model"]["met"] is True
+    assert "weight bytes w8a8 / f32, whole model" not in got
 
 
 def test_smoothness_flag_and_memory_cap(monkeypatch):

@@ -40,7 +40,13 @@ One run, on the machine at hand, on the same prompts for every engine:
    (``peers.run_llama_cpp``: its Python API runs one sequence). Each peer gets
    a 2-token untimed warm-up. The first 16 greedy tokens are compared with
    jaxserve's (token agreement).
-4. ``result.json`` (every figure), ``report.md`` (the tables: the figures with
+4. **Weight formats and KV dtypes** (issue 17, ``--formats none,int8,w8a8,
+   int4,gguf --kv_cache_dtypes auto,int8``): jaxserve's W1 and W2 again for
+   every other (format, KV dtype) pair, one engine at a time at the same
+   ``--kv_cache_mib`` budget, with weight bytes, KV pages, ratios to f32 /
+   HF / llama.cpp, MBU and the issue-17 targets (``quant_bench``). The sweep
+   stays f32 unless ``--sweep_format`` names another.
+5. ``result.json`` (every figure), ``report.md`` (the tables: the figures with
    the machine named, the ratios jaxserve/HF and jaxserve/llama.cpp, the
    issue's targets evaluated) and ``sweep.png`` in ``--output``; the report
    is also printed. Targets: W2 TPOT <= 0.45x HF's and <= 1.6x the f32
@@ -67,6 +73,7 @@ import sys
 import time
 
 from jaxserve.bench import peers as peers_mod
+from jaxserve.bench import quant_bench
 
 DEFAULT_ROWS = "1,2,4,8,16,18,24,32,64"
 DEFAULT_CONTEXTS = "128,1024,4096"
@@ -482,7 +489,8 @@ def markdown(result: dict) -> str:
                   f"Median of {sw['iters']} timed `runner.execute` steps after one untimed call; "
                   "every row has `ctx` tokens in its cache. Roofline = weights + attention bytes "
                   "at the matvec bytes/s. `smooth`: step / the straight line between its "
-                  f"neighbours; **flagged** above {SMOOTH_LIMIT}x.", ""]
+                  f"neighbours; **flagged** above {SMOOTH_LIMIT}x. Weights "
+                  f"{sw.get('quantization', 'none')} (none = f32), KV f32.", ""]
         if sw.get("cap_note"):
             lines += [f"**{sw['cap_note']}.**", ""]
         lines += ["| ctx | rows | step ms | out tok/s | weights ms | attention ms | roofline ms "
@@ -549,6 +557,7 @@ def markdown(result: dict) -> str:
             lines += ["", "Ratio rows: jaxserve's figure / the peer's (out tok/s: > 1 is jaxserve "
                       "faster; s and ms: < 1 is jaxserve faster)."]
         lines.append("")
+    lines += quant_bench.markdown(result)
     lines += ["## Issue 16 targets", "", "| target | value | limit | met |", "|---|---:|---:|---|"]
     for t in result["targets"]:
         met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
@@ -600,6 +609,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=None, help=f"default {DEFAULT_ROWS} (smoke 1,2,4)")
     ap.add_argument("--contexts", default=None, help=f"default {DEFAULT_CONTEXTS} (smoke 16,40)")
     ap.add_argument("--peers", default="hf,llama.cpp", help="hf, llama.cpp, both, or none")
+    ap.add_argument("--formats", default="none", help="weight formats for W1/W2 (issue 17), "
+                    "e.g. none,int8,w8a8,int4,gguf; f32 (none) always runs")
+    ap.add_argument("--kv_cache_dtypes", default="auto", help="KV cache dtypes crossed with "
+                    "--formats, e.g. auto,int8")
+    ap.add_argument("--kv_cache_mib", type=int, default=None, help="KV cache budget of every "
+                    "W1/W2 engine, MiB (default 1024; smoke 1)")
+    ap.add_argument("--sweep_format", default="none", help="weight format of the decode sweep")
     ap.add_argument("--skip_sweep", action="store_true")
     ap.add_argument("--skip_workloads", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny random config, tiny shapes, "
@@ -611,11 +627,15 @@ def main(argv=None) -> int:
         contexts = _int_list(a.contexts or ("16,40" if smoke else DEFAULT_CONTEXTS), "--contexts")
         peer_names = [] if smoke else peers_mod.parse_peers(a.peers.replace("llama.cpp",
                                                                             "llama_cpp"))
+        pairs = quant_bench.parse_formats(a.formats, a.kv_cache_dtypes)
+        quant_bench.parse_list(a.sweep_format, ("none", "int8", "w8a8", "int4", "gguf"),
+                               "--sweep_format")
     except (argparse.ArgumentTypeError, ValueError) as e:
         ap.error(str(e))
     iters = a.iters or (2 if smoke else 10)
     if iters < 1:
         ap.error(f"--iters must be >= 1, got {iters}")
+    kv_mib = a.kv_cache_mib or (1 if smoke else 1024)
     shapes = SMOKE_SHAPES if smoke else Shapes()
     t0 = time.monotonic()
     os.makedirs(a.output, exist_ok=True)
@@ -650,6 +670,7 @@ def main(argv=None) -> int:
         name = a.model
         _log(t0, f"{a.model} loaded")
     cfg = parts["model_config"]
+    parts_for = quant_bench.GgufParams(parts, a.model, smoke)  # gguf: the file's blocks
     xla_dir = os.path.join(os.environ.get("JAXSERVE_CACHE",
                                           os.path.expanduser("~/.cache/jaxserve")), "xla")
     page = 16
@@ -658,7 +679,8 @@ def main(argv=None) -> int:
         want, got, cap = sweep_pages(cfg, rows, contexts, page)
         if cap:
             _log(t0, cap)
-        llm = LLM(name, **parts, dtype="float32", page_size=page,
+        llm = LLM(name, **parts_for(a.sweep_format), dtype="float32", page_size=page,
+                  quantization=a.sweep_format,
                   kv_cache_memory_bytes=got * kv_bytes_per_token(cfg) * page,
                   max_num_seqs=max(rows), max_model_len=max(contexts) + 1,
                   enable_prefix_caching=False, compilation_cache_dir=xla_dir)
@@ -670,7 +692,7 @@ def main(argv=None) -> int:
         result["sweep"] = {"iters": iters, "rows": rows, "contexts": contexts,
                            "kv_pages": engine.allocator.num_pages, "kv_pages_wanted": want,
                            "page_size": page, "max_model_len": engine.max_model_len,
-                           "cap_note": cap,
+                           "cap_note": cap, "quantization": a.sweep_format,
                            "points": run_sweep(engine, rows, contexts, iters, lim, t0)}
         if any(p.get("smooth_flag") for p in result["sweep"]["points"]):
             notes.append("the sweep has flagged row counts (step > "
@@ -680,9 +702,15 @@ def main(argv=None) -> int:
         jax.clear_caches()
 
     if not a.skip_workloads:
-        wl_args = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128,
-                       num_pages=64) if smoke else {}
-        llm = LLM(name, **parts, dtype="float32", compilation_cache_dir=xla_dir, **wl_args)
+        wl_args = dict(max_num_seqs=4, max_num_batched_tokens=8,
+                       max_model_len=128) if smoke else {}
+
+        def build(quantization="none", kv_cache_dtype="auto"):
+            return LLM(name, **parts_for(quantization), dtype="float32",
+                       compilation_cache_dir=xla_dir, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=kv_mib << 20,
+                       **wl_args)
+        llm = build()
         engine = llm.engine
         result["param_bytes"] = param_bytes(engine)
         result["weights_ms"] = 1e3 * result["param_bytes"] / lim["matvec_bytes_per_s"]
@@ -706,8 +734,14 @@ def main(argv=None) -> int:
             "engines": {}}
         entry, ref = run_jaxserve(engine, w1, w2, t0)
         result["workloads"]["engines"]["jaxserve"] = entry
+        if len(pairs) > 1:
+            base = dict(quant_bench.describe(engine, *quant_bench.BASELINE, kv_mib), **entry)
         del llm, engine
         gc.collect()
+        if len(pairs) > 1:
+            jax.clear_caches()
+            result["quant"] = {"kv_cache_mib": kv_mib, "pairs": pairs, "formats": [base] +
+                               quant_bench.run(build, pairs, w1, w2, ref, kv_mib, t0)}
         if peer_names:
             try:
                 path = _model_file(a.model)
@@ -736,6 +770,7 @@ def main(argv=None) -> int:
     result["wall_s"] = time.monotonic() - t0
     result["notes"] = notes
     result["targets"] = targets(result)
+    quant_bench.summarize(result)
     paths = [os.path.join(a.output, "result.json"), os.path.join(a.output, "report.md")]
     if result.get("sweep"):
         try:
