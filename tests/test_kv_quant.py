@@ -351,39 +351,4 @@ def test_int8_preemption_keeps_greedy_exact(make_tiny_llm):
 # ---- SmolLM2 135M ---------------------------------------------------------------
 
 
-@pytest.mark.real_model
-def test_smollm2_int8_kv_greedy_agrees_with_f32_kv(smollm2_ckpt):
-    """The 6 prompts of test_real_model's HF parity test, 32 greedy tokens
-    each, int8 KV vs f32 KV, agreement position-wise over all positions (a
-    prompt that diverges and comes back counts what matches).
-
-    Measured (jax 0.10.2, CPU): 112/168 = 66.7%, first divergence per prompt
-    [8, 32, 8, 0, 32, 32]: three prompts agree throughout; the others meet a
-    near-tie (the fibonacci prompt's first token: f32 KV's top two logprobs
-    -1.656 / -1.694, int8 moves them by ~0.04 and swaps them) and then
-    continue differently. The issue's 90% target is not met by per-token
-    int8 on this model; the bound below guards against regressions only."""
-    from jaxserve import LLM
-    from conftest import XLA_CACHE
-    from test_real_model import PROMPT_SPECS
-    c = smollm2_ckpt
-    parts = dict(model_config=c.config, params=c.params, tokenizer=c.tokenizer,
-                 chat_template=c.chat_template, compilation_cache_dir=XLA_CACHE)
-    runs = {}
-    for kv in ("auto", "int8"):
-        llm = LLM(kv_cache_dtype=kv, num_pages=256, **parts)
-        prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) if chat
-                   else llm.get_tokenizer().encode(t) for chat, t in PROMPT_SPECS]
-        runs[kv] = [o.outputs[0].token_ids
-                    for o in llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0))]
-        del llm
-    same = total = 0
-    firsts = []
-    for a, b in zip(runs["int8"], runs["auto"]):
-        n = max(len(a), len(b))
-        same += sum(x == y for x, y in zip(a, b))
-        total += n
-        firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-    print(f"SmolLM2 int8 vs f32 KV: {same}/{total} = {same / total:.1%} of positions agree; "
-          f"first divergence per prompt {firsts}")
-    assert same / total >= 0.6
+# SmolLM2 with an int8 KV cache against f32 KV: tests/test_quant_real.py.
