@@ -172,3 +172,18 @@ def test_sigterm_drains_with_health_not_serving(tiny_gguf):
     assert rc == 0, "".join(s.lines[-10:])
     assert elapsed < grace, (elapsed, "".join(s.lines[-8:]))
     assert "Traceback" not in "".join(s.lines)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--quantization", "int3"], ["quantization must be one of", "'int3'"]),
+    (["--kv_cache_dtype", "fp16x"], ["kv_cache_dtype must be one of", "'fp16x'"]),
+    (["--quantization", "int4", "--quantization_group_size", "100"],
+     ["quantization_group_size=100 does not divide the input dim 576"]),
+])
+def test_bad_quantization_flags_fail_before_weights_load(args, needles, smollm2_path):
+    """Bad quantization values end in one line before any tensor is read
+    (no "dequantizing GGUF tensors" bar: the int4 check reads the GGUF
+    metadata only)."""
+    proc = _run([*args, "--prompt", "hi", "--max_tokens", "2"])
+    _assert_one_error(proc, 2, *needles)
+    assert "dequantizing GGUF tensors" not in proc.stderr
