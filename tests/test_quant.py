@@ -209,3 +209,15 @@ def test_bad_quantization_fails_before_the_model_is_built(tiny_params):
         _llm(None, quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
         _llm(tiny_params, quantization="int3")
+
+
+def test_int8_kv_cache_on_tp2_matches_one_device(tiny_params):
+    """int8 weights and an int8 KV cache together, split over tp=2 (the
+    scales [P, L, K] split over kv heads like their pages)."""
+    kw = dict(quantization="int8", kv_cache_dtype="int8")
+    one = _llm(tiny_params, **kw)
+    tp = _llm(tiny_params, **kw, mesh="tp=2", devices=jax.devices()[:2])
+    assert _greedy(tp, 6, PROMPTS[::2]) == _greedy(one, 6, PROMPTS[::2])
+    k0 = tp.engine.runner.k_cache[0]
+    assert k0.pages_PLKH.dtype == jnp.int8
+    assert tuple(k0.scales_PLK.sharding.spec)[:3] == (None, None, "tp")
