@@ -353,7 +353,9 @@ def _serving_bench() -> None:
                  str(FLAGS.max_num_seqs), "--max_num_batched_tokens",
                  str(FLAGS.max_num_batched_tokens),
                  f"--enable_prefix_caching={FLAGS.enable_prefix_caching}",
-                 f"--enable_chunked_prefill={FLAGS.enable_chunked_prefill}"]
+                 f"--enable_chunked_prefill={FLAGS.enable_chunked_prefill}",
+                 "--quantization", FLAGS.quantization, "--quantization_group_size",
+                 str(FLAGS.quantization_group_size), "--kv_cache_dtype", FLAGS.kv_cache_dtype]
     for name in ("num_pages", "max_model_len", "mesh", "num_devices", "seed"):
         if getattr(FLAGS, name) is not None:
             flag_args += [f"--{name}", str(getattr(FLAGS, name))]
@@ -365,7 +367,8 @@ def _serving_bench() -> None:
         seed=FLAGS.seed or 0, warmup=FLAGS.warmup,
         peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None,
         peak_bytes=FLAGS.peak_gbps * 1e9 if FLAGS.peak_gbps else None,
-        model=FLAGS.model, dtype=FLAGS.dtype, engine_flags=tuple(flag_args))
+        model=FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization,
+        kv_cache_dtype=FLAGS.kv_cache_dtype, engine_flags=tuple(flag_args))
     out = FLAGS.output or os.path.join(
         "bench-results", f"{FLAGS.workload}-{time.strftime('%Y%m%d-%H%M%S')}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):

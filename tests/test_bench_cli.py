@@ -145,3 +145,30 @@ def test_inprocess_driver_open_loop_records_every_token_and_step():
         assert r.ttft_ms >= r.queue_ms + r.prefill_ms - 1e-6
     last = engine.last_step
     assert last.num_decode == len(last.q_lens) and last.seconds > 0
+
+
+def test_serving_bench_json_names_quantization_and_weight_bytes(tmp_path):
+    """In-process ``suite.run`` of an int8-weight, int8-KV engine: the JSON's
+    config names both (from the engine), the env holds the weight bytes as
+    stored and the KV bytes per token, and the report names the format."""
+    from conftest import XLA_CACHE
+    from jaxserve import LLM
+    from jaxserve.bench import suite
+    engine_args = dict(model_config=ModelConfig(vocab_size=256), params=None, page_size=8,
+                       num_pages=64, max_num_seqs=2, max_num_batched_tokens=32,
+                       compilation_cache_dir=XLA_CACHE)
+    llm = LLM(**engine_args, quantization="int8", kv_cache_dtype="int8")
+    opts = suite.BenchOptions(workload="chat", concurrency=(1,), num_prompts=1, peers=(),
+                              scale=0.05, warmup=False, peak_flops=1e12, peak_bytes=1e10)
+    r, paths = suite.run(opts, str(tmp_path / "res"), llm)
+    assert r["config"]["quantization"] == "int8" and r["config"]["kv_cache_dtype"] == "int8"
+    wb = r["env"]["weight_bytes"]
+    f32 = LLM(**engine_args).engine
+    from jaxserve.bench import quant_bench
+    ref = quant_bench.weight_bytes(f32)
+    assert 0 < wb["projections"] < 0.27 * ref["projections"] and wb["total"] < ref["total"]
+    assert r["env"]["kv_bytes_per_token"] < quant_bench.kv_bytes_per_token(f32) / 3
+    assert r["levels"][0]["summary"]["completed"] == 1
+    assert r["roofline"]["decode"]["mbu"] > 0
+    md = open(paths[1]).read()
+    assert "weights int8, KV cache int8: " in md and "MB of weights as stored" in md

@@ -73,22 +73,39 @@ def parse_formats(formats: str, kv_dtypes: str) -> list[tuple[str, str]]:
     return [BASELINE] + [p for p in pairs if p != BASELINE]
 
 
-def weight_bytes(engine) -> dict:
-    """{"total": every array of the state, "projections": the tensors
-    ``quant.is_projection`` names}, bytes as stored."""
+def _params(engine):
+    """(HF name, param) of each distinct weight of the engine's model (an
+    ``nnx.Param`` or a ``quant.QuantizedWeight``; stacked experts once)."""
     from flax import nnx
 
-    from jaxserve.models import llama, moe, quant
+    from jaxserve.models import llama, moe
     runner = engine.runner
     model = nnx.merge(runner.graphdef, runner.state)  # views of the same arrays
     family = moe if isinstance(model, moe.MoEForCausalLM) else llama
-    seen, proj = set(), 0
+    seen = set()
     for name, (p, _) in family.hf_params(model).items():
-        if not quant.is_projection(name) or id(p) in seen:  # experts share one stacked param
-            continue
-        seen.add(id(p))
-        proj += p.nbytes if isinstance(p, quant.QuantizedWeight) else p.value.nbytes
-    return {"total": quant.weight_bytes(runner.state), "projections": int(proj)}
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield name, p
+
+
+def weight_bytes(engine) -> dict:
+    """{"total": every array of the state, "projections": the tensors
+    ``quant.is_projection`` names}, bytes as stored."""
+    from jaxserve.models import quant
+    proj = sum(p.nbytes if isinstance(p, quant.QuantizedWeight) else p.value.nbytes
+               for name, p in _params(engine) if quant.is_projection(name))
+    return {"total": quant.weight_bytes(engine.runner.state), "projections": int(proj)}
+
+
+def num_params(engine) -> int:
+    """Logical weight elements of the model (a quantized weight counts its
+    ``[..., F, D]`` shape, not its packed bytes)."""
+    import math
+
+    from jaxserve.models import quant
+    return sum(math.prod(p.shape) if isinstance(p, quant.QuantizedWeight) else p.value.size
+               for _, p in _params(engine))
 
 
 def kv_bytes_per_token(engine) -> float:

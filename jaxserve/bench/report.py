@@ -68,6 +68,17 @@ def _engine_levels(result: dict) -> dict[str, list[dict]]:
     return out
 
 
+def _weight_note(env: dict) -> str:
+    """``": 538.1 MB of weights as stored (projections 424.7 MB)"`` where the
+    in-process run recorded them, else ``""``."""
+    wb = env.get("weight_bytes")
+    if not wb:
+        return ""
+    return (f": {wb['total'] / 1e6:.1f} MB of weights as stored (projections "
+            f"{wb['projections'] / 1e6:.1f} MB), {env['kv_bytes_per_token']:.0f} KV bytes "
+            "per token")
+
+
 def markdown(result: dict) -> str:
     """The report: set-up, per-level table, side-by-side table with ratio
     columns, per-workload shape table and per-phase roofline table."""
@@ -78,7 +89,9 @@ def markdown(result: dict) -> str:
     loop = "closed loop" if cfg["request_rate"] is None else \
         f"open loop, Poisson {cfg['request_rate']} requests/s"
     lines += [
-        f"- model `{cfg['model']}` ({cfg['dtype']}), backend `{cfg['backend']}`, devices "
+        f"- model `{cfg['model']}` ({cfg['dtype']}; weights {cfg.get('quantization', 'none')}, "
+        f"KV cache {cfg.get('kv_cache_dtype', 'auto')}{_weight_note(env)}), backend "
+        f"`{cfg['backend']}`, devices "
         f"{', '.join(env.get('devices', []))}; jax {env['versions']['jax']}, "
         f"{env['cpu_count']} CPUs",
         f"- {cfg['num_prompts']} requests per level, {loop}, concurrency "

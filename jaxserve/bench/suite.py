@@ -19,7 +19,10 @@ Steps of a run:
    prefix cache emptied before each in-process level.
 4. Roofline: the device's ceilings (measured: ``roofline.measure_ceilings``,
    or given) and ``roofline.analyze`` of the recorded steps, per level and
-   over all levels (in-process only).
+   over all levels (in-process only), in the bytes as stored: the mean bytes
+   per weight element (``quant_bench.weight_bytes`` / ``num_params``: int8
+   or int4 values with their f32 scales) and per KV element (int8/fp8
+   scales included); the weight bytes and the format are in the JSON.
 5. Peers (``peers``), each on every level's slice, seen by the same clients
    (closed loop, or jaxserve's Poisson arrival times: ``peers.client_view``).
 6. ``report.write``: ``result.json``, ``report.md``, PNGs.
@@ -39,7 +42,7 @@ import sys
 import time
 
 from jaxserve.bench import peers as peers_mod
-from jaxserve.bench import report, roofline, serving, stats
+from jaxserve.bench import quant_bench, report, roofline, serving, stats
 from jaxserve.bench.workloads import SHAPES, WORKLOADS, BenchRequest, make_requests
 
 CPU_SCALE = 0.2
@@ -79,6 +82,8 @@ class BenchOptions:
       warmup: run the sweep once untimed first.
       peak_flops, peak_bytes: device ceilings, FLOP/s and bytes/s; None = measure.
       model, dtype: what the engine runs (for the peers, the report, the server).
+      quantization, kv_cache_dtype: its weight format and KV cache dtype (the
+        in-process result takes them from the engine itself).
       engine_flags: ``jaxserve.main`` flags for a spawned server.
     """
 
@@ -96,6 +101,8 @@ class BenchOptions:
     peak_bytes: float | None = None
     model: str = "smollm2-135m"
     dtype: str = "float32"
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     engine_flags: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -189,6 +196,7 @@ def _base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) 
         "benchmark": "jaxserve serving benchmark (python -m jaxserve.main --mode bench)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {"workload": opts.workload, "model": opts.model, "dtype": opts.dtype,
+                   "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype,
                    "backend": opts.backend, "concurrency": list(opts.concurrency),
                    "num_prompts": counts if len(set(counts)) > 1 else counts[0],
                    "request_rate": None if math.isinf(opts.request_rate) else opts.request_rate,
@@ -208,14 +216,17 @@ def run_inprocess(llm, opts: BenchOptions):
     """Warm-up, levels and roofline on ``llm``'s engine; returns the result
     dict (without peers), each level's requests and each level's records."""
     import jax
-    import jax.numpy as jnp
     engine = llm.engine
     scale = _scale(opts, jax.default_backend())
     counts = opts.prompts_per_level()
     requests = make_requests(engine.tokenizer, engine.model_config.vocab_size, opts.workload,
                              max(counts), seed=opts.seed, scale=scale)
     per_level = [requests[:n] for n in counts]  # the cache is emptied between levels
-    result = _base_result(opts, scale, requests, counts, {
+    wb = quant_bench.weight_bytes(engine)
+    result = _base_result(dataclasses.replace(
+        opts, quantization=engine.config.quantization,
+        kv_cache_dtype=str(engine.runner.kv_dtype)), scale, requests, counts, {
+        "weight_bytes": wb, "kv_bytes_per_token": quant_bench.kv_bytes_per_token(engine),
         "attention_impl": engine.attention_impl, "num_pages": engine.allocator.num_pages,
         "page_size": engine.allocator.page_size, "max_model_len": engine.max_model_len,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
@@ -262,8 +273,12 @@ def run_inprocess(llm, opts: BenchOptions):
         measured = roofline.measure_ceilings(opts.dtype, device=engine.runner.mesh.devices.flat[0])
         ceil = roofline.Ceilings(opts.peak_flops or measured.flops_per_s,
                                  opts.peak_bytes or measured.bytes_per_s, measured.source)
-    kw = dict(param_bytes=jnp.dtype(engine.config.dtype).itemsize,
-              kv_bytes=engine.runner.k_cache[0].dtype.itemsize)
+    # Bytes as stored: the mean per parameter (quantized values, scales and
+    # zeros over the logical weights) and per KV element (scales included).
+    cfg = engine.model_config
+    kw = dict(param_bytes=wb["total"] / quant_bench.num_params(engine),
+              kv_bytes=quant_bench.kv_bytes_per_token(engine) / (
+                  2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim))
     for lv in result["levels"]:
         lv["roofline"] = roofline.analyze(lv.pop("steps"), engine.model_config, ceil, **kw)
     result["roofline"] = roofline.analyze(all_steps, engine.model_config, ceil, **kw)
