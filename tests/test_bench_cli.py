@@ -103,6 +103,19 @@ def test_device_script_smoke(tmp_path):
     assert r["prefill"][0]["q_len"] == 64
     assert r["workloads"]["chat"]["summary"]["completed"] == 2
     assert "decode" in r["workloads"]["chat"]["roofline"]
+    # Quantization (issue 17): every form at every M, bytes as stored.
+    mm = r["quant_matmul"]
+    assert [(p["form"], p["M"]) for p in mm] == [(f, m) for f in device.QUANT_FORMS
+                                                 for m in (1, 8)]
+    by = {p["form"]: p for p in mm if p["M"] == 1}
+    assert by["float32"]["weight_bytes"] == 256 * 128 * 4
+    assert by["int8"]["weight_bytes"] == 256 * 128 + 256 * 4  # + one f32 scale per row
+    assert by["int4"]["weight_bytes"] == 256 * 64 + 2 * 256 * 4 * 4  # + scale, zero per 32
+    assert all(p["ms"] > 0 and p["speedup_vs_bfloat16"] > 0 for p in mm)
+    att = r["kv_attention"]
+    assert [(p["rows"], p["ctx"], p["kv_dtype"]) for p in att] == [(2, 64, "float32"),
+                                                                   (2, 64, "int8")]
+    assert att[1]["kv_bytes_read"] == 2 * 64 * 2 * 8 * (128 + 4) and att[1]["speedup_vs_dense"] > 0
 
 
 def test_device_script_refuses_cpu_without_smoke(capsys):
@@ -153,10 +166,10 @@ def test_serving_bench_json_names_quantization_and_weight_bytes(tmp_path):
     stored and the KV bytes per token, and the report names the format."""
     from conftest import XLA_CACHE
     from jaxserve import LLM
-    from jaxserve.bench import suite
-    engine_args = dict(model_config=ModelConfig(vocab_size=256), params=None, page_size=8,
-                       num_pages=64, max_num_seqs=2, max_num_batched_tokens=32,
-                       compilation_cache_dir=XLA_CACHE)
+    from jaxserve.bench import quant_bench, suite
+    engine_args = {"model_config": ModelConfig(vocab_size=256), "params": None, "page_size": 8,
+                   "num_pages": 64, "max_num_seqs": 2, "max_num_batched_tokens": 32,
+                   "compilation_cache_dir": XLA_CACHE}
     llm = LLM(**engine_args, quantization="int8", kv_cache_dtype="int8")
     opts = suite.BenchOptions(workload="chat", concurrency=(1,), num_prompts=1, peers=(),
                               scale=0.05, warmup=False, peak_flops=1e12, peak_bytes=1e10)
@@ -164,11 +177,11 @@ def test_serving_bench_json_names_quantization_and_weight_bytes(tmp_path):
     assert r["config"]["quantization"] == "int8" and r["config"]["kv_cache_dtype"] == "int8"
     wb = r["env"]["weight_bytes"]
     f32 = LLM(**engine_args).engine
-    from jaxserve.bench import quant_bench
     ref = quant_bench.weight_bytes(f32)
     assert 0 < wb["projections"] < 0.27 * ref["projections"] and wb["total"] < ref["total"]
     assert r["env"]["kv_bytes_per_token"] < quant_bench.kv_bytes_per_token(f32) / 3
     assert r["levels"][0]["summary"]["completed"] == 1
     assert r["roofline"]["decode"]["mbu"] > 0
-    md = open(paths[1]).read()
+    with open(paths[1]) as f:
+        md = f.read()
     assert "weights int8, KV cache int8: " in md and "MB of weights as stored" in md

@@ -72,8 +72,9 @@ def test_writer_smoke_formats(tmp_path, capsys):
 
 
 def test_quant_formats_parse_and_targets():
-    from jaxserve.bench import quant_bench
     import pytest
+
+    from jaxserve.bench import quant_bench
     assert quant_bench.parse_formats("int8,none", "int8") == [
         ("none", "auto"), ("int8", "int8"), ("none", "int8")]
     for bad in ("int3", "", "int8,int8"):
@@ -81,7 +82,7 @@ def test_quant_formats_parse_and_targets():
             quant_bench.parse_formats(bad, "auto")
     with pytest.raises(ValueError, match="--kv_cache_dtypes"):
         quant_bench.parse_formats("none", "int4")
-    run = lambda q, kv, tps, tpot, wb: {"quantization": q, "kv_cache_dtype": kv,  # noqa: E731
+    run = lambda q, kv, tps, tpot, wb: {"quantization": q, "kv_cache_dtype": kv,
                                         "w1": {"output_tok_per_s": tps},
                                         "w2": {"tpot_ms": tpot},
                                         "weight_bytes_vs_f32": {"total": wb, "projections": wb}}

@@ -8,12 +8,21 @@ On one accelerator, a Llama-3-8B-shaped model (32 layers, D 4096, 32 query /
    tokens in its cache: the median of ``--iters`` steps, its bytes moved
    (weights + KV read + KV written) and MBU, FLOPs and MFU;
 3. prefill of one 1,024- and one 4,096-token prompt: median step, MFU, MBU;
-4. the ``chat`` and ``rag`` workloads (``jaxserve.bench.workloads``, random
+4. quantization (issue 17): one projection ``W x`` of ``--quant_shape``
+   (F x D, default 6144 x 2304) at M = ``--quant_ms`` columns (1, 8, 128):
+   dense f32 and bf16 against ``quant.quantized_matmul`` of int8, w8a8 and
+   int4 (group 32) weights (``lowering="auto"``, the engine's own form;
+   activations bf16 on the accelerator, f32 on CPU), with the weight bytes as
+   stored and their bytes/s; and one layer's decode attention over bf16 vs
+   int8 K/V pages (f32 scales beside them) at ``--kv_attention`` (rows x
+   context, default 8x4096 and 64x4096; N 32, K 8, H 128), the engine's
+   attention (Pallas on GPU/TPU, XLA on CPU), KV bytes read and bytes/s;
+5. the ``chat`` and ``rag`` workloads (``jaxserve.bench.workloads``, random
    token ids of the same lengths since the model has no tokenizer) through
    the engine's scheduler, closed loop at ``--concurrency``, vLLM-style
    figures and the per-phase roofline of their steps.
 
-Steps 2 and 3 drive ``engine.runner.execute`` directly with hand-built
+Steps 2 to 4 drive ``engine.runner.execute`` directly with hand-built
 batches (as ``Engine.last_token_logits`` does), so each point is exactly one
 shape: one XLA compilation per batch bucket / prompt length, then timed
 calls. The K/V they read are whatever the cache holds (zeros): timing does
@@ -102,6 +111,89 @@ def _figures(point: dict, cfg: ModelConfig, ceil, param_bytes: int, kv_bytes: in
                 else "bandwidth")
 
 
+QUANT_FORMS = ("float32", "bfloat16", "int8", "w8a8", "int4")
+
+
+def quant_matmuls(F: int, D: int, ms, iters: int, act_dtype) -> list[dict]:
+    """Median ms of ``W x`` (W [F, D], x [D, M]) per form and M; see step 4."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models import quant
+    from pallas_kernels.bench import median_time
+    rng = np.random.default_rng(0)
+    w = (0.02 * rng.standard_normal((F, D))).astype(np.float32)
+    dense = jax.jit(lambda w, x: jnp.einsum("fd,dt->ft", w, x,
+                                            preferred_element_type=jnp.float32))
+    fmts = {"int8": quant.INT8, "w8a8": quant.W8A8, "int4": quant.method_format("int4", 32)}
+    rows = []
+    for form in QUANT_FORMS:
+        if form in fmts:
+            qt = quant.quantize_np(w, fmts[form])
+            parts = [None if a is None else jnp.asarray(a) for a in (qt.q, qt.scale, qt.zero)]
+            fn, xdt = jax.jit(functools.partial(quant.quantized_matmul, fmts[form])), act_dtype
+        else:
+            parts, fn, xdt = [jnp.asarray(w, form)], dense, jnp.dtype(form)
+        nbytes = sum(a.nbytes for a in parts if a is not None)
+        for m in ms:
+            x = jnp.asarray(rng.standard_normal((D, m)), xdt)
+            t = median_time(fn, *parts, x, iters=iters, warmup=1)
+            rows.append({"form": form, "F": F, "D": D, "M": m, "ms": 1e3 * t,
+                         "weight_bytes": nbytes, "bytes_per_s": nbytes / t,
+                         "act_dtype": str(jnp.dtype(xdt))})
+    for r in rows:  # speed-ups against the dense forms at the same M
+        for ref in ("float32", "bfloat16"):
+            base = next(b for b in rows if b["form"] == ref and b["M"] == r["M"])
+            r[f"speedup_vs_{ref}"] = base["ms"] / r["ms"]
+    return rows
+
+
+def kv_attention(cases, iters: int, dense_dtype, rng) -> list[dict]:
+    """Median ms of one layer's decode attention over ``dense_dtype`` vs
+    int8 pages (N 32, K 8, H 128, L 16) per (rows, ctx); see step 4."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.bench import _case, median_time
+    from pallas_kernels.ragged_paged_attention import kernel, kernel_xla
+    from pallas_kernels.ragged_paged_attention import quant as kvq
+    N, K, H, L = 32, 8, 128, 16
+    accel = jax.default_backend() in ("gpu", "tpu")
+    rows = []
+    for b, ctx in cases:
+        q, kp, vp, kv_lens, pidx, cu, ns = _case(rng, b, 1, ctx, N=N, K=K, H=H, L=L,
+                                                 dtype=dense_dtype)
+        for kv in (str(jnp.dtype(dense_dtype)), "int8"):
+            if kv == "int8":
+                P = kp.shape[0]
+                (kq, ks), (vq, vs) = (kvq.quantize(p.reshape(P * L, K, H), jnp.int8)
+                                      for p in (kp, vp))
+                pages = (kq.reshape(P, L, K, H), vq.reshape(P, L, K, H), ks.reshape(P, L, K),
+                         vs.reshape(P, L, K))
+            else:
+                pages = (kp, vp, None, None)
+            def attend(q, k, v, ks, vs, kv_lens, pidx, cu, ns, num_decode):
+                if accel:
+                    return kernel.ragged_paged_attention(
+                        q, k, v, kv_lens, pidx, cu, ns, sm_scale=H ** -0.5, k_scales_PLK=ks,
+                        v_scales_PLK=vs)
+                return kernel_xla.ragged_paged_attention(
+                    q, k, v, kv_lens, pidx, cu, ns, num_decode, sm_scale=H ** -0.5,
+                    k_scales_PLK=ks, v_scales_PLK=vs)
+            fn = jax.jit(attend, static_argnums=(9,))
+            t = median_time(fn, q, *pages, kv_lens, pidx, cu, ns, b, iters=iters, warmup=1)
+            per_tok = 2 * K * (H * jnp.dtype(pages[0].dtype).itemsize + (4 if kv == "int8" else 0))
+            nbytes = b * ctx * per_tok
+            rows.append({"rows": b, "ctx": ctx, "kv_dtype": kv, "ms": 1e3 * t,
+                         "kv_bytes_read": nbytes, "bytes_per_s": nbytes / t,
+                         "impl": "pallas" if accel else "xla"})
+        rows[-1]["speedup_vs_dense"] = rows[-2]["ms"] / rows[-1]["ms"]
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.device",
                                  description=__doc__.split("\n\n")[0])
@@ -116,6 +208,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num_prompts", type=int, default=None, help="default 64 (smoke 2)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per step shape "
                     "(default 10; smoke 2)")
+    ap.add_argument("--quant_shape", default=None, help="FxD of the quantized matmul "
+                    "(default 6144x2304; smoke 256x128)")
+    ap.add_argument("--quant_ms", default=None, help="columns M (default 1,8,128; smoke 1,8)")
+    ap.add_argument("--kv_attention", default=None, help="rowsxctx decode attention cases, "
+                    "bf16 vs int8 KV (default 8x4096,64x4096; smoke 2x64), or none")
     ap.add_argument("--budget_s", type=float, default=450.0, help="whole-run time budget, s")
     ap.add_argument("--workload_min_s", type=float, default=120.0,
                     help="skip a workload that would start with less than this left, s")
@@ -194,6 +291,23 @@ def main(argv=None) -> int:
         log(f"prefill {n:>5} tokens: {p['ms']:.1f} ms, MFU {p['mfu']:.1%}, MBU {p['mbu']:.1%} "
             f"(compile+first {p['first_call_s']:.0f} s)")
         save()
+
+    F, D = (int(v) for v in (a.quant_shape or ("256x128" if smoke else "6144x2304")).split("x"))
+    ms = [int(x) for x in (a.quant_ms or ("1,8" if smoke else "1,8,128")).split(",")]
+    spec = a.kv_attention or ("2x64" if smoke else "8x4096,64x4096")
+    cases = [] if spec == "none" else [tuple(int(v) for v in c.split("x"))
+                                       for c in spec.split(",")]
+    act = jax.numpy.dtype(dtype)  # bf16 on the accelerator, f32 in smoke
+    out["quant_matmul"] = quant_matmuls(F, D, ms, iters, act)
+    for r in out["quant_matmul"]:
+        log(f"matmul {r['form']:>8} {F}x{D} M={r['M']:>3}: {r['ms']:.3f} ms, "
+            f"{r['bytes_per_s'] / 1e9:.0f} GB/s of weights, {r['speedup_vs_bfloat16']:.2f}x bf16")
+    save()
+    out["kv_attention"] = kv_attention(cases, iters, act, rng)
+    for r in out["kv_attention"]:
+        log(f"attention {r['rows']}x{r['ctx']} KV {r['kv_dtype']:>8}: {r['ms']:.3f} ms, "
+            f"{r['bytes_per_s'] / 1e9:.0f} GB/s")
+    save()
 
     out["workloads"] = {}
     for w in wl_names:
