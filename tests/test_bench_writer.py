@@ -128,3 +128,24 @@ def test_writer_hf_peer_on_a_tiny_folder(tmp_path, tiny_hf):
     assert e["w1"]["requests"] == 3 and e["w1"]["output_tokens_each"] == [4]
     assert e["w1"]["output_tok_per_s"] > 0 and e["w1"]["token_agreement"] is None
     assert e["w2"]["output_tokens"] == 5 and e["w2"]["ttft_ms"] > 0 and e["w2"]["tpot_ms"] > 0
+
+
+def test_gguf_format_takes_the_files_blocks(tiny_gguf):
+    """``GgufParams("gguf")`` loads the GGUF again with its blocks kept, so the
+    writer's ``gguf`` engine holds the file's Q8_0 (int8 + an f32 scale per 32
+    inputs: 1.125 of f32's 4 bytes per projection weight); other formats get
+    the float params."""
+    from checkpoints.loader import load_checkpoint
+    from conftest import XLA_CACHE
+    from jaxserve import LLM
+    from jaxserve.bench import quant_bench
+    ck = load_checkpoint(tiny_gguf, show_progress=False)
+    parts = quant_bench.GgufParams({"model_config": ck.config, "params": ck.params,
+                                    "tokenizer": ck.tokenizer}, tiny_gguf, smoke=False)
+    assert parts("int8")["params"] is ck.params
+    kw = {"num_pages": 16, "max_num_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16,
+          "compilation_cache_dir": XLA_CACHE}
+    wb = {q: quant_bench.weight_bytes(LLM(tiny_gguf, **parts(q), quantization=q, **kw).engine)
+          for q in ("none", "gguf")}
+    assert wb["gguf"]["projections"] / wb["none"]["projections"] == 1.125 / 4
+    assert wb["gguf"]["total"] < wb["none"]["total"]
