@@ -77,7 +77,9 @@ def test_quant_formats_parse_and_targets():
     from jaxserve.bench import quant_bench
     assert quant_bench.parse_formats("int8,none", "int8") == [
         ("none", "auto"), ("int8", "int8"), ("none", "int8")]
-    for bad in ("int3", "", "int8,int8"):
+    assert quant_bench.parse_formats("int8,w8a8:int8", "auto") == [
+        ("none", "auto"), ("int8", "auto"), ("w8a8", "int8")]
+    for bad in ("int3", "", "int8,int8", "w8a8:int3", "int8,int8:auto"):
         with pytest.raises(ValueError, match="--formats"):
             quant_bench.parse_formats(bad, "auto")
     with pytest.raises(ValueError, match="--kv_cache_dtypes"):

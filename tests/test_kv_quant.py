@@ -10,7 +10,6 @@ close to f32 KV, prefix-cached vs cold identical, preemption); and SmolLM2
 135M's greedy tokens with int8 vs f32 KV.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams
 from jaxserve.engine.runner import ModelRunner

@@ -66,10 +66,28 @@ def parse_list(spec: str, choices, name: str) -> list[str]:
 
 
 def parse_formats(formats: str, kv_dtypes: str) -> list[tuple[str, str]]:
-    """Every (quantization, kv dtype) pair of the two lists, f32 / auto first."""
-    qs = parse_list(formats, QUANTIZATION_METHODS, "--formats")
-    kvs = parse_list(kv_dtypes, KV_NAMES, "--kv_cache_dtypes")
-    pairs = [(q, kv) for q in qs for kv in kvs]
+    """Every (quantization, kv dtype) pair of the two lists, f32 / auto first.
+    An entry ``q:kv`` of ``formats`` is one explicit pair (not crossed with
+    ``kv_dtypes``), e.g. ``none,int8,w8a8,w8a8:int8``.
+
+    Raises:
+      ValueError: a name not known, or a pair named twice.
+    """
+    plain = ",".join(f for f in formats.split(",") if ":" not in f) or None
+    explicit = [tuple(x.strip() for x in f.split(":", 1)) for f in formats.split(",")
+                if ":" in f]
+    pairs = []
+    if plain or not explicit:  # (an empty spec is refused by parse_list)
+        plain = plain or formats
+        qs = parse_list(plain, QUANTIZATION_METHODS, "--formats")
+        kvs = parse_list(kv_dtypes, KV_NAMES, "--kv_cache_dtypes")
+        pairs = [(q, kv) for q in qs for kv in kvs]
+    for q, kv in explicit:
+        parse_list(q, QUANTIZATION_METHODS, "--formats")
+        parse_list(kv, KV_NAMES, "--formats (kv dtype after ':')")
+        if (q, kv) in pairs:
+            raise ValueError(f"--formats names {q}:{kv} twice")
+        pairs.append((q, kv))
     return [BASELINE] + [p for p in pairs if p != BASELINE]
 
 
@@ -140,7 +158,8 @@ def describe(engine, quantization: str, kv: str, kv_cache_mib: int) -> dict:
             "kv_pages": engine.allocator.num_pages}
 
 
-def run(build, pairs, w1, w2, ref: dict, kv_cache_mib: int, t0: float) -> list[dict]:
+def run(build, pairs, w1, w2, ref: dict, kv_cache_mib: int, t0: float,
+        warmup: bool = True) -> list[dict]:
     """Every pair but the baseline (the writer ran it): ``build(quantization,
     kv)`` makes the ``LLM``; one engine at a time, freed before the next."""
     import jax
@@ -162,7 +181,7 @@ def run(build, pairs, w1, w2, ref: dict, kv_cache_mib: int, t0: float) -> list[d
         writer._log(t0, f"format {q} / KV {kv}: {entry['weight_bytes']['total'] / 1e6:.1f} MB "
                         f"of weights ({entry['weight_bytes']['projections'] / 1e6:.1f} MB "
                         f"projections), {entry['kv_pages']} KV pages")
-        figs, records = writer.run_jaxserve(llm.engine, w1, w2, t0)
+        figs, records = writer.run_jaxserve(llm.engine, w1, w2, t0, warmup=warmup)
         figs["how"] = f"jaxserve, weights {q}, KV cache {kv}"
         for w in ("w1", "w2"):
             figs[w]["agreement_vs_f32"] = writer._agreement(records[w], ref.get(w))

@@ -330,14 +330,16 @@ def w2_figures(records) -> dict:
             "output_tokens": r.output_tokens}
 
 
-def run_jaxserve(engine, w1, w2, t0: float) -> tuple[dict, dict]:
-    """Warm-up, then W1 and W2 untimed and timed on ``engine``; returns (entry,
-    {"w1": records, "w2": records})."""
+def run_jaxserve(engine, w1, w2, t0: float, warmup: bool = True) -> tuple[dict, dict]:
+    """Warm-up (unless ``warmup`` is False: the untimed pass then compiles
+    what W1 and W2 need, and the timed passes still count 0), then W1 and W2
+    untimed and timed on ``engine``; returns (entry, {"w1": records, "w2": records})."""
     from jaxserve.bench import serving
     t = time.monotonic()
     comp = engine.stats().num_compilations
-    engine.warmup(lambda i, T, s: _log(t0, f"warm-up: step of {T} tokens ready ({s:.1f} s)")
-                  if i % 8 == 0 else None)
+    if warmup:
+        engine.warmup(lambda i, T, s: _log(t0, f"warm-up: step of {T} tokens ready ({s:.1f} s)")
+                      if i % 8 == 0 else None)
     entry = {"how": HOW["jaxserve"], "warmup": {
         "seconds": time.monotonic() - t, "step_token_counts": len(engine.step_token_counts()),
         "compilations": engine.stats().num_compilations - comp}}
@@ -609,6 +611,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=None, help=f"default {DEFAULT_ROWS} (smoke 1,2,4)")
     ap.add_argument("--contexts", default=None, help=f"default {DEFAULT_CONTEXTS} (smoke 16,40)")
     ap.add_argument("--peers", default="hf,llama.cpp", help="hf, llama.cpp, both, or none")
+    ap.add_argument("--format_warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="warm every step shape up before each format's passes (--no-format_warmup: "
+                    "the untimed pass compiles only what W1/W2 need; saves minutes per format)")
     ap.add_argument("--formats", default="none", help="weight formats for W1/W2 (issue 17), "
                     "e.g. none,int8,w8a8,int4,gguf; f32 (none) always runs")
     ap.add_argument("--kv_cache_dtypes", default="auto", help="KV cache dtypes crossed with "
@@ -741,7 +746,8 @@ def main(argv=None) -> int:
         if len(pairs) > 1:
             jax.clear_caches()
             result["quant"] = {"kv_cache_mib": kv_mib, "pairs": pairs, "formats": [base] +
-                               quant_bench.run(build, pairs, w1, w2, ref, kv_mib, t0)}
+                               quant_bench.run(build, pairs, w1, w2, ref, kv_mib, t0,
+                                               warmup=a.format_warmup)}
         if peer_names:
             try:
                 path = _model_file(a.model)
