@@ -385,6 +385,10 @@ class QuantizedWeight(nnx.Module):
           ValueError: a shape or format that does not match (names ``name``).
         """
         if not isinstance(value, QuantizedTensor):
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                raise ValueError(f"{name}: a float weight spread over several processes cannot "
+                                 f"be quantized on load; convert the checkpoint first "
+                                 "(--mode convert --quantization METHOD)")
             if tuple(value.shape) != self.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
                                  f"{self.shape}")
