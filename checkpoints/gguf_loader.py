@@ -260,7 +260,8 @@ def blocks_to_quantized(data: np.ndarray, qtype: GGMLQuantizationType,
 
     Returns:
       ``QuantizedTensor`` with ``q`` int8 ``[..., F, D]`` (Q8_0) or packed
-      uint8 ``[..., F, D/2]`` (Q4_0/1), f32 ``scale`` (and ``zero``) ``[..., F, D/32]``.
+      uint8 ``[..., F, D/2]`` (Q4_0/1), f16 ``scale`` (and ``zero``) ``[..., F, D/32]``
+      (``-8 d`` for Q4_0: exact in f16).
 
     Raises:
       ValueError: another type, or bytes that do not fill ``shape``'s blocks.
@@ -276,14 +277,14 @@ def blocks_to_quantized(data: np.ndarray, qtype: GGMLQuantizationType,
                          f"{tuple(shape)} tensor")
     blocks = np.asarray(data, np.uint8).reshape(-1, type_size)
     groups = (*lead, F, D // block)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(groups)
+    d = blocks[:, :2].copy().view(np.float16).reshape(groups)  # kept f16, as ggml's
     if qtype == GGMLQuantizationType.Q8_0:
         q = blocks[:, 2:].copy().view(np.int8).reshape(shape)
         return quant.QuantizedTensor(quant.Q8_0, tuple(shape), q, d)
     if qtype == GGMLQuantizationType.Q4_0:
         zero, qs = -8 * d, blocks[:, 2:]
     else:
-        zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(groups)
+        zero = blocks[:, 2:4].copy().view(np.float16).reshape(groups)
         qs = blocks[:, 4:]
     values = np.concatenate([qs & 15, qs >> 4], axis=1)  # ggml: j low, j + 16 high
     q = quant.pack_int4_np(values).reshape(*lead, F, D // 2)

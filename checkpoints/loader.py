@@ -7,6 +7,11 @@ with ``orbax_ckpt.load_orbax``, any other folder as an HF model folder
 (an alias such as ``"smollm2-135m"`` or a ``.gguf`` path) with ``fetch.resolve_model`` +
 ``gguf_loader.load_gguf``. All return a checkpoint with ``config``,
 ``params`` (HF names), ``tokenizer``, ``chat_template`` and ``metadata``.
+
+``load_for_engine(config, mesh_shape)`` is the engine's one entry point:
+it checks the mesh and the quantization against the checkpoint's config
+before any weights are read, then loads (an Orbax folder's tensors are left
+for the engine to restore into their shardings once the model exists).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from checkpoints.gguf_loader import GGUFCheckpoint, load_gguf, load_gguf_config
 from checkpoints.hf_loader import HFCheckpoint, load_hf, load_hf_config
 from checkpoints.orbax_ckpt import (OrbaxCheckpoint, is_orbax_checkpoint, load_orbax,
                                     load_orbax_config, save_orbax)
-from jaxserve.config import ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 
 
 def load_model_config(model: str | os.PathLike) -> ModelConfig:
@@ -42,6 +47,90 @@ def load_model_config(model: str | os.PathLike) -> ModelConfig:
     if path.is_dir():
         return load_hf_config(path)
     return load_gguf_config(resolve_model(os.fspath(model)))
+
+
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """``[out, in]`` shapes of a model's quantizable projections (q/k/v/o,
+    gate/up/down, experts' gate/up/down)."""
+    D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size)
+    shapes = [(N * H, D), (K * H, D), (D, N * H), (F, D), (D, F)]
+    if cfg.num_experts:
+        shapes += [(cfg.moe_intermediate_size, D), (D, cfg.moe_intermediate_size)]
+    return shapes
+
+
+def check_quantization(config: EngineConfig, cfg: ModelConfig) -> None:
+    """Reject, before weights load, a quantization the model cannot take.
+
+    Raises:
+      ValueError: ``int4`` with a group size that does not divide an input
+        dim; ``gguf`` for an HF folder (an Orbax folder converted with
+        ``gguf`` keeps the blocks; ``orbax_ckpt.resolve_quantization`` checks it).
+    """
+    from jaxserve.models import quant
+    quant.check_shapes(config.quantization, config.quantization_group_size,
+                       projection_shapes(cfg))
+    if config.quantization == "gguf" and config.model:
+        path = pathlib.Path(config.model).expanduser()
+        if path.is_dir() and not is_orbax_checkpoint(path):
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks, but "
+                             f"{config.model!r} is an HF folder; use int8, w8a8 or int4")
+
+
+@dataclasses.dataclass
+class EngineLoad:
+    """What ``load_for_engine`` returns.
+
+    Attributes:
+      config: the engine config, with an Orbax checkpoint's own quantization
+        filled in (``orbax_ckpt.resolve_quantization``).
+      model_config, tokenizer, chat_template: the checkpoint's.
+      params: HF name -> numpy array or ``quant.QuantizedTensor`` (GGUF
+        blocks with ``quantization="gguf"``); None for an Orbax folder, whose
+        tensors the engine restores straight into their shardings
+        (``orbax_ckpt.restore_for_model``) once the model exists.
+      orbax_dir: the Orbax folder, or None.
+    """
+
+    config: EngineConfig
+    model_config: ModelConfig
+    params: dict | None
+    tokenizer: Any
+    chat_template: str | None
+    orbax_dir: str | None
+
+
+def load_for_engine(config: EngineConfig, mesh_shape) -> EngineLoad:
+    """Check ``config.model`` against the mesh and the quantization from its
+    config alone, then read it (everything ``Engine.__init__`` needs before
+    it builds the model).
+
+    Args:
+      config: the engine config (``config.model`` names the checkpoint).
+      mesh_shape: ``{axis: size}`` of the engine's mesh.
+
+    Raises:
+      ValueError: as ``load_checkpoint``; a mesh that cannot split the model
+        or a quantization it cannot take, both before any weights are read.
+      RuntimeError: downloading an alias failed.
+    """
+    from sharding.mesh import validate_mesh_for_model
+    orbax = is_orbax_checkpoint(config.model)
+    if orbax:  # a quantized checkpoint brings its own quantization
+        from checkpoints.orbax_ckpt import resolve_quantization
+        config = resolve_quantization(config.model, config)
+    source_config = load_model_config(config.model)
+    validate_mesh_for_model(mesh_shape, source_config)
+    check_quantization(config, source_config)
+    if orbax:
+        ckpt = load_orbax(config.model, with_params=False)
+    else:
+        ckpt = load_checkpoint(config.model, dtype=np.dtype(
+            "float32" if config.dtype != "float16" else "float16"),
+            keep_blocks=config.quantization == "gguf")
+    return EngineLoad(config, ckpt.config, None if orbax else ckpt.params, ckpt.tokenizer,
+                      ckpt.chat_template, config.model if orbax else None)
 
 
 def load_checkpoint(model: str | os.PathLike, dtype: Any = np.float32,
@@ -133,4 +222,5 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
                       quantization=quantization, group_size=group_size)
 
 
-__all__ = ["convert_to_orbax", "load_checkpoint", "load_model_config"]
+__all__ = ["EngineLoad", "check_quantization", "convert_to_orbax", "load_for_engine",
+           "projection_shapes", "load_checkpoint", "load_model_config"]

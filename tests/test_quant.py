@@ -77,8 +77,12 @@ def test_quantizers_round_to_nearest_within_half_a_step():
     for fmt in (quant.INT8, quant.Q8_0, quant.Q4, quant.TensorFormat(4, 96, zero_point=True)):
         qt = quant.quantize_np(w, fmt)
         g = w.shape[-1] // qt.scale.shape[-1]
-        step = np.repeat(qt.scale, g, axis=-1)
-        assert np.all(np.abs(qt.dequantize() - w) <= step / 2 + 1e-6), fmt
+        step = np.repeat(qt.scale.astype(np.float32), g, axis=-1)
+        # f16 group scales/zeros: q is rounded against the stored values, so
+        # only their own f16 rounding (2^-11 relative) adds to half a step.
+        slack = 1e-6 if fmt.group_size is None else 2 ** -10 * np.abs(w).max()
+        assert np.all(np.abs(qt.dequantize() - w) <= step / 2 + slack), fmt
+        assert qt.scale.dtype == (np.float32 if fmt.group_size is None else np.float16)
         if fmt.bits == 4:
             assert qt.q.dtype == np.uint8 and qt.q.shape == (5, 3, 48)
             assert quant.unpack_int4_np(qt.q).max() <= 15
@@ -94,11 +98,13 @@ def test_ggml_q4_0_and_q4_1_blocks_are_held_exactly():
     """Q4_0 (d * (q - 8)) and Q4_1 (d * q + m) fit scale * q + zero with no
     rounding: d f16, q <= 15 (products need <= 15 bits)."""
     rng = np.random.default_rng(0)
-    d = rng.standard_normal((6, 4)).astype(np.float16).astype(np.float32)
-    m = rng.standard_normal((6, 4)).astype(np.float16).astype(np.float32)
+    d = rng.standard_normal((6, 4)).astype(np.float16)
+    m = rng.standard_normal((6, 4)).astype(np.float16)
     q = rng.integers(0, 16, (6, 128)).astype(np.uint8)
     qg = q.reshape(6, 4, 32).astype(np.float32)
-    for zero, expect in ((-8 * d, d[..., None] * (qg - 8)), (m, d[..., None] * qg + m[..., None])):
+    d32, m32 = d.astype(np.float32), m.astype(np.float32)
+    for zero, expect in ((-8 * d, d32[..., None] * (qg - 8)),
+                         (m, d32[..., None] * qg + m32[..., None])):
         qt = quant.QuantizedTensor(quant.Q4, (6, 128), quant.pack_int4_np(q), d, zero)
         np.testing.assert_array_equal(qt.dequantize(), expect.reshape(6, 128))
 
@@ -164,7 +170,7 @@ def test_weight_bytes(tiny_params):
                    else layer.mlp.up_proj[...].nbytes for layer in model.layers)
     f32 = projection_bytes(_llm(tiny_params))
     assert projection_bytes(_llm(tiny_params, quantization="int8")) <= 0.27 * f32
-    assert projection_bytes(_llm(tiny_params, quantization="int4")) <= 0.19 * f32
+    assert projection_bytes(_llm(tiny_params, quantization="int4")) <= 0.16 * f32
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])

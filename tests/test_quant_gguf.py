@@ -44,7 +44,7 @@ def test_blocks_dequantize_bit_equal(qtype, shape):
     assert qt.fmt == (quant.Q8_0 if qtype == T.Q8_0 else quant.Q4)
     assert qt.q.dtype == (np.int8 if qtype == T.Q8_0 else np.uint8)
     assert qt.q.shape == (shape if qtype == T.Q8_0 else (*shape[:-1], shape[-1] // 2))
-    assert qt.scale.shape == (*shape[:-1], shape[-1] // 32) and qt.scale.dtype == np.float32
+    assert qt.scale.shape == (*shape[:-1], shape[-1] // 32) and qt.scale.dtype == np.float16
     assert (qt.zero is None) == (qtype == T.Q8_0)
     assert np.array_equal(qt.dequantize(), want)
 

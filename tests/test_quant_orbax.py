@@ -88,7 +88,8 @@ def test_layout_and_exact_restore(source, converted, method):
             continue
         assert name not in tree
         assert tree[f"{name}:q"].dtype == (np.uint8 if fmt.bits == 4 else np.int8), name
-        assert tree[f"{name}:scale"].dtype == np.float32, name
+        assert tree[f"{name}:scale"].dtype == (np.float32 if fmt.group_size is None
+                                               else np.float16), name  # grouped: f16
         assert (f"{name}:zero" in tree) == fmt.zero_point, name
     assert tree[f"{Q}:q"].shape == ((64, 32) if fmt.bits == 4 else (64, 64))
     ckpt = load_checkpoint(folder, show_progress=False)

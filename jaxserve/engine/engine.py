@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import pathlib
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -138,26 +137,12 @@ class Engine:
                         if k not in ("model", "compilation_cache_dir")},
                 model=dataclasses.asdict(model_config or load_model_config(config.model)),
                 mesh=dict(self.mesh.shape)))
-        if model_config is None:
-            from checkpoints.loader import load_checkpoint, load_model_config
-            from checkpoints.orbax_ckpt import (is_orbax_checkpoint, load_orbax,
-                                                resolve_quantization)
-            if is_orbax_checkpoint(config.model):  # a quantized one brings its own quantization
-                config = self.config = resolve_quantization(config.model, config)
-            # The mesh and the quantization are checked against the model's
-            # config before any weights load.
-            source_config = load_model_config(config.model)
-            validate_mesh_for_model(self.mesh.shape, source_config)
-            check_quantization(config, source_config)
-            if is_orbax_checkpoint(config.model):  # params restored below, into their shardings
-                orbax_dir = config.model
-                ckpt = load_orbax(orbax_dir, with_params=False)
-            else:
-                ckpt = load_checkpoint(config.model, dtype=np.dtype(  # alias, .gguf or HF folder
-                    "float32" if config.dtype != "float16" else "float16"),
-                    keep_blocks=config.quantization == "gguf")
-            model_config, params = ckpt.config, ckpt.params
-            tokenizer, chat_template = ckpt.tokenizer, ckpt.chat_template
+        if model_config is None:  # alias, .gguf, HF or Orbax folder: checked, then loaded
+            from checkpoints.loader import load_for_engine
+            loaded = load_for_engine(config, self.mesh.shape)
+            config = self.config = loaded.config  # an Orbax checkpoint's own quantization
+            model_config, params, orbax_dir = loaded.model_config, loaded.params, loaded.orbax_dir
+            tokenizer, chat_template = loaded.tokenizer, loaded.chat_template
         if model_config.architecture not in MODEL_CLASSES:
             raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
                              f"supported: {sorted(MODEL_CLASSES)}")
@@ -177,7 +162,8 @@ class Engine:
         if random_init and config.quantization == "gguf":
             raise ValueError("quantization='gguf' keeps a GGUF file's own blocks; it needs a "
                              "GGUF checkpoint (random init has none)")
-        check_quantization(config, model_config)
+        from checkpoints.loader import check_quantization
+        check_quantization(config, model_config)  # (again: model_config may be the caller's)
         model = MODEL_CLASSES[model_config.architecture](
             model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if random_init else None,
             attention_impl=impl, interpret=config.attention_interpret,
@@ -584,36 +570,6 @@ class Engine:
             return self.runner.token_logits(ScheduledBatch([r], [len(ids)], num_decode=0))
         finally:
             self.allocator.free(r.page_ids)
-
-
-def projection_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """``[out, in]`` shapes of a model's quantizable projections (q/k/v/o,
-    gate/up/down, experts' gate/up/down)."""
-    D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size)
-    shapes = [(N * H, D), (K * H, D), (D, N * H), (F, D), (D, F)]
-    if cfg.num_experts:
-        shapes += [(cfg.moe_intermediate_size, D), (D, cfg.moe_intermediate_size)]
-    return shapes
-
-
-def check_quantization(config: EngineConfig, cfg: ModelConfig) -> None:
-    """Reject, before weights load, a quantization the model cannot take.
-
-    Raises:
-      ValueError: ``int4`` with a group size that does not divide an input
-        dim; ``gguf`` for an HF folder (an Orbax folder converted with
-        ``gguf`` keeps the blocks: ``orbax_ckpt.resolve_quantization``).
-    """
-    from checkpoints.orbax_ckpt import is_orbax_checkpoint
-    from jaxserve.models import quant
-    quant.check_shapes(config.quantization, config.quantization_group_size,
-                       projection_shapes(cfg))
-    if config.quantization == "gguf" and config.model and \
-            pathlib.Path(config.model).expanduser().is_dir() and \
-            not is_orbax_checkpoint(config.model):
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks, but "
-                         f"{config.model!r} is an HF folder; use int8, w8a8 or int4")
 
 
 def kv_cache_dtype_name(name: str) -> str | None:

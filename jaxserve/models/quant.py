@@ -62,6 +62,9 @@ fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
   fusion, XLA:TPU's MXU feed) in the activation dtype (bf16); ``w8a8`` is
   a native int8 dot with int32 accumulation (MXU / IMMA).
 
+Grouped scales and zero points are stored in f16, as ggml stores them
+(exact for its blocks; int4 is then 4 + 32/32 = 5 bits per weight).
+
 Sharding: ``q`` carries the weight's logical axis names; ``scale`` and
 ``zero`` carry the output axis and, when grouped, the input axis (their G
 dim splits like D, so ``tp`` must divide G); per-channel scales have one
@@ -82,6 +85,9 @@ from flax import nnx
 from jaxserve.config import QUANTIZATION_METHODS
 
 INT8_MAX = 127
+# Grouped formats keep their scales and zero points in f16 (as ggml does:
+# Q4_1 is then 5 bits per weight, 0.156x f32); per-channel scales stay f32.
+GROUP_SCALE_DTYPE = np.float16
 _SPLIT = 2 * INT8_MAX  # s2 = s1 / 254: the residual of the first int8 term fills [-127, 127]
 
 
@@ -169,8 +175,9 @@ class QuantizedTensor:
       shape: the logical weight shape ``[..., F, D]`` (HF's ``[out, in]``).
       q: int8 ``[..., F, D]`` (bits 8), uint8 ``[..., F, D/2]`` (bits 4) or
         f32 ``[..., F, D]`` (bits 0, the dense weight itself).
-      scale: f32 ``[..., F, G]`` (G = 1 per channel); None for bits 0.
-      zero: f32 ``[..., F, G]`` or None.
+      scale: ``[..., F, G]``, f32 per channel (G = 1), f16 when grouped
+        (``GROUP_SCALE_DTYPE``); None for bits 0.
+      zero: ``[..., F, G]`` f16, or None.
     """
 
     fmt: TensorFormat
@@ -219,8 +226,12 @@ def quantize_np(w: np.ndarray, fmt: TensorFormat) -> QuantizedTensor:
       min) / 15`` (1 where max == min), ``q = clip(round((w - zero) / scale), 0, 15)``.
     * bits 0: the weight as f32.
 
+    Grouped scales and zeros are rounded to f16 first and q is computed from
+    the rounded values (so ``dequantize`` is what was meant).
+
     Raises:
-      ValueError: the group size does not divide D, or int4 with an odd D.
+      ValueError: the group size does not divide D, int4 with an odd D, or a
+        group scale beyond f16's range.
     """
     w = np.asarray(w, np.float32)
     *lead, F, D = w.shape
@@ -232,15 +243,25 @@ def quantize_np(w: np.ndarray, fmt: TensorFormat) -> QuantizedTensor:
                          f"{tuple(w.shape)} weight" + (" (int4 also needs an even dim)"
                                                        if fmt.bits == 4 else ""))
     wg = w.reshape(*lead, F, D // g, g)
+    sdt = np.float32 if fmt.group_size is None else GROUP_SCALE_DTYPE
+
+    def stored(a):
+        out = a.astype(sdt)
+        if not np.all(np.isfinite(out)):
+            raise ValueError(f"a group scale of a {tuple(w.shape)} weight is beyond "
+                             f"{np.dtype(sdt).name}'s range (|w| up to {np.abs(w).max():.3g})")
+        return out
     if fmt.bits == 8:
         scale = np.abs(wg).max(axis=-1) / INT8_MAX
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        q = np.clip(np.rint(wg / scale[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+        scale = stored(np.where(scale > 0, scale, 1.0))
+        q = np.clip(np.rint(wg / scale[..., None].astype(np.float32)), -INT8_MAX,
+                    INT8_MAX).astype(np.int8)
         return QuantizedTensor(fmt, w.shape, q.reshape(w.shape), scale)
     lo, hi = wg.min(axis=-1), wg.max(axis=-1)
-    scale = np.where(hi > lo, (hi - lo) / 15, 1.0).astype(np.float32)
-    zero = lo.astype(np.float32)
-    q = np.clip(np.rint((wg - zero[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    scale = stored(np.where(hi > lo, (hi - lo) / 15, 1.0))
+    zero = stored(lo)
+    q = np.clip(np.rint((wg - zero[..., None].astype(np.float32))
+                        / scale[..., None].astype(np.float32)), 0, 15).astype(np.uint8)
     return QuantizedTensor(fmt, w.shape, pack_int4_np(q.reshape(w.shape)), scale, zero)
 
 
@@ -297,9 +318,9 @@ def dequantize(fmt: TensorFormat, q, scale, zero, dtype=jnp.float32):
     q = _unpack_int4(q) if fmt.bits == 4 else q
     *lead, F, D = q.shape
     G = scale.shape[-1]
-    w = scale[..., None] * q.reshape(*lead, F, G, D // G).astype(jnp.float32)
+    w = scale[..., None].astype(jnp.float32) * q.reshape(*lead, F, G, D // G).astype(jnp.float32)
     if zero is not None:
-        w = w + zero[..., None]
+        w = w + zero[..., None].astype(jnp.float32)
     return w.reshape(*lead, F, D).astype(dtype)
 
 
@@ -371,10 +392,9 @@ class QuantizedWeight(nnx.Module):
         self.q = param(jnp.zeros(q_shape, q_dtype), self.names)
         # Per-channel scales have one column: no input axis to split.
         scale_names = self.names[:-1] + ((self.names[-1],) if fmt.group_size else (None,))
-        self.scale = None if fmt.bits == 0 else param(jnp.ones((*lead, F, G), jnp.float32),
-                                                      scale_names)
-        self.zero = param(jnp.zeros((*lead, F, G), jnp.float32), scale_names) \
-            if fmt.zero_point else None
+        sdt = jnp.float32 if fmt.group_size is None else GROUP_SCALE_DTYPE
+        self.scale = None if fmt.bits == 0 else param(jnp.ones((*lead, F, G), sdt), scale_names)
+        self.zero = param(jnp.zeros((*lead, F, G), sdt), scale_names) if fmt.zero_point else None
 
     def load(self, value, name: str = "weight") -> None:
         """Fill from a float array (quantized here to ``self.fmt``) or a
