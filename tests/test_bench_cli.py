@@ -110,7 +110,7 @@ def test_device_script_smoke(tmp_path):
     by = {p["form"]: p for p in mm if p["M"] == 1}
     assert by["float32"]["weight_bytes"] == 256 * 128 * 4
     assert by["int8"]["weight_bytes"] == 256 * 128 + 256 * 4  # + one f32 scale per row
-    assert by["int4"]["weight_bytes"] == 256 * 64 + 2 * 256 * 4 * 4  # + scale, zero per 32
+    assert by["int4"]["weight_bytes"] == 256 * 64 + 2 * 256 * 4 * 2  # + f16 scale, zero per 32
     assert all(p["ms"] > 0 and p["speedup_vs_bfloat16"] > 0 for p in mm)
     att = r["kv_attention"]
     assert [(p["rows"], p["ctx"], p["kv_dtype"]) for p in att] == [(2, 64, "float32"),

@@ -272,10 +272,12 @@ def markdown(result: dict) -> list[str]:
     peers = [k for k in ("hf", "llama_cpp") if k in eng and "skipped" not in eng[k]]
     names = {"hf": "HF", "llama_cpp": "llama.cpp"}
     lines = ["## Weight formats and KV cache dtypes (issue 17)", "",
-             "jaxserve once per (weights, KV dtype), one engine at a time, each warmed up like "
-             "f32; same prompts, same serving settings, KV budget "
+             "jaxserve once per (weights, KV dtype), one engine at a time, "
+             + ("each warmed up like f32" if qr.get("warmup", True) else
+                "each compiled by its untimed pass (--no-format_warmup)")
+             + "; same prompts, same serving settings, KV budget "
              f"{qr['kv_cache_mib']} MiB for all. Weight bytes as stored (quantized values + "
-             "f32 scales / zeros); *whole* = every array of the model (the f32 embedding / "
+             "f32 per-channel scales, f16 group scales / zeros); *whole* = every array of the model (the f32 embedding / "
              "tied LM head and norms included), *proj* = the q/k/v/o and gate/up/down "
              "projections only.", "",
              "| weights | KV | whole MB | x f32 | proj MB | x f32 | KV B/token | KV pages |",

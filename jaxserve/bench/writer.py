@@ -745,7 +745,8 @@ def main(argv=None) -> int:
         gc.collect()
         if len(pairs) > 1:
             jax.clear_caches()
-            result["quant"] = {"kv_cache_mib": kv_mib, "pairs": pairs, "formats": [base] +
+            result["quant"] = {"kv_cache_mib": kv_mib, "pairs": pairs,
+                               "warmup": a.format_warmup, "formats": [base] +
                                quant_bench.run(build, pairs, w1, w2, ref, kv_mib, t0,
                                                warmup=a.format_warmup)}
         if peer_names:
