@@ -327,24 +327,38 @@ def test_backpressure_and_sigterm_during_load(tiny_gguf):
     """A bounded queue answers RESOURCE_EXHAUSTED; SIGTERM under load ends
     every stream with a status and the process exits 0 within the grace period."""
     grace = 3.0
+    # One running sequence and four waiting: the five admitted streams need
+    # 5 x 480 steps one after another, more than the grace period even on a
+    # fast machine, so some are aborted.
     s = ServerProcess(["--model", tiny_gguf, "--num_pages", "256", "--page_size", "8",
-                       "--max_num_seqs", "2", "--max_waiting_requests", "4",
+                       "--max_num_seqs", "1", "--max_waiting_requests", "4",
                        "--grace_period_s", str(grace)])
     try:
+        first_token, refused = [], []
+
         async def stream(c, i):
             got = []
             try:
                 async for resp in c.generate(token_ids=[7, i + 3], max_tokens=480,
                                              ignore_eos=True, temperature=0.0):
+                    if not got:
+                        first_token.append(i)
                     got.append(resp)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused.append(i)
                 return e.code(), got
             return grpc.StatusCode.OK, got
 
         async def run():
             async with AsyncClient(s.target) as c:
                 tasks = [asyncio.create_task(stream(c, i)) for i in range(10)]
-                await asyncio.sleep(1.0)  # load is running
+                # Load is running: every stream admitted or refused (a busy
+                # machine may need more than a fixed sleep to get there).
+                deadline = time.monotonic() + 60
+                while (len(refused) < 5 or not first_token) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.2)
                 t0 = time.monotonic()
                 s.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
