@@ -237,6 +237,48 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``jaxserve.engine.spec_decode``).
+
+    Attributes:
+      method: None (off), ``"ngram"`` (prompt lookup) or ``"draft"`` (a draft
+        model in the same engine).
+      num_speculative_tokens: k, most drafts verified per sequence per step;
+        the policy picks 0..k each step.
+      prompt_lookup_min, prompt_lookup_max: n-gram lengths ``ngram`` matches.
+      draft_model: ``"self"`` (the target's own checkpoint, typically with
+        ``draft_quantization``) or any model string ``EngineConfig.model``
+        accepts; it must share the target's vocabulary.
+      draft_quantization: weight format of the draft (``QUANTIZATION_METHODS``).
+      adaptive: let the policy choose k per step (False: always k, tests).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_model: str | None = None
+    draft_quantization: str = "none"
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative method must be None, 'ngram' or 'draft', "
+                             f"got {self.method!r}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
+                             f"prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model ('self' or a model)")
+        if self.draft_quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"draft_quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                             f"got {self.draft_quantization!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs.
 
@@ -268,6 +310,7 @@ class EngineConfig:
         are). Embeddings, norms, the MoE router, the LM head and attention
         stay precise. See ``jaxserve.models.quant``.
       quantization_group_size: input elements per scale of ``"int4"``.
+      speculative: speculative decoding (``SpeculativeConfig``); off by default.
     """
 
     model: str = "smollm2-135m"
@@ -282,6 +325,7 @@ class EngineConfig:
     async_scheduling: bool = True
     quantization: str = "none"
     quantization_group_size: int = 32
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -36,7 +36,8 @@ in flight go back to the queue with only their tokens known on the host
 (``StepPipeline.fail``), so a later ``step()`` recomputes them.
 
 Synchronous fallback (``sync_reason``): N+1 is not launched before N's
-results are read when a live sequence of N uses presence / frequency /
+results are read when N verified speculative drafts (or the speculation
+policy's k is above 0: the engine's check), when a live sequence of N uses presence / frequency /
 repetition penalties (they need the output history on the host) or prompt
 logprobs (their spans follow the logprobs already on the host), or when
 another step ran on the runner since N (``Engine.last_token_logits``):
@@ -180,6 +181,8 @@ def sync_reason(step: InFlightStep, runner) -> str | None:
         return "multi-host: the next plan's broadcast would race this step's collectives"
     if runner.num_launched != step.index + 1:
         return "another step ran on the runner since"
+    if step.batch.drafts is not None:
+        return "speculation: how many drafts are accepted is known on the host only"
     for r in step.batch.requests:
         if r.finished:
             continue
@@ -202,9 +205,10 @@ class StepPipeline:
     excluded; recomputation counts again).
     """
 
-    def __init__(self, scheduler: Scheduler, runner):
+    def __init__(self, scheduler: Scheduler, runner, speculator=None):
         self.scheduler = scheduler
         self.runner = runner
+        self.speculator = speculator  # plans steps with drafts (jaxserve.engine.speculation)
         self.num_prompt_tokens = 0
         self._last: InFlightStep | None = None  # the latest launch, while the engine is busy
 
@@ -216,7 +220,8 @@ class StepPipeline:
             (the step launched just before), or None (synchronous).
         """
         t0 = time.monotonic()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule() if self.speculator is None \
+            else self.speculator.schedule(self.scheduler)
         if batch is None:
             return None
         last = self._last

@@ -25,11 +25,11 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig)
+                             SchedulerConfig, SpeculativeConfig)
 from jaxserve.engine import multihost, shapes
+from jaxserve.engine.build import build_model, load_draft
 from jaxserve.engine.async_step import InFlightStep, StepInfo, StepPipeline, sync_reason
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.page_table import PageAllocator, cdiv
@@ -38,7 +38,8 @@ from jaxserve.engine.request import (CompletionOutput, Logprob, Request, Request
 from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
-from jaxserve.models import MODEL_CLASSES, llama, moe
+from jaxserve.engine.speculation import DraftModelProposer, Speculator, accept
+from jaxserve.models import MODEL_CLASSES
 from pallas_kernels.ragged_paged_attention.quant import check_kv_cache_dtype
 from sharding.mesh import make_mesh, parse_mesh_spec, validate_mesh_for_model
 
@@ -63,6 +64,12 @@ class EngineStats:
         persistent cache) since start: one per new bucket shape. Each stays
         in host memory (40-55 MB for SmolLM2 on CPU), so a rising count is
         what a rising RSS under varied traffic comes from.
+      spec_num_drafts, spec_num_draft_tokens, spec_num_accepted_tokens:
+        speculative decoding: verification rows that carried drafts, draft
+        tokens verified, drafts accepted (0 without speculation).
+      spec_accepted_per_position: drafts accepted at each draft position
+        0..k-1; spec_mean_acceptance_length: 1 + accepted / drafts (tokens
+        per verification row, vLLM's figure); spec_k: the policy's latest k.
     """
 
     num_running: int
@@ -79,6 +86,12 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     num_compilations: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+    spec_mean_acceptance_length: float = 0.0
+    spec_k: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,16 +117,23 @@ class Engine:
         ``params=None`` with a ``model_config`` means random initialisation.
       devices: the devices of the mesh ``config.parallel``; default all of
         ``jax.devices()`` (the first one alone for the one-device default).
+      draft_parts: ``{"model_config": ..., "params": ...}`` of a draft model
+        given directly (tests), for ``speculative.method == "draft"``.
+      spec_policy: a ``spec_decode.SpecPolicy`` to use instead of the
+        learned one (tests with a fake cost model).
 
     Raises:
       ValueError: unknown model alias, missing file, bad config, a mesh whose
         size differs from the number of devices (before any weights are read)
-        or that cannot split the model (before the weights reach the devices).
+        or that cannot split the model (before the weights reach the devices),
+        a draft model whose vocabulary differs from the target's, or
+        speculation in a multi-host job.
     """
 
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
                  params: dict | None = None, tokenizer=None, chat_template: str | None = None,
-                 devices: Sequence[jax.Device] | None = None):
+                 devices: Sequence[jax.Device] | None = None, draft_parts: dict | None = None,
+                 spec_policy=None):
         self.config = config
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
@@ -121,10 +141,12 @@ class Engine:
         if devices is None and config.parallel.num_devices == 1:
             devices = jax.devices()[:1]
         self.mesh = make_mesh(config.parallel.mesh_shape, devices)
-        dtype = jnp.dtype(config.dtype)
         # An fp8 KV cache where the device has no fp8 fails before any weights load.
         check_kv_cache_dtype(config.cache.dtype or config.dtype, self.mesh.devices.flat[0])
         orbax_dir = None
+        if jax.process_count() > 1 and config.speculative.method is not None:
+            raise ValueError(f"speculative decoding ({config.speculative.method!r}) runs in "
+                             f"one-process jobs only; this job has {jax.process_count()}")
         if jax.process_count() > 1:  # every process of a job must build the same engine
             if self.mesh.devices.size != jax.device_count():
                 raise ValueError(f"a multi-host mesh must span every device of the job: --mesh "
@@ -158,30 +180,21 @@ class Engine:
             raise ValueError(f"attention_impl='pallas' has no lowering on "
                              f"{jax.default_backend()!r}; set attention_interpret=True")
         self.attention_impl = impl
-        random_init = params is None and orbax_dir is None
-        if random_init and config.quantization == "gguf":
-            raise ValueError("quantization='gguf' keeps a GGUF file's own blocks; it needs a "
-                             "GGUF checkpoint (random init has none)")
-        from checkpoints.loader import check_quantization
-        check_quantization(config, model_config)  # (again: model_config may be the caller's)
-        model = MODEL_CLASSES[model_config.architecture](
-            model_config, dtype=dtype, rngs=nnx.Rngs(config.seed) if random_init else None,
-            attention_impl=impl, interpret=config.attention_interpret,
-            quantization=config.quantization,
-            quantization_group_size=config.quantization_group_size)
-        family = moe if isinstance(model, moe.MoEForCausalLM) else llama
-        if orbax_dir is not None:  # each tensor (or quantized part) into its sharding
-            from checkpoints.orbax_ckpt import restore_for_model
-            params = restore_for_model(orbax_dir, family.hf_params(model), self.mesh,
-                                       sharding_rules, dtype=dtype)
-        if params is not None:
-            family.load_params(model, params)
+        model = build_model(config, model_config, params, orbax_dir, impl, self.mesh,
+                            sharding_rules)
+        draft = None
+        if config.speculative.method == "draft":  # its vocabulary is checked before it loads
+            parts = dict(draft_parts or {})
+            draft = load_draft(config, model_config, model, params, orbax_dir, impl, self.mesh,
+                               model_config=parts.get("model_config"),
+                               params_override=parts.get("params"))
         self.max_model_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         cache: CacheConfig = config.cache
         kv_dtype = jnp.dtype(cache.dtype or config.dtype)
-        num_pages = cache.num_pages or max(
-            1, cache.memory_bytes // ModelRunner.kv_bytes_per_page(model_config, cache.page_size,
-                                                                   kv_dtype))
+        page_bytes = ModelRunner.kv_bytes_per_page(model_config, cache.page_size, kv_dtype) + (
+            0 if draft is None else ModelRunner.kv_bytes_per_page(draft[0].cfg, cache.page_size,
+                                                                  kv_dtype))
+        num_pages = cache.num_pages or max(1, cache.memory_bytes // page_bytes)
         self.allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
@@ -195,7 +208,18 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
-        self._steps = StepPipeline(self.scheduler, self.runner)
+        self.speculator = None
+        if config.speculative.method is not None:
+            proposer = None
+            if draft is not None:
+                proposer = DraftModelProposer(ModelRunner(
+                    draft[0], num_pages=num_pages, page_size=cache.page_size,
+                    max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+                    max_num_seqs=config.scheduler.max_num_seqs, mesh=self.mesh, rules=draft[1]),
+                    config.scheduler.max_num_batched_tokens)
+            self.speculator = Speculator(config.speculative, self.runner.max_rows, proposer,
+                                         spec_policy)
+        self._steps = StepPipeline(self.scheduler, self.runner, self.speculator)
         self._in_flight: InFlightStep | None = None  # launched, results not yet read
         self._num_generation_tokens = 0
         self._num_steps = 0
@@ -333,7 +357,17 @@ class Engine:
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
             num_preemptions=s.num_preemptions, prompt_tokens=self._steps.num_prompt_tokens,
             generation_tokens=self._num_generation_tokens, num_steps=self._num_steps,
-            num_compilations=self.runner.num_compilations)
+            num_compilations=self.runner.num_compilations, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_position=tuple(st.accepted_per_position),
+                    spec_mean_acceptance_length=float(st.mean_acceptance_length),
+                    spec_k=self.speculator.k)
 
     def step_token_counts(self) -> list[int]:
         """Every step token count (one compiled program each) this engine's
@@ -410,7 +444,8 @@ class Engine:
                 if cur is None:
                     self._steps.idle()
                     return outputs
-            if self.config.async_scheduling and sync_reason(cur, self.runner) is None:
+            if self.config.async_scheduling and sync_reason(cur, self.runner) is None and not (
+                    self.speculator is not None and self.speculator.wants_host_tokens):
                 self._in_flight = self._steps.launch(cur)
                 cur.overlapped = self._in_flight is not None
             res = self._steps.collect(cur)
@@ -424,6 +459,8 @@ class Engine:
         cur.host_s += time.monotonic() - t
         self.last_step = self._steps.info(cur)
         self._num_steps += 1
+        if self.speculator is not None and not self.last_step.compiled:
+            self.speculator.observe_step(sum(cur.batch.q_lens), self.last_step.seconds)
         if self._in_flight is not None and not self._in_flight.live:
             self._in_flight = None  # every row finished at ``cur``: nothing of it is wanted
         if self._in_flight is None and not self.scheduler.has_unfinished():
@@ -444,10 +481,26 @@ class Engine:
             if not step.samples[k]:  # a prompt chunk that does not reach the end
                 self.scheduler.cache_computed_pages(r)
                 continue
-            tok = int(res.token_ids[k])
-            n_out = r.resolve_placeholder(tok)
+            slot = step.plan.row_slots[k]
+            drafts = step.batch.drafts[k] if step.batch.drafts is not None else ()
+            m = 0
+            if drafts:  # speculation: roll back past the first rejected draft
+                m = accept(drafts, res.token_ids[slot:slot + len(drafts) + 1])
+                r.num_computed_tokens -= len(drafts) - m
+                self.speculator.record(r, len(drafts), m)
+            n_out = r.resolve_placeholder(int(res.token_ids[slot]))
             self.scheduler.cache_computed_pages(r)
-            changed.setdefault(r.group_id, {})[r.index] = self._append(r, res, k, n_out, now)
+            delta, toks = self._append(r, res, slot, n_out, now)
+            for j in range(1, m + 1):  # the accepted drafts' next tokens, until a stop
+                if r.finished:
+                    break
+                r.output_token_ids.append(int(res.token_ids[slot + j]))
+                d, _ = self._append(r, res, slot + j, n_out + j, now)
+                delta += d
+                toks.append(int(res.token_ids[slot + j]))
+            if m and not r.finished:
+                self.scheduler.cache_computed_pages(r)
+            changed.setdefault(r.group_id, {})[r.index] = (delta, toks)
         return [self._group_output(self._groups[gid], deltas, now)
                 for gid, deltas in changed.items()]
 
@@ -473,7 +526,7 @@ class Engine:
 
     def _append(self, r: Request, res: StepResult, k: int, n_out: int,
                 now: float) -> tuple[str, list[int]]:
-        """Take row ``k``'s sampled token, now ``r``'s ``n_out``-th output token
+        """Take slot ``k``'s sampled token, now ``r``'s ``n_out``-th output token
         on the host, into its logprobs, metrics, text and stop checks; returns
         (delta text, [token])."""
         tok, lp = int(res.token_ids[k]), float(res.logprobs[k])
@@ -587,6 +640,27 @@ def kv_cache_dtype_name(name: str) -> str | None:
     return value
 
 
+def speculative_config_from_dict(d: dict | None) -> SpeculativeConfig:
+    """``SpeculativeConfig`` of vLLM's ``speculative_config`` dict (``model``
+    and ``quantization`` name the draft's; our field names work too).
+
+    Raises:
+      ValueError: an unknown key (names it) or a bad value.
+    """
+    if not d:
+        return SpeculativeConfig()
+    alias = {"model": "draft_model", "quantization": "draft_quantization"}
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    out = {}
+    for k, v in d.items():
+        name = alias.get(k, k)
+        if name not in fields:
+            raise ValueError(f"speculative_config: unknown key {k!r}; known: "
+                             f"{sorted(fields | set(alias))}")
+        out[name] = v
+    return SpeculativeConfig(**out)
+
+
 class LLM:
     """vLLM-style offline facade: ``LLM(model=...).generate(prompts, params)``.
 
@@ -605,6 +679,10 @@ class LLM:
         (``EngineConfig.quantization``): none, int8, w8a8, int4 or gguf.
       kv_cache_dtype: ``"auto"`` (the parameter dtype), ``"float32"``,
         ``"bfloat16"``, ``"float16"``, ``"int8"`` or ``"fp8_e4m3"``.
+      speculative_config: vLLM's dict: ``{"method": "ngram" | "draft",
+        "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
+        .., "model": draft model ("self" or a model string), "quantization":
+        the draft's, "adaptive": bool}`` (``SpeculativeConfig``); None is off.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
 
     Raises:
@@ -619,7 +697,8 @@ class LLM:
                  compilation_cache_dir: str | None = None, attention_impl: str = "auto",
                  attention_interpret: bool = False, async_scheduling: bool = True,
                  mesh: str | None = None, quantization: str = "none",
-                 quantization_group_size: int = 32, kv_cache_dtype: str = "auto", **parts):
+                 quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 speculative_config: dict | None = None, **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
@@ -635,7 +714,8 @@ class LLM:
             compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,
             parallel=parallel, quantization=quantization,
-            quantization_group_size=quantization_group_size)
+            quantization_group_size=quantization_group_size,
+            speculative=speculative_config_from_dict(speculative_config))
         self.engine = Engine(config, **parts)
 
     def get_tokenizer(self):

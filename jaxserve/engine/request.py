@@ -154,7 +154,9 @@ class RequestMetrics:
     ``ttft_ms``: arrival to first token; ``tpot_ms``: mean time per output
     token after the first, also named by its phase as ``decode_ms_per_token``;
     ``e2e_ms``: arrival to finish; ``num_cached_tokens``: prompt tokens served
-    from the prefix cache at first scheduling. Each is None until its
+    from the prefix cache at first scheduling; ``num_draft_tokens`` /
+    ``num_accepted_tokens``: speculative drafts verified for it and accepted
+    (``spec_acceptance_rate`` their ratio). Each is None until its
     timestamps exist (``tpot_ms`` also below two output tokens). With ``n > 1`` the choices share
     one ``RequestMetrics``: first token is the earliest choice's, finish the
     last one's, ``num_output_tokens`` the longest choice's.
@@ -166,6 +168,16 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens of this request's speculation (None
+        when nothing was drafted for it)."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
 
     @property
     def queue_ms(self) -> float | None:
@@ -302,6 +314,7 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered_pages: int = 0
     num_placeholders: int = 0
+    num_draft_computed: int = 0  # tokens whose K/V the draft model's cache holds
 
     def __post_init__(self):
         if self.group_id is None:

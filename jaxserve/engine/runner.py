@@ -144,7 +144,11 @@ class StepPlan:
         there), or -1: the host's id (async scheduling).
       uses_prev: some ``prev_rows`` >= 0 (the step then waits for the
         previous step's sampling on device).
-      num_requests: n real requests (host only, process 0).
+      num_requests: n real sampled positions ("slots": one per request,
+        plus one per draft token of a speculating request), the first n
+        rows of the results (host only, process 0).
+      row_slots: per request, its first slot; a speculating request's slots
+        follow it in order, one per draft plus the bonus (host only).
       plp_spans: request row -> (first token, lo, hi): its prompt logprobs
         for positions lo..hi-1 are those of tokens first..first+hi-lo-1 of
         the step (host only, process 0).
@@ -160,6 +164,7 @@ class StepPlan:
     uses_prev: bool = False
     num_requests: int = 0
     plp_spans: dict = dataclasses.field(default_factory=dict)
+    row_slots: list = dataclasses.field(default_factory=list)
 
     def statics(self) -> list[int]:
         return [int(self.decode), self.rows, self.num_top, int(self.uses_prev)]
@@ -481,14 +486,19 @@ class ModelRunner:
         kv_lens = np.zeros(S, np.int32)
         page_indices = np.zeros((S, self.pages_per_row), np.int32)
         cu_q_lens = np.zeros(S + 1, np.int32)
-        sample_rows = np.zeros(n, np.int32)
+        drafts = batch.drafts or [()] * n
+        sample_rows: list[int] = []
+        slot_views: list = []  # per slot: what its sampling row sees
+        row_slots: list[int] = []
         plp_spans, num_plp = {}, 0
         t = 0
         for k, (r, q) in enumerate(zip(reqs, q_lens)):
             start = r.num_computed_tokens
             pos = np.arange(start, start + q, dtype=np.int32)
             pages = np.asarray(r.page_ids, np.int32)
-            input_ids[t:t + q] = r.all_token_ids[start:start + q]
+            d = drafts[k]
+            input_ids[t:t + q - len(d)] = r.all_token_ids[start:start + q - len(d)]
+            input_ids[t + q - len(d):t + q] = d
             if r.num_placeholders:  # its last token is still on device: one decode token
                 assert r.num_placeholders == 1 and q == 1 and start == r.num_tokens - 1, \
                     (r.request_id, r.num_placeholders, q, start, r.num_tokens)
@@ -499,7 +509,10 @@ class ModelRunner:
             slot_offsets[t:t + q] = pos % L
             kv_lens[k] = start + q
             page_indices[k, :len(pages)] = pages
-            sample_rows[k] = t + q - 1
+            row_slots.append(len(sample_rows))
+            sample_rows.extend(range(t + q - 1 - len(d), t + q))
+            slot_views.append(r)
+            slot_views.extend(DraftSlot(r, d[:j]) for j in range(1, len(d) + 1))
             if r.wants_prompt_logprobs:
                 # Position j predicts prompt token j + 1; collect the missing ones.
                 P = len(r.prompt_token_ids)
@@ -513,13 +526,46 @@ class ModelRunner:
             cu_q_lens[k + 1] = t
         cu_q_lens[n + 1:] = t
         assert num_plp == plp_need, (num_plp, plp_need)
+        assert len(sample_rows) <= rows, (len(sample_rows), rows)
         logits_indices = np.zeros(rows, np.int32)
-        logits_indices[:n] = sample_rows
+        logits_indices[:len(sample_rows)] = sample_rows
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                                page_indices, cu_q_lens, np.array([n], np.int32),
                                logits_indices, np.array([nd], np.int32))
-        st = make_sampling_tensors(reqs, rows)
+        st = make_sampling_tensors(slot_views, rows)
         return StepPlan(decode=batch.decode, rows=rows, num_top=top, md=md, sampling=st,
                         targets=targets, prev_rows=prev_rows,
-                        uses_prev=bool((prev_rows >= 0).any()), num_requests=n,
-                        plp_spans=plp_spans)
+                        uses_prev=bool((prev_rows >= 0).any()), num_requests=len(sample_rows),
+                        plp_spans=plp_spans, row_slots=row_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSlot:
+    """What the sampling row after a speculating request's j-th draft sees:
+    the request with its first j drafts appended to its output (so the
+    PRNG fold ``steps``, min_tokens bans and penalties are those of the
+    output position the slot samples, exactly as a plain decode step there
+    would have them). Duck-types the fields ``make_sampling_tensors`` reads."""
+
+    request: object
+    drafts: tuple | list
+
+    @property
+    def params(self):
+        return self.request.params
+
+    @property
+    def seed(self):
+        return self.request.seed
+
+    @property
+    def eos_token_ids(self):
+        return self.request.eos_token_ids
+
+    @property
+    def prompt_token_ids(self):
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self):
+        return self.request.output_token_ids + list(self.drafts)

@@ -50,13 +50,18 @@ class ScheduledBatch:
     """One step's plan: the sequences and how many new tokens each computes.
 
     The first ``num_decode`` requests have exactly one new token each (decode
-    rows); the rest are prefills or prefill chunks. A row whose tokens end
-    before the sequence's last token (a non-final chunk) samples nothing.
+    rows); the rest are prefills, prefill chunks or speculative verification
+    rows. A row whose tokens end before the sequence's last token (a
+    non-final chunk) samples nothing. ``drafts[k]`` are row k's draft tokens
+    (``jaxserve.engine.spec_decode``): its ``q_lens[k]`` counts its last
+    token plus them, and it samples one token after each of them too; None
+    when no row of the step speculates.
     """
 
     requests: list[Request]
     q_lens: list[int]
     num_decode: int
+    drafts: list[list[int]] | None = None
 
     @property
     def decode(self) -> bool:
@@ -97,14 +102,28 @@ class Scheduler:
 
     # ---- planning -----------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
-        """Plan the next step, or None when nothing can run."""
+    def schedule(self, drafts: dict[Request, list[int]] | None = None,
+                 max_slots: int | None = None) -> ScheduledBatch | None:
+        """Plan the next step, or None when nothing can run.
+
+        Args:
+          drafts: speculation: draft tokens for running sequences in the
+            decode state (their last token not computed, none in flight).
+            Each gets ``1 + len(drafts)`` tokens and pages for them, drafts
+            trimmed (never preempting anyone) to fit the budget, the free
+            pages, its ``max_tokens``, ``max_model_len`` and ``max_slots``.
+          max_slots: most sampled positions of the step (rows plus drafts:
+            the runner's logits rows).
+        """
         cfg = self.config
         alloc = self.allocator
         budget = cfg.max_num_batched_tokens
         decode: list[tuple[Request, int]] = []
         prefill: list[tuple[Request, int]] = []
         preempted = False
+        drafts = drafts or {}
+        planned: dict[Request, list[int]] = {}
+        slots_left = (max_slots or cfg.max_num_seqs) - len(self.running)
 
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget == 0:
@@ -113,6 +132,18 @@ class Scheduler:
                                          or req.num_tokens >= self.max_model_len):
                 continue  # its token in flight is its last (async scheduling)
             n = req.num_tokens - req.num_computed_tokens
+            d = drafts.get(req)
+            if d and n == 1 and not req.num_placeholders:
+                room = min(len(d), budget - 1, max(0, slots_left),
+                           req.params.max_tokens - len(req.output_token_ids) - 1,
+                           self.max_model_len - req.num_tokens - 1)
+                while room > 0 and alloc.pages_needed(
+                        req.page_ids, req.num_computed_tokens + 1 + room) > alloc.num_free_pages:
+                    room -= 1
+                if room > 0:
+                    planned[req] = list(d[:room])
+                    slots_left -= room
+                    n = 1 + room
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     continue
@@ -132,8 +163,10 @@ class Scheduler:
             budget -= n
 
         skipped: list[Request] = []
+        num_drafts = sum(len(d) for d in planned.values())
         while self.waiting and not preempted and budget > 0 \
-                and len(self.running) < cfg.max_num_seqs:
+                and len(self.running) < cfg.max_num_seqs \
+                and (max_slots is None or len(self.running) + num_drafts < max_slots):
             req = self.waiting.popleft()
             if self._gated(req):
                 skipped.append(req)
@@ -149,7 +182,8 @@ class Scheduler:
             return None
         reqs = [r for r, _ in decode] + [r for r, _ in prefill]
         q_lens = [q for _, q in decode] + [q for _, q in prefill]
-        return ScheduledBatch(reqs, q_lens, num_decode=len(decode))
+        return ScheduledBatch(reqs, q_lens, num_decode=len(decode),
+                              drafts=[planned.get(r, []) for r in reqs] if planned else None)
 
     def _gated(self, req: Request) -> bool:
         """Choices 1.. of an n > 1 request wait for choice 0's prompt pages; a
@@ -196,6 +230,7 @@ class Scheduler:
         alloc.share(hits)
         req.page_ids = hits + alloc.allocate(need)
         req.num_computed_tokens = computed
+        req.num_draft_computed = 0  # new pages: the draft model catches up from the start
         req.num_registered_pages = len(hits)
         if req.metrics.first_scheduled_time is None:
             req.metrics.num_cached_tokens = computed
