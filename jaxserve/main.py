@@ -28,6 +28,13 @@ Modes:
     the paths written. ``--model <that folder>`` then restores it straight
     into the mesh's shardings (in the quantization it was converted with).
 
+Speculative decoding (every mode that decodes; eval and convert ignore it):
+``--speculative_method ngram|draft`` with ``--num_speculative_tokens``,
+``--prompt_lookup_min/max`` (ngram), ``--draft_model`` /
+``--draft_quantization`` (draft) and ``--speculative_adaptive``, built into
+``EngineConfig.speculative``. The generate table then shows each request's
+acceptance rate and a line of engine totals.
+
 Flags live here only; the core takes ``jaxserve.config`` dataclasses. Bad
 input (unknown model, empty prompt, a prompt that is not valid Unicode,
 out-of-range sampling values, a busy port, unreadable TLS files) prints one
@@ -94,6 +101,22 @@ flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the mode
 flags.DEFINE_bool("async_scheduling", True, "Plan and launch step N+1 before step N's tokens "
                   "reach the host, so host work overlaps the device (same outputs; steps with "
                   "penalties or prompt logprobs run synchronously).")
+flags.DEFINE_enum("speculative_method", "none", ["none", "ngram", "draft"], "Speculative "
+                  "decoding: none, ngram (prompt lookup: drafts copied from earlier in the "
+                  "sequence) or draft (a second model, --draft_model). Outputs are the same as "
+                  "without it (greedy and seeded sampling alike).")
+flags.DEFINE_integer("num_speculative_tokens", 3, "speculation: most draft tokens verified per "
+                     "sequence per step (k); the policy picks 0..k each step.")
+flags.DEFINE_integer("prompt_lookup_min", 2, "speculation ngram: shortest n-gram matched.")
+flags.DEFINE_integer("prompt_lookup_max", 5, "speculation ngram: longest n-gram matched.")
+flags.DEFINE_string("draft_model", None, "speculation draft: 'self' (the target's own weights, "
+                    "typically with --draft_quantization) or any --model string; it must share "
+                    "the target's vocabulary.")
+flags.DEFINE_string("draft_quantization", "none", "speculation draft: the draft's weight format "
+                    "(as --quantization).")
+flags.DEFINE_bool("speculative_adaptive", True, "speculation: let the policy choose k per step "
+                  "from measured acceptance and step costs (off: always "
+                  "--num_speculative_tokens).")
 flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all when --mesh "
                      "is given, else one); the --mesh product must equal it.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
@@ -182,6 +205,29 @@ DEMO_PROMPTS = [
 ]
 
 
+def _speculative_config() -> dict | None:
+    """The ``LLM(speculative_config=...)`` dict of the speculation flags
+    (None when off), checked (``SpeculativeConfig``) before any model loads.
+
+    Raises:
+      ValueError: a bad value, or draft flags without ``--speculative_method draft``.
+    """
+    from jaxserve.config import SpeculativeConfig
+    if FLAGS.speculative_method == "none":
+        if FLAGS.draft_model is not None:
+            raise ValueError(f"--draft_model {FLAGS.draft_model!r} needs --speculative_method "
+                             f"draft")
+        return None
+    d = dict(method=FLAGS.speculative_method, num_speculative_tokens=FLAGS.num_speculative_tokens,
+             prompt_lookup_min=FLAGS.prompt_lookup_min, prompt_lookup_max=FLAGS.prompt_lookup_max,
+             draft_model=FLAGS.draft_model, draft_quantization=FLAGS.draft_quantization,
+             adaptive=FLAGS.speculative_adaptive)
+    if d["method"] == "draft" and not d["draft_model"]:
+        raise ValueError("--speculative_method draft needs --draft_model ('self' or a model)")
+    SpeculativeConfig(**d)  # raises on a bad value, naming the field
+    return d
+
+
 def _engine_args() -> dict:
     extra = {}
     if FLAGS.num_devices is not None:
@@ -200,6 +246,7 @@ def _engine_args() -> dict:
                 enable_prefix_caching=FLAGS.enable_prefix_caching,
                 enable_chunked_prefill=FLAGS.enable_chunked_prefill,
                 async_scheduling=FLAGS.async_scheduling,
+                speculative_config=_speculative_config(),
                 compilation_cache_dir=os.path.join(
                     os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
                     "xla"))
@@ -255,9 +302,11 @@ def _generate(llm, SamplingParams) -> None:
                               "prompt_tokens": len(o.prompt_token_ids),
                               "output_tokens": len(o.outputs[0].token_ids),
                               "cached_tokens": m.num_cached_tokens, "queue_ms": m.queue_ms,
-                              "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms}))
+                              "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
+                              **_spec_json(engine, m)}))
         return
-    _print_table([finals[r] for r in ids], wall, engine.runner.num_compilations)
+    _print_table([finals[r] for r in ids], wall, engine.runner.num_compilations,
+                 engine.stats() if engine.speculator is not None else None)
 
 
 def _stream(engine, ids: list[str], finals: dict) -> None:
@@ -286,15 +335,30 @@ def _stream(engine, ids: list[str], finals: dict) -> None:
                 print(f"[{rid}] <{comp.finish_reason}>", flush=True)
 
 
-def _print_table(outs, wall: float, compilations: int) -> None:
+def _spec_json(engine, m) -> dict:
+    """A request's speculation figures for ``--json`` (none when speculation is off)."""
+    if engine.speculator is None:
+        return {}
+    return {"draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens,
+            "acceptance_rate": m.spec_acceptance_rate}
+
+
+def _print_table(outs, wall: float, compilations: int, spec_stats=None) -> None:
+    """One row per request; ``spec_stats`` (an ``EngineStats``, speculation
+    on) adds each request's acceptance rate and a line of engine totals."""
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
+    spec = spec_stats is not None
     print(f"\n{'req':>4} {'prompt':>7} {'output':>7} {'cached':>7} {'queue ms':>9} "
-          f"{'TTFT ms':>9} {'TPOT ms':>8} {'E2E ms':>9}  finish")
+          f"{'TTFT ms':>9} {'TPOT ms':>8} {'E2E ms':>9}" + (f" {'accept':>7}" if spec else "")
+          + "  finish")
     for o in outs:
         m = o.metrics
         print(f"{o.request_id:>4} {len(o.prompt_token_ids):>7} {len(o.outputs[0].token_ids):>7} "
               f"{m.num_cached_tokens:>7} {fmt(m.queue_ms):>9} {fmt(m.ttft_ms):>9} "
-              f"{fmt(m.tpot_ms):>8} {fmt(m.e2e_ms):>9}  {o.outputs[0].finish_reason}")
+              f"{fmt(m.tpot_ms):>8} {fmt(m.e2e_ms):>9}"
+              + (f" {pct(m.spec_acceptance_rate):>7}" if spec else "")
+              + f"  {o.outputs[0].finish_reason}")
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"total: {len(outs)} requests, {n_in} prompt + {n_out} output tokens in {wall:.2f} s "
@@ -302,6 +366,19 @@ def _print_table(outs, wall: float, compilations: int) -> None:
           f"compilations, each step shape's first step waits for its own; --mode serve "
           f"compiles all of them first); "
           f"{n_out / wall:.1f} output tokens/s")
+    if spec:
+        print(_spec_summary(spec_stats))
+
+
+def _spec_summary(st) -> str:
+    """Engine totals of speculation (an ``EngineStats``), one line."""
+    rate = f"{100 * st.spec_num_accepted_tokens / st.spec_num_draft_tokens:.0f}%" \
+        if st.spec_num_draft_tokens else "-"
+    length = f"{st.spec_mean_acceptance_length:.2f}" if st.spec_num_drafts else "-"
+    return (f"speculation ({FLAGS.speculative_method}, k <= {FLAGS.num_speculative_tokens}): "
+            f"{st.spec_num_drafts} drafted rows, {st.spec_num_draft_tokens} draft tokens, "
+            f"{st.spec_num_accepted_tokens} accepted; acceptance rate {rate}, mean acceptance "
+            f"length {length} tokens per drafted row; latest k {st.spec_k}")
 
 
 def _bench(llm) -> None:
@@ -317,6 +394,8 @@ def _bench(llm) -> None:
     warm = throughput.run_once(engine, prompts, FLAGS.bench_output_len)
     print(throughput.format_result("timed run", warm))
     print(f"  new compilations in timed run: {warm.num_compilations - cold.num_compilations}")
+    if engine.speculator is not None:
+        print("  " + _spec_summary(engine.stats()) + " (both runs)")
 
 
 def _eval() -> None:
@@ -329,6 +408,9 @@ def _eval() -> None:
     ev.check_options(FLAGS.eval_context, FLAGS.eval_max_tokens)
     text, path = ev.load_text(FLAGS.eval_text)
     args = _engine_args()
+    if args.pop("speculative_config") is not None:
+        print("jaxserve: eval ignores --speculative_method (scoring runs no decode steps)",
+              file=sys.stderr, flush=True)
     if FLAGS.num_pages is None:  # one window's pages, not --kv_cache_mib of zeros per engine
         args["num_pages"] = cdiv(FLAGS.eval_context, FLAGS.page_size)
     llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **args)
@@ -356,7 +438,14 @@ def _serving_bench() -> None:
                  f"--enable_chunked_prefill={FLAGS.enable_chunked_prefill}",
                  "--quantization", FLAGS.quantization, "--quantization_group_size",
                  str(FLAGS.quantization_group_size), "--kv_cache_dtype", FLAGS.kv_cache_dtype]
-    for name in ("num_pages", "max_model_len", "mesh", "num_devices", "seed"):
+    if _speculative_config() is not None:
+        flag_args += ["--speculative_method", FLAGS.speculative_method,
+                      "--num_speculative_tokens", str(FLAGS.num_speculative_tokens),
+                      "--prompt_lookup_min", str(FLAGS.prompt_lookup_min),
+                      "--prompt_lookup_max", str(FLAGS.prompt_lookup_max),
+                      "--draft_quantization", FLAGS.draft_quantization,
+                      f"--speculative_adaptive={FLAGS.speculative_adaptive}"]
+    for name in ("num_pages", "max_model_len", "mesh", "num_devices", "seed", "draft_model"):
         if getattr(FLAGS, name) is not None:
             flag_args += [f"--{name}", str(getattr(FLAGS, name))]
     opts = suite.BenchOptions(
@@ -388,6 +477,7 @@ def _serving_bench() -> None:
 def _serve() -> None:
     from jaxserve.config import ServerConfig
     from jaxserve.server.serve import serve
+    _speculative_config()  # bad speculation flags fail before the port is bound
     token = os.environ.get("JAXSERVE_AUTH_TOKEN") or None
     if FLAGS.auth_token_file:
         try:
@@ -506,6 +596,7 @@ def main(argv) -> None:
         SamplingParams(max_tokens=1 if FLAGS.max_tokens is None else FLAGS.max_tokens,
                        temperature=FLAGS.temperature,
                        top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed)
+        _speculative_config()
         if FLAGS.prompt is not None and any(not p for p in FLAGS.prompt):
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
         for i, p in enumerate(FLAGS.prompt or ()):

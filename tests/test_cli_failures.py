@@ -187,3 +187,53 @@ def test_bad_quantization_flags_fail_before_weights_load(args, needles, smollm2_
     proc = _run([*args, "--prompt", "hi", "--max_tokens", "2"])
     _assert_one_error(proc, 2, *needles)
     assert "dequantizing GGUF tensors" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def other_vocab_gguf(tmp_path_factory):
+    """A tiny random GGUF like ``tiny_gguf`` but with 300 tokens, not 320."""
+    from checkpoints.tiny_gguf import write_tiny_gguf
+    from jaxserve.config import ModelConfig
+    path = tmp_path_factory.mktemp("vocab-300") / "tiny300.gguf"
+    write_tiny_gguf(path, ModelConfig(vocab_size=300, max_position_embeddings=512, num_layers=2))
+    return str(path)
+
+
+def test_unknown_speculative_method(tiny_gguf):
+    """An unknown method is absl's enum error, in the CLI's one-line form."""
+    p = _run(["--model", tiny_gguf, "--speculative_method", "medusa", "--prompt", "hi"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "speculative_method" in errors[0] and "medusa" in errors[0], \
+        p.stderr
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--speculative_method", "draft"], ["--speculative_method draft needs --draft_model"]),
+    (["--draft_model", "self"], ["--draft_model 'self' needs --speculative_method draft"]),
+    (["--speculative_method", "ngram", "--prompt_lookup_min", "4", "--prompt_lookup_max", "3"],
+     ["prompt_lookup_max (3) must be >= prompt_lookup_min (4)"]),
+    (["--speculative_method", "ngram", "--num_speculative_tokens", "0"],
+     ["num_speculative_tokens", "0"]),
+])
+@pytest.mark.parametrize("mode", ["generate", "serve"])
+def test_bad_speculation_flags_fail_before_weights_load(tiny_gguf, mode, args, needles):
+    """Bad speculation values end in one line before any tensor is read (a
+    server, before its port is bound)."""
+    base = ["--model", tiny_gguf, "--prompt", "hi", "--max_tokens", "2"] if mode == "generate" \
+        else _serve("--model", tiny_gguf)
+    proc = _run([*base, *args])
+    _assert_one_error(proc, 2, *needles)
+    assert "dequantizing GGUF tensors" not in proc.stderr
+    assert "gRPC on" not in proc.stderr
+
+
+def test_draft_with_another_vocabulary(tiny_gguf, other_vocab_gguf):
+    """A draft model whose vocabulary differs from the target's: one line
+    naming both sizes, before the draft's weights are read (only the
+    target's tensors are dequantized)."""
+    proc = _run(["--model", tiny_gguf, "--speculative_method", "draft", "--draft_model",
+                 other_vocab_gguf, "--prompt", "hi", "--max_tokens", "2"])
+    line = _assert_one_error(proc, 2, other_vocab_gguf, "300", "320", "vocabulary")
+    assert line.index("300") < line.index("320"), line  # the draft's, then the target's
+    assert proc.stderr.count("dequantizing GGUF tensors: 100%") == 1, proc.stderr
