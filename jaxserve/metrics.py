@@ -16,6 +16,12 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_request_aborted_total, jaxserve_request_failure_total,
               jaxserve_request_rejected_total{code}, jaxserve_request_received_total,
               jaxserve_engine_steps_total
+  speculative decoding (vLLM's spec_decode_* names; 0, and no per-position
+  series, without speculation):
+    counters  jaxserve_spec_decode_num_drafts_total, jaxserve_spec_decode_num_draft_tokens_total,
+              jaxserve_spec_decode_num_accepted_tokens_total,
+              jaxserve_spec_decode_num_accepted_tokens_per_pos_total{position} (0-based)
+    gauge     jaxserve_spec_decode_k (draft tokens per sequence the policy chose last)
 
 Running/waiting count sequences (one per choice), as the scheduler does.
 Each ``ServingMetrics`` owns its ``CollectorRegistry`` so several servers
@@ -94,6 +100,17 @@ class ServingMetrics:
         self.compilations = c("jaxserve_xla_compilations",
                               "XLA programs compiled (one per new bucket shape; each is kept "
                               "in memory).")
+        self.spec_drafts = c("jaxserve_spec_decode_num_drafts",
+                             "Speculative verification rows that carried drafts.")
+        self.spec_draft_tokens = c("jaxserve_spec_decode_num_draft_tokens",
+                                   "Speculative draft tokens verified.")
+        self.spec_accepted_tokens = c("jaxserve_spec_decode_num_accepted_tokens",
+                                      "Speculative draft tokens accepted.")
+        self.spec_accepted_per_pos = c("jaxserve_spec_decode_num_accepted_tokens_per_pos",
+                                       "Speculative draft tokens accepted, by draft position "
+                                       "(0-based).", ("position",))
+        self.spec_k = g("jaxserve_spec_decode_k", "Draft tokens per sequence the speculation "
+                        "policy chose for the latest step (0: not speculating).")
         self._last = None
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:
@@ -112,10 +129,19 @@ class ServingMetrics:
                                (self.prefix_queries, "prefix_cache_queries"),
                                (self.preemptions, "num_preemptions"),
                                (self.steps, "num_steps"),
-                               (self.compilations, "num_compilations")):
+                               (self.compilations, "num_compilations"),
+                               (self.spec_drafts, "spec_num_drafts"),
+                               (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                               (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
             delta = getattr(stats, field) - (getattr(last, field) if last else 0)
             if delta > 0:
                 counter.inc(delta)
+        before = last.spec_accepted_per_position if last else ()
+        for pos, n in enumerate(stats.spec_accepted_per_position):
+            delta = n - (before[pos] if pos < len(before) else 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(str(pos)).inc(delta)
+        self.spec_k.set(stats.spec_k)
         self._last = stats
 
     def observe_finished(self, out) -> None:
