@@ -420,3 +420,46 @@ def test_bearer_token_and_tls(tiny_gguf, tmp_path):
             assert c.model_info().vocab_size == 320
     finally:
         assert s.terminate() == 0
+
+
+SPEC = dict(method="ngram", num_speculative_tokens=3, adaptive=False)
+
+
+def test_speculating_server_reports_drafts_in_usage(tiny_gguf, reference):
+    """A server started with the speculation flags (ngram, k = 3 every step)
+    streams the tokens a plain engine makes, and each final message's usage
+    carries the request's draft and accepted token counts: those of an
+    in-process ``LLM(speculative_config=...)`` over the same file and
+    requests, run one at a time (so k and every draft are the same). The
+    ``/metrics`` counters add up to them."""
+    from jaxserve import LLM
+    from conftest import XLA_CACHE
+    reqs = [dict(request_id="rep", token_ids=[11, 12, 13, 14] * 6, max_tokens=24,
+                 temperature=0.0, ignore_eos=True),
+            dict(request_id="seeded", token_ids=[40, 41, 42] * 5, max_tokens=20,
+                 temperature=0.5, seed=8, ignore_eos=True),  # sampled: most drafts rejected
+            dict(request_id="short", token_ids=[5, 6, 7], max_tokens=16, temperature=0.0)]
+    spec_llm = LLM(tiny_gguf, num_pages=1024, page_size=8, compilation_cache_dir=XLA_CACHE,
+                   speculative_config=SPEC)
+    want_spec = [_expected(spec_llm, [r])[0] for r in reqs]
+    want_plain = _expected(reference, reqs)
+    s = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS, "--speculative_method", "ngram",
+                       "--num_speculative_tokens", "3", "--nospeculative_adaptive"])
+    try:
+        with Client(s.target) as c:
+            got = [c.complete(**r) for r in reqs]
+        metrics = _wait_idle(s)
+    finally:
+        assert s.terminate() == 0
+    for r, g, ws, wp in zip(reqs, got, want_spec, want_plain):
+        assert g.token_ids == ws.outputs[0].token_ids == wp.outputs[0].token_ids, r
+        assert (g.usage.num_draft_tokens, g.usage.num_accepted_tokens) == (
+            ws.metrics.num_draft_tokens, ws.metrics.num_accepted_tokens), r
+        assert 0 <= g.usage.num_accepted_tokens <= g.usage.num_draft_tokens
+    assert all(g.usage.num_draft_tokens > 0 for g in got)  # each one speculated
+    assert got[0].usage.num_accepted_tokens > 0
+    assert metrics["jaxserve_spec_decode_num_draft_tokens_total"] == sum(
+        g.usage.num_draft_tokens for g in got)
+    assert metrics["jaxserve_spec_decode_num_accepted_tokens_total"] == sum(
+        g.usage.num_accepted_tokens for g in got)
+    assert metrics["jaxserve_spec_decode_k"] == 3

@@ -326,7 +326,9 @@ def main(argv=None) -> int:
         print(f"[{last.completions[0].finish_reason if last.completions else ''}] "
               f"prompt {u.prompt_tokens}, output {u.completion_tokens}, cached "
               f"{u.cached_tokens} tokens; queue {t.queue_ms:.0f} ms, TTFT {t.ttft_ms:.0f} ms, "
-              f"TPOT {t.tpot_ms:.1f} ms, E2E {t.e2e_ms:.0f} ms", file=sys.stderr)
+              f"TPOT {t.tpot_ms:.1f} ms, E2E {t.e2e_ms:.0f} ms" + (
+                  f"; drafts {u.num_accepted_tokens}/{u.num_draft_tokens} accepted"
+                  if u.num_draft_tokens else ""), file=sys.stderr)
     return 0
 
 

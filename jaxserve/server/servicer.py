@@ -304,7 +304,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             resp.usage.CopyFrom(pb.Usage(
                 prompt_tokens=len(out.prompt_token_ids),
                 completion_tokens=sum(len(c.token_ids) for c in out.outputs),
-                cached_tokens=m.num_cached_tokens))
+                cached_tokens=m.num_cached_tokens, num_draft_tokens=m.num_draft_tokens,
+                num_accepted_tokens=m.num_accepted_tokens))
             resp.timing.CopyFrom(pb.Timing(queue_ms=m.queue_ms or 0.0, ttft_ms=m.ttft_ms or 0.0,
                                            tpot_ms=m.tpot_ms or 0.0, e2e_ms=m.e2e_ms or 0.0))
         return resp
@@ -372,7 +373,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         m = last.metrics if last is not None else None
         resp.usage.CopyFrom(pb.Usage(
             prompt_tokens=prompt_len, completion_tokens=sum(len(c.token_ids) for c in outs),
-            cached_tokens=m.num_cached_tokens if m else 0))
+            cached_tokens=m.num_cached_tokens if m else 0,
+            num_draft_tokens=m.num_draft_tokens if m else 0,
+            num_accepted_tokens=m.num_accepted_tokens if m else 0))
         resp.timing.CopyFrom(pb.Timing(
             queue_ms=(m.queue_ms or 0.0) if m else 0.0, ttft_ms=(m.ttft_ms or 0.0) if m else 0.0,
             e2e_ms=(time.monotonic() - arrival_time) * 1e3))
