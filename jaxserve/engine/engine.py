@@ -197,10 +197,11 @@ class Engine:
         num_pages = cache.num_pages or max(1, cache.memory_bytes // page_bytes)
         self.allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
+        # Speculation: a full batch still has max_num_seqs sampling rows for drafts.
+        rows = config.scheduler.max_num_seqs * (2 if config.speculative.method else 1)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
                                   max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-                                  max_num_seqs=config.scheduler.max_num_seqs,
-                                  mesh=self.mesh, rules=sharding_rules)
+                                  max_num_seqs=rows, mesh=self.mesh, rules=sharding_rules)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset([tokenizer.eos_token_id]) if tokenizer is not None
             and tokenizer.eos_token_id is not None else frozenset())
@@ -387,7 +388,11 @@ class Engine:
         Raises:
           MultihostError: a multi-host step failed.
         """
-        return self.runner.warmup(self.step_token_counts(), on_compiled)
+        n = self.runner.warmup(self.step_token_counts(), on_compiled)
+        draft = self.speculator.draft if self.speculator is not None else None
+        if draft is not None:  # the draft model's steps have the same token counts
+            n += draft.runner.warmup(self.step_token_counts())
+        return n
 
     # ---- multi-host ---------------------------------------------------------
 
