@@ -135,11 +135,11 @@ def test_greedy_alone_equals_speculation_off(llm, reference):
 def test_greedy_chunked_prefill_and_tp2(tiny_parts, draft_parts, method):
     chunked = make(tiny_parts, draft_parts, method, 3, max_num_batched_tokens=16)
     with spec_off(chunked):
-        ref = tokens(chunked.generate(PROMPTS[:8], greedy(16)))
-    assert tokens(chunked.generate(PROMPTS[:8], greedy(16))) == ref
+        ref = tokens(chunked.generate(PROMPTS, greedy(24)))
+    assert tokens(chunked.generate(PROMPTS, greedy(24))) == ref
     assert chunked.engine.stats().spec_num_accepted_tokens > 0
     tp2 = make(tiny_parts, draft_parts, method, 3, mesh="tp=2", devices=jax.devices()[:2])
-    assert tokens(tp2.generate(PROMPTS[:8], greedy(16))) == ref
+    assert tokens(tp2.generate(PROMPTS, greedy(24))) == ref
     assert tp2.engine.stats().spec_num_accepted_tokens > 0
 
 
@@ -296,7 +296,7 @@ def test_stop_strings_inside_accepted_runs(tiny_gguf):
 
 
 def test_random_aborts_leak_no_page(tiny_parts, draft_parts):
-    llm = make(tiny_parts, draft_parts, "draft", 3, num_pages=64, max_num_seqs=8)
+    llm = make(tiny_parts, draft_parts, "draft", 2, num_pages=64, max_num_seqs=8)
     e = llm.engine
     rng = np.random.default_rng(7)
     live, aborted, n = [], 0, 0
@@ -308,7 +308,7 @@ def test_random_aborts_leak_no_page(tiny_parts, draft_parts):
         for o in e.step():
             if o.finished and o.request_id in live:
                 live.remove(o.request_id)
-        if live:
+        for _ in range(min(2, len(live))):  # mid-speculation: between a verify and the next
             rid = live.pop(int(rng.integers(len(live))))
             e.abort(rid)
             aborted += 1
@@ -327,18 +327,20 @@ def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, d
     policy = SpecPolicy(3, method="draft", cost_fn=lambda T: 1.0 + max(0, T - 16) / 16,
                         draft_cost_fn=lambda rows: 0.02)
     llm = LLM(compilation_cache_dir=XLA_CACHE, num_pages=256, page_size=8, max_num_seqs=24,
-              max_num_batched_tokens=64, spec_policy=policy, draft_parts=draft_parts,
+              max_num_batched_tokens=32, spec_policy=policy, draft_parts=draft_parts,
               speculative_config=dict(method="draft", model="tiny-noisy",
                                       num_speculative_tokens=3), **tiny_parts)
     e = llm.engine
-    e.warmup()
+    for runner in (e.runner, e.speculator.draft.runner):  # every step shape, no logprobs
+        for T in e.step_token_counts():
+            runner._execute_plan(runner.empty_plan(T))
     llm.generate(PROMPTS[:2], greedy(8))  # first use of anything else (e.g. fresh host state)
     compiled = (e.runner.num_compilations, e.speculator.draft.runner.num_compilations)
 
     def ks_while_decoding(num_requests):
         rng = np.random.default_rng(num_requests)
         for _ in range(num_requests):
-            e.add_request(None, list(map(int, rng.integers(2, 256, 8))), greedy(12))
+            e.add_request(None, list(map(int, rng.integers(2, 256, 8))), greedy(40))
         seen = []
         while e.has_unfinished_requests():
             e.step()
@@ -350,8 +352,8 @@ def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, d
     small = ks_while_decoding(1)
     assert all(k > 0 for rows, k in small if rows == 1)
     big = ks_while_decoding(24)
-    assert any(rows == 24 and k == 0 for rows, k in big)
-    assert all(k == 0 for rows, k in big if rows >= 20)
+    assert any(rows == 24 for rows, k in big)
+    assert all(k == 0 for rows, k in big if rows >= 20), big
     again = ks_while_decoding(1)
     assert all(k > 0 for rows, k in again if rows == 1)
     assert (e.runner.num_compilations, e.speculator.draft.runner.num_compilations) == compiled
