@@ -185,3 +185,27 @@ def test_serving_bench_json_names_quantization_and_weight_bytes(tmp_path):
     with open(paths[1]) as f:
         md = f.read()
     assert "weights int8, KV cache int8: " in md and "MB of weights as stored" in md
+
+
+def test_inprocess_driver_reports_speculation():
+    from conftest import XLA_CACHE
+    from jaxserve import LLM
+    from jaxserve.bench import serving, suite
+    from jaxserve.bench.workloads import make_requests
+    engine = LLM(model_config=ModelConfig(vocab_size=256), params=None, page_size=8,
+                 num_pages=128, compilation_cache_dir=XLA_CACHE,  # random weights: loops
+                 speculative_config=dict(method="ngram", num_speculative_tokens=3,
+                                         adaptive=False)).engine
+    reqs = make_requests(None, 256, "chat", 4, seed=1, scale=0.1)
+    s0 = engine.stats()
+    run = serving.run_inprocess(engine, reqs, concurrency=4)
+    s1 = engine.stats()
+    assert [r.output_tokens for r in run.records] == [q.output_len for q in reqs]
+    sp = run.spec_dict()
+    assert sp["draft_tokens"] == s1.spec_num_draft_tokens - s0.spec_num_draft_tokens > 0
+    assert sp["accepted_tokens"] == s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+    assert sp["acceptance_rate"] == sp["accepted_tokens"] / sp["draft_tokens"]
+    assert sp["mean_acceptance_length"] == 1 + sp["accepted_tokens"] / sp["drafts"]
+    lv = suite._level_dict(run, {})
+    assert lv["speculation"] == sp
+    assert serving.LevelRun(1, 1.0, [], [], [], 0, 0, 0, 0, None, 0.0).spec_dict() is None

@@ -128,6 +128,17 @@ def markdown(result: dict) -> str:
             f"{_f(lv['prefix_cache']['hit_rate'], '{:.1%}')} | {lv['preemptions']} | "
             f"{_f(lv['compilations'], '{}')} | "
             f"{_f((lv.get('device') or {}).get('idle_fraction'), '{:.1%}')} |")
+    spec = [lv for lv in result["levels"] if lv.get("speculation")]
+    if spec:
+        lines += ["", "Speculative decoding (drafts verified in the level; mean acceptance "
+                  "length = 1 + accepted / verification rows):", "",
+                  "| C | rows with drafts | draft tokens | accepted | acceptance rate | "
+                  "mean acceptance length |", "|" + "---:|" * 6]
+        for lv in spec:
+            sp = lv["speculation"]
+            lines.append(f"| {lv['concurrency']} | {sp['drafts']} | {sp['draft_tokens']} | "
+                         f"{sp['accepted_tokens']} | {sp['acceptance_rate']:.1%} | "
+                         f"{_f(sp['mean_acceptance_length'], '{:.2f}')} |")
     for lv in result["levels"]:
         if lv.get("reruns"):
             lines += ["", f"C={lv['concurrency']} was run {lv['reruns'] + 1} times: XLA "

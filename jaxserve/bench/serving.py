@@ -71,6 +71,9 @@ class LevelRun:
         ``idle_ms`` and ``host_ms`` summed, s (in-process; 0 over gRPC).
       overlapped_steps: steps whose successor was launched before their
         results were read (async scheduling).
+      spec_drafts, spec_draft_tokens, spec_accepted_tokens: speculative
+        decoding during the level (rows that verified drafts, drafts
+        verified, drafts accepted; 0 without speculation).
     """
 
     concurrency: int
@@ -88,6 +91,21 @@ class LevelRun:
     idle_s: float = 0.0
     host_s: float = 0.0
     overlapped_steps: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    def spec_dict(self) -> dict | None:
+        """The level's speculation figures for the JSON (None without drafts):
+        acceptance rate (accepted / drafted tokens) and mean acceptance
+        length (1 + accepted / verification rows, vLLM's)."""
+        if not self.spec_draft_tokens:
+            return None
+        return {"drafts": self.spec_drafts, "draft_tokens": self.spec_draft_tokens,
+                "accepted_tokens": self.spec_accepted_tokens,
+                "acceptance_rate": self.spec_accepted_tokens / self.spec_draft_tokens,
+                "mean_acceptance_length": 1 + self.spec_accepted_tokens / self.spec_drafts
+                if self.spec_drafts else None}
 
     @property
     def idle_fraction(self) -> float | None:
@@ -200,7 +218,9 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
                     s1.prefix_cache_queries - s0.prefix_cache_queries,
                     s1.num_preemptions - s0.num_preemptions,
                     engine.runner.num_compilations - comp0, t0, device_s, idle_s, host_s,
-                    overlapped)
+                    overlapped, s1.spec_num_drafts - s0.spec_num_drafts,
+                    s1.spec_num_draft_tokens - s0.spec_num_draft_tokens,
+                    s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens)
 
 
 # ---- gRPC ----------------------------------------------------------------------
@@ -334,4 +354,7 @@ async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
                     int(m1.get("jaxserve_kv_cache_pages_total", 0)),
                     d("jaxserve_cached_prompt_tokens_total"),
                     d("jaxserve_prefix_cache_queries_total"),
-                    d("jaxserve_num_preemptions_total"), None, t0)
+                    d("jaxserve_num_preemptions_total"), None, t0,
+                    spec_drafts=d("jaxserve_spec_decode_num_drafts_total"),
+                    spec_draft_tokens=d("jaxserve_spec_decode_num_draft_tokens_total"),
+                    spec_accepted_tokens=d("jaxserve_spec_decode_num_accepted_tokens_total"))

@@ -170,6 +170,7 @@ def _level_dict(run: serving.LevelRun, slo: dict) -> dict:
         "compilations": run.compilations,
         "num_steps": len(run.steps) if run.steps else None,
         "device": run.device_dict(),
+        "speculation": run.spec_dict(),
         "requests": [_request_dict(r, run.t0) for r in run.records],
     }
 

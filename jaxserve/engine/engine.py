@@ -10,6 +10,11 @@ before, so the host's scheduling and detokenizing overlap the device
 outputs of one step, the same outputs as synchronous steps give, and no
 threads are involved.
 
+With ``EngineConfig.speculative`` set, ``jaxserve.engine.speculation``
+plans the steps (drafts for decoding sequences, verified in the same ragged
+step) and ``_process`` takes every accepted token of a row; its module
+docstring has the design.
+
 A user request is a group of ``n`` sequences (``Request``), one per choice;
 outputs are reported per group, one ``RequestOutput`` per step in which any
 of its choices changed.

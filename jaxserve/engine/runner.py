@@ -16,7 +16,9 @@ program is added.
 
 A step's static dimensions are only its token count T and row count S
 (``shapes.py``): T is the step's tokens rounded up a ladder with under 25%
-padding, S = min(T, ladder(max_num_seqs)); the mix of decode rows and prefill
+padding, S = min(T, ladder(max_num_seqs)) (2 x max_num_seqs for a speculating
+engine, whose sampled positions, "slots", are one per row plus one per draft
+token: ``StepPlan.row_slots``); the mix of decode rows and prefill
 chunks, the kv lengths and the pages are device values that the attention
 loops over. The page table is always ``pages_per_row`` wide. So one program
 per T serves decode and mixed steps alike (a decode step of n rows is T = S =
