@@ -61,7 +61,15 @@ unknown: above the data speculation looks free, below it plain decoding
 looks cheap, so whichever is unmeasured gets chosen once and measured, and
 the policy can never stay on only because it never saw what k = 0 costs.
 With no sample at all cost is flat in T (bandwidth-bound decode) and the
-draft cost is taken as 0, so speculation is tried first.
+draft cost is taken as 0, so speculation is tried first. A bucket with
+fewer than 3 samples may lower a prediction but not raise it (the
+prediction is the smaller of the fit over all buckets and the fit over the
+trusted ones): one stray slow verification step, seen once before the
+policy turned off, would otherwise price speculation out for good, since
+while off that bucket is never measured again (seen on SmolLM2: a first
+4-token step of 140 ms against 48 ms after; the policy then stayed at k = 0
+for a whole copy workload). A bucket that is truly slow is measured 3 times
+and then trusted.
 
 *Draft cost* draft_cost(R), seconds for one draft token of R rows:
 ``draft_cost_fn`` if given, else learned the same way from
@@ -111,6 +119,7 @@ _OFF_DECAY = 0.99  # per choose_k while off with no fresh observation
 _COST_EMA_MIN_WEIGHT = 1.0 / 8  # running mean for 8 samples, then EMA 1/8
 _COST_CLIP_AFTER = 3  # samples before new ones are clipped to [1/2, 2] x estimate
 _COST_FIT_WEIGHT_CAP = 16  # isotonic weight of a bucket: its sample count, capped
+_COST_TRUST = 3  # samples before a bucket's estimate may raise a prediction
 _MIN_SECONDS = 1e-12  # floor of a predicted cost, so tps never divides by zero
 
 
@@ -279,24 +288,39 @@ class _CostCurve:
             est[0] += (seconds - est[0]) * max(1.0 / est[1], _COST_EMA_MIN_WEIGHT)
         self._fit = None
 
-    def _fitted(self) -> tuple[list[int], list[float]]:
+    @staticmethod
+    def _isotonic(est: dict) -> tuple[list[int], list[float]]:
         """Weighted pool-adjacent-violators over the buckets, ascending."""
+        blocks: list[list[float]] = []  # [value, weight, num buckets pooled]
+        xs = sorted(est)
+        for x in xs:
+            value, n = est[x]
+            blocks.append([value, min(n, _COST_FIT_WEIGHT_CAP), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                v2, w2, c2 = blocks.pop()
+                v1, w1, c1 = blocks[-1]
+                blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+        return xs, [v for v, _, c in blocks for _ in range(c)]
+
+    def _fitted(self) -> tuple:
+        """The fit over every bucket, and the fit over the trusted ones
+        (>= ``_COST_TRUST`` samples; None when none or all are)."""
         if self._fit is None:
-            blocks: list[list[float]] = []  # [value, weight, num buckets pooled]
-            xs = sorted(self._est)
-            for x in xs:
-                value, n = self._est[x]
-                blocks.append([value, min(n, _COST_FIT_WEIGHT_CAP), 1])
-                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                    v2, w2, c2 = blocks.pop()
-                    v1, w1, c1 = blocks[-1]
-                    blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
-            ys = [v for v, _, c in blocks for _ in range(c)]
-            self._fit = (xs, ys)
+            trusted = {x: e for x, e in self._est.items() if e[1] >= _COST_TRUST}
+            self._fit = (self._isotonic(self._est),
+                         self._isotonic(trusted) if 0 < len(trusted) < len(self._est)
+                         else None)
         return self._fit
 
     def __call__(self, count: int) -> float:
-        xs, ys = self._fitted()
+        full, trusted = self._fitted()
+        value = self._interpolate(*full, count)
+        if trusted is not None:  # a bucket of 1-2 samples may only lower the estimate
+            value = min(value, self._interpolate(*trusted, count))
+        return value
+
+    @staticmethod
+    def _interpolate(xs, ys, count: int) -> float:
         b = bucket(max(1, count))
         if b <= xs[0]:
             return ys[0] * b / xs[0]
