@@ -3,9 +3,9 @@ greedy tokens with ``ngram`` and ``draft`` at k = 1, 3, 5 equal speculation
 off (alone, batched, n > 1, prefix-cache hits, chunked prefill, tp=2, the
 Pallas kernels in interpret mode); sampled tokens follow the target's
 distribution (a total-variation test that catches an accept-everything
-sampler); seeded requests are reproducible; stops, EOS and max_tokens inside
-an accepted run end the output at the right token; random aborts leak no
-page; and the policy turns k off as the batch grows and back on when it
+sampler); seeded requests are reproducible; logprobs are the target's;
+stops, EOS and max_tokens inside an accepted run end the output at the right
+token; preemption and random aborts leak no page; and the policy turns k off as the batch grows and back on when it
 shrinks without compiling anything new.
 
 The target is the tiny random HF Llama of ``conftest`` (varied greedy
@@ -128,6 +128,38 @@ def test_greedy_alone_equals_speculation_off(llm, reference):
     set_k(llm, 3)
     for p, ref in zip(PROMPTS[::3], reference[::3]):
         assert tokens(llm.generate([p], greedy(24))) == [ref]
+    assert_idle(llm.engine)
+
+
+def test_logprobs_are_the_targets(llm):
+    set_k(llm, 3)
+    p = greedy(16, logprobs=2)
+    with spec_off(llm):
+        ref = llm.generate(PROMPTS[:4], p)
+    before = llm.engine.stats().spec_num_accepted_tokens
+    got = llm.generate(PROMPTS[:4], p)
+    assert llm.engine.stats().spec_num_accepted_tokens > before
+    for a, b in zip(got, ref):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        for la, lb in zip(ca.logprobs, cb.logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].rank == lb[t].rank
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-5)
+
+
+def test_preemption_under_speculation(tiny_parts, draft_parts):
+    """14 pages of 8 tokens for five prompts of 32 new tokens (27 pages):
+    sequences are preempted, drafts' pages included, and recomputed."""
+    llm = make(tiny_parts, draft_parts, "draft", 3, num_pages=14)
+    prompts = PROMPTS[:5]
+    with spec_off(llm):
+        ref = tokens(llm.generate(prompts, greedy(32)))
+    before = llm.engine.stats().num_preemptions
+    assert tokens(llm.generate(prompts, greedy(32))) == ref
+    st = llm.engine.stats()
+    assert st.num_preemptions > before and st.spec_num_accepted_tokens > 0
     assert_idle(llm.engine)
 
 
