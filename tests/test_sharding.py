@@ -141,11 +141,11 @@ def test_llm_rejects_bad_mesh_before_loading(mesh, match):
 
 
 def test_llm_rejects_tp_not_dividing_mlp_before_weights_reach_devices(tiny_parts, monkeypatch):
-    import jaxserve.engine.engine as engine_mod
+    from jaxserve.models import llama
 
     def fail(*a, **k):
         raise AssertionError("weights were loaded before the mesh check")
-    monkeypatch.setattr(engine_mod.llama, "load_params", fail)
+    monkeypatch.setattr(llama, "load_params", fail)
     with pytest.raises(ValueError, match=r"tp=3 does not divide .*intermediate_size=160"):
         LLM(mesh="tp=3", devices=devices(3), **tiny_parts)
 
