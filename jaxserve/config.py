@@ -348,6 +348,9 @@ class ServerConfig:
       port: gRPC port; 0 picks a free one (printed at start-up).
       metrics_port: Prometheus ``/metrics`` HTTP port on ``host``; 0 picks a
         free one, None turns the endpoint off.
+      http_port: the OpenAI-compatible HTTP API (``jaxserve.server.http``)
+        on ``host``, same engine; 0 picks a free one, None turns it off.
+      max_http_body_bytes: largest HTTP request body; beyond it 413.
       max_waiting_requests: requests allowed to wait for their first step;
         beyond it ``Generate`` answers RESOURCE_EXHAUSTED.
       max_prompt_len: longest prompt accepted, tokens (None: max_model_len - 1).
@@ -362,6 +365,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = 8000
+    http_port: int | None = None
+    max_http_body_bytes: int = 16 << 20
     max_waiting_requests: int = 256
     max_prompt_len: int | None = None
     max_message_bytes: int = 16 << 20
@@ -371,13 +376,14 @@ class ServerConfig:
     auth_token: str | None = None
 
     def __post_init__(self):
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v < 65536):
                 raise ValueError(f"{name} must be in [0, 65536), got {v!r}")
         _positive("max_waiting_requests", self.max_waiting_requests)
         _positive("max_prompt_len", self.max_prompt_len, allow_none=True)
         _positive("max_message_bytes", self.max_message_bytes)
+        _positive("max_http_body_bytes", self.max_http_body_bytes)
         if not self.grace_period_s > 0:
             raise ValueError(f"grace_period_s must be > 0, got {self.grace_period_s!r}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -13,7 +13,8 @@ Modes:
     peers (HF transformers, llama.cpp) side by side, written to ``--output``
     as JSON, Markdown and PNG plots.
 
-  serve: the gRPC server (``jaxserve.server``): ``--host``, ``--port``,
+  serve: the gRPC server (``jaxserve.server``) and, with ``--http_port``, the
+    OpenAI HTTP API on the same engine: ``--host``, ``--port``,
     ``--metrics_port``, TLS, bearer token, queue bound, grace period.
   eval: perplexity of ``--model`` in the given ``--quantization`` /
     ``--kv_cache_dtype`` over a held-out text, and the KL divergence of its
@@ -172,11 +173,13 @@ flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind (loopback by de
 flags.DEFINE_integer("port", 50051, "serve: gRPC port; 0 picks a free one (printed).")
 flags.DEFINE_integer("metrics_port", 8000,
                      "serve: Prometheus /metrics port; 0 picks a free one, -1 turns it off.")
+flags.DEFINE_integer("http_port", -1, "serve: OpenAI-compatible HTTP API port (/v1/completions, "
+                     "/v1/chat/completions, ...); 0 picks a free one, -1 turns it off.")
 flags.DEFINE_integer("max_waiting_requests", 256,
                      "serve: sequences allowed to wait; beyond it RESOURCE_EXHAUSTED.")
 flags.DEFINE_integer("max_prompt_len", None, "serve: longest prompt, tokens "
                      "(default max_model_len - 1).")
-flags.DEFINE_integer("max_message_mib", 16, "serve: largest gRPC message, MiB.")
+flags.DEFINE_integer("max_message_mib", 16, "serve: largest gRPC message or HTTP body, MiB.")
 flags.DEFINE_float("grace_period_s", 30.0, "serve: on SIGTERM, seconds running requests get "
                    "to finish before they are aborted.")
 flags.DEFINE_string("tls_cert", None, "serve: PEM certificate chain (TLS with --tls_key).")
@@ -489,6 +492,8 @@ def _serve() -> None:
     config = ServerConfig(
         host=FLAGS.host, port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
+        http_port=None if FLAGS.http_port < 0 else FLAGS.http_port,
+        max_http_body_bytes=FLAGS.max_message_mib << 20,
         max_waiting_requests=FLAGS.max_waiting_requests, max_prompt_len=FLAGS.max_prompt_len,
         max_message_bytes=FLAGS.max_message_mib << 20, grace_period_s=FLAGS.grace_period_s,
         tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, auth_token=token)
