@@ -12,7 +12,9 @@ The detokenizer sees output ids only, never the prompt: if the prompt ends
 inside a multi-byte character, the output's leading continuation bytes decode
 to U+FFFD, exactly as ``tokenizer.decode(output_ids)`` does.
 
-Stop strings (vLLM semantics, ``include_stop_str_in_output=False``):
+Stop strings (vLLM semantics; with ``include_stop_str=True``, vLLM's
+``include_stop_str_in_output``, the cut falls after the matched stop string
+instead of before it):
 
 - a stop string matches anywhere in the text, as a raw substring: across token
   boundaries, inside one token, inside a word ("the" stops "there");
@@ -39,13 +41,19 @@ class IncrementalDetokenizer:
     cut before the first stop string matched.
 
     Args:
-      tokenizer: object with ``decode(ids, skip_special_tokens=True) -> str``,
+      tokenizer: object with ``decode(ids, skip_special_tokens: bool) -> str``,
         or None (text stays empty; token ids still flow).
       stop: stop strings (non-empty; empty ones are ignored).
+      skip_special_tokens: leave special tokens (EOS, chat markers) out of
+        the text (vLLM's default True).
+      include_stop_str: keep the matched stop string at the end of the text.
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop_str: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids[prefix_offset:read_offset]: context window
@@ -57,7 +65,7 @@ class IncrementalDetokenizer:
         self.finished = False
 
     def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _read(self, final: bool) -> int:
         """Extend ``text`` with the decode of the unread ids; return its old length."""
@@ -98,7 +106,7 @@ class IncrementalDetokenizer:
             # The hold-back kept text[best:n_before] (a proper prefix of the
             # stop string) unemitted, so nothing streamed is cut.
             assert best >= self.emitted, (best, self.emitted)
-            self.text = self.text[:best]
+            self.text = self.text[:best + (len(self.stopped_on) if self.include_stop_str else 0)]
 
     def _flush(self, final: bool) -> str:
         end = len(self.text)

@@ -322,7 +322,8 @@ class Engine:
             seqs[0].prompt_logprobs = [None]
         self._groups[request_id] = _Group(
             request_id, text, ids, params, seqs,
-            [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs], metrics)
+            [IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                    params.include_stop_str_in_output) for _ in seqs], metrics)
         for r in seqs:
             self.scheduler.add(r)
         return request_id

@@ -64,6 +64,10 @@ class SamplingParams:
       repetition_penalty: > 0; 1 is off. Tokens seen in the prompt or output
         have their logit divided by it when positive, multiplied when negative
         (Keskar et al. 2019, CTRL; HF ``RepetitionPenaltyLogitsProcessor``).
+      skip_special_tokens: leave special tokens out of the output text
+        (token ids keep them).
+      include_stop_str_in_output: the text ends with the stop string that
+        matched instead of just before it.
 
     Raises:
       ValueError: naming the field and value, from ``__post_init__``.
@@ -85,6 +89,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         def bad(field, why):
@@ -131,6 +137,9 @@ class SamplingParams:
         if not isinstance(self.repetition_penalty, (int, float)) \
                 or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be a finite number > 0")
+        for f in ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be a bool")
 
     @property
     def has_penalties(self) -> bool:

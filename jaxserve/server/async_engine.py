@@ -115,6 +115,7 @@ class AsyncEngine:
         self.num_steps = 0         # engine thread: steps run
         self.num_in_flight = 0     # asyncio thread: streams not yet finished
         self._open: set[_Stream] = set()  # asyncio thread: those streams
+        self._adding: set[asyncio.Future] = set()  # asyncio thread: adds not yet applied
 
     # ---- asyncio side -------------------------------------------------------
 
@@ -169,6 +170,7 @@ class AsyncEngine:
 
         Raises (before any output):
           ValueError: from ``check_limits`` and ``Engine.add_request``'s checks.
+          StreamAborted: ``abort_all`` ran before the engine thread took it.
           QueueFullError: too many sequences cannot start (``check_queue``).
           ShuttingDownError: after ``stop_accepting``.
         """
@@ -180,11 +182,14 @@ class AsyncEngine:
         self._submitted += params.n
         self._commands.put(("add", engine_id, prompt_ids, params, stream, added,
                             arrival_time if arrival_time is not None else time.monotonic()))
+        self._adding.add(added)
         try:
             await added  # raises ValueError from add_request
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, StreamAborted):
             self.abort(stream)  # applied after the add: commands run in order
             raise
+        finally:
+            self._adding.discard(added)
         self.num_in_flight += 1
         self._open.add(stream)
         return RequestStream(self, stream)
@@ -199,8 +204,12 @@ class AsyncEngine:
         """Abort every request in flight (shutdown after the grace period).
 
         Each open stream ends at once with ``StreamAborted`` (even while the
-        engine thread is inside a long step); the engine frees the requests
-        before its next step. Call from the event loop's thread."""
+        engine thread is inside a long step), and so does each ``generate``
+        still waiting for the engine thread to take its request; the engine
+        frees the requests before its next step. Call from the event loop's
+        thread."""
+        for added in list(self._adding):
+            _set_exception(added, StreamAborted("aborted: the server is shutting down"))
         self._commands.put(("abort_all",))
         for stream in self._open:
             if not stream.done:

@@ -27,6 +27,12 @@ thread is inside a long step. Only then does the gRPC server stop (refusing
 connections), and the process exits 0 (``os._exit``, skipping the slow
 interpreter teardown) within the grace period.
 
+With ``--http_port`` the OpenAI-compatible HTTP API (``jaxserve.server.http``)
+is served from the same loop and engine: bound with the gRPC port (its line
+``jaxserve: HTTP on http://host:port`` comes first), ``/health`` 503 until
+the model is served and again while draining, its streams drained, aborted
+and closed with the gRPC ones.
+
 Multi-host (``--multihost``, process 0): the engine broadcasts every step to
 the other processes (``jaxserve.engine.multihost``). At shutdown process 0
 sends them STOP and leaves the job; when a step fails because a process died,
@@ -57,6 +63,7 @@ from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.checks import add_generation_servicer
+from jaxserve.server.http import OpenAIServer
 from jaxserve.server.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
@@ -215,6 +222,8 @@ class Server:
         self.exit_code = 0  # 1 after a fatal multi-host error
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http = OpenAIServer(self.servicer, self.metrics, config) \
+            if config.http_port is not None else None
         self._stopping: asyncio.Event | None = None
 
     async def _set_health(self, status) -> None:
@@ -245,7 +254,8 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.host}:{cfg.port}"
         pair = _tls_pair(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
-        for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics_port")):
+        for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics_port"),
+                           (cfg.http_port, "--http_port")):
             error = _bind_error(cfg.host, port, flag) if port is not None else None
             if error:
                 raise ValueError(error)
@@ -261,6 +271,17 @@ class Server:
             raise ValueError(_bind_error(cfg.host, cfg.port, "--port") or
                              f"--port {cfg.port}: cannot bind {address}")
         await self.server.start()
+        if self.http is not None:
+            try:
+                port = await self.http.start()
+            except OSError as e:
+                raise ValueError(_bind_error(cfg.host, cfg.http_port, "--http_port") or
+                                 f"--http_port {cfg.http_port}: cannot serve HTTP on "
+                                 f"{cfg.host}: {e.strerror or e}") from None
+            scheme = "https" if cfg.tls_cert else "http"
+            print(f"jaxserve: HTTP on {scheme}://{cfg.host}:{port} (OpenAI API: /v1/completions, "
+                  f"/v1/chat/completions, /v1/models, /health, /metrics)", file=sys.stderr,
+                  flush=True)
         if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
@@ -324,6 +345,8 @@ class Server:
         # Leave time for the process to exit inside the grace period.
         deadline = t0 + max(0.5, self.config.grace_period_s - _EXIT_MARGIN_S)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.http is not None:
+            self.http.draining = True  # /health and new requests: 503
         ae = self.async_engine
         clean = True
         if ae is not None:
@@ -336,7 +359,10 @@ class Server:
                 ae.abort_all()
         # Refuses new RPCs from here; lets the last messages out, cancels any
         # call still open just before the deadline.
-        await self.server.stop(max(0.0, deadline - 0.3 - time.monotonic()))
+        stops = [self.server.stop(max(0.0, deadline - 0.3 - time.monotonic()))]
+        if self.http is not None:
+            stops.append(self.http.stop(max(0.0, deadline - 0.3 - time.monotonic())))
+        await asyncio.gather(*stops)
         if ae is not None:
             clean = await ae.stop(timeout_s=max(0.0, deadline - 0.1 - time.monotonic()))
         if self.servicer.tokenizer_pool is not None:
@@ -368,6 +394,8 @@ class Server:
             # collector it prints "Event loop is closed" tracebacks.
             if self.server is not None:
                 await self.server.stop(None)
+            if self.http is not None:
+                await self.http.stop(1.0)
             raise
         return await self.shutdown()
 

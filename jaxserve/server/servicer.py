@@ -161,10 +161,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._pending -= 1
 
     async def _chat_ids(self, chat: pb.ChatMessages, field: str) -> list[int]:
+        return await self.chat_ids(self._messages(chat, field), field)
+
+    async def chat_ids(self, messages: list[dict], field: str) -> list[int]:
+        """Token ids of a conversation (role/content dicts, checked) rendered
+        with the chat template and the generation prompt; large ones on the
+        tokenizer pool.
+
+        Raises:
+          InvalidRequest: no tokenizer, too much text for ``max_prompt_len``,
+            or the template rejected it (the message starts with ``field``).
+          QueueFullError: too many large prompts are being tokenized.
+        """
         tok = self.engine.engine.tokenizer
         if tok is None:
             raise InvalidRequest(f"{field}: this model has no tokenizer or chat template")
-        messages = self._messages(chat, field)
         chars = sum(len(m["content"]) for m in messages)
         self._check_text_size(chars, lambda: sum(len(m["content"].encode()) for m in messages),
                               field)
@@ -177,14 +188,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except (ValueError, jinja2.TemplateError) as e:
             raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
 
-    async def _text_ids(self, text: str, field: str, add_special_tokens: bool = True):
+    async def text_ids(self, text: str, field: str, add_special_tokens: bool = True):
+        """Token ids of ``text`` (large ones on the tokenizer pool).
+
+        Raises:
+          InvalidRequest: too much text for ``max_prompt_len`` (names ``field``).
+          QueueFullError: too many large prompts are being tokenized.
+        """
         tok = self.engine.engine.tokenizer
         self._check_text_size(len(text), lambda: len(text.encode()), field)
         return await self._off_loop(
             lambda: tok.encode(text, add_special_tokens=add_special_tokens),
             lambda: self.tokenizer_pool.encode(text, add_special_tokens), len(text))
 
-    def _check_ids(self, ids, field: str) -> list[int]:
+    def check_ids(self, ids, field: str) -> list[int]:
+        """``ids`` as ints. Raises ``InvalidRequest`` (naming ``field``) for
+        ids outside the vocabulary."""
         vocab = self.engine.engine.model_config.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
@@ -201,11 +220,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequest("prompt.text: is empty")
             if self.engine.engine.tokenizer is None:
                 raise InvalidRequest("prompt.text: this model has no tokenizer; send token_ids")
-            ids = await self._text_ids(request.text, "prompt.text")
+            ids = await self.text_ids(request.text, "prompt.text")
         elif kind == "token_ids":
             if not request.token_ids.ids:
                 raise InvalidRequest("prompt.token_ids: is empty")
-            ids = self._check_ids(request.token_ids.ids, "prompt.token_ids")
+            ids = self.check_ids(request.token_ids.ids, "prompt.token_ids")
         else:
             ids = await self._chat_ids(request.chat, "prompt.chat")
         if len(ids) > self.max_prompt_len:
@@ -234,7 +253,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             engine.check_limits(params)
             check_output_size(params, request.output_kind)
             if params.stop_token_ids:
-                self._check_ids(params.stop_token_ids, "sampling.stop_token_ids")
+                self.check_ids(params.stop_token_ids, "sampling.stop_token_ids")
             engine.check_queue(params)  # before tokenizing: a full queue costs nothing
             ids = await self._prompt_ids(request)
         except ValueError as e:
@@ -261,7 +280,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except QueueFullError as e:
                 engine.metrics.rejected.labels("RESOURCE_EXHAUSTED").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except ShuttingDownError as e:
+            except (ShuttingDownError, StreamAborted) as e:
                 engine.metrics.rejected.labels("UNAVAILABLE").inc()
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             kind = request.output_kind
@@ -394,7 +413,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if kind is None:
                 raise InvalidRequest("input: set one of text or chat")
             if kind == "text":
-                ids = await self._text_ids(request.text, "input.text",
+                ids = await self.text_ids(request.text, "input.text",
                                            request.add_special_tokens)
             else:
                 ids = await self._chat_ids(request.chat, "input.chat")
@@ -417,7 +436,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if len(request.token_ids) > engine.engine.max_model_len:
                 raise InvalidRequest(f"token_ids: {len(request.token_ids)} ids is more than "
                                      f"max_model_len={engine.engine.max_model_len}")
-            ids = self._check_ids(request.token_ids, "token_ids")
+            ids = self.check_ids(request.token_ids, "token_ids")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DetokenizeResponse(

@@ -1,0 +1,719 @@
+"""The OpenAI-compatible HTTP API: FastAPI on uvicorn, beside the gRPC server.
+
+``--mode serve --http_port 8080`` serves it from the same process, the same
+asyncio loop and the same engine thread (``AsyncEngine``) as gRPC, so both
+front ends share the queue, the prefix cache and the metrics:
+
+  ``POST /v1/completions``        text, list of texts, token ids or lists of them
+  ``POST /v1/chat/completions``   messages rendered with the model's chat template
+  ``GET  /v1/models``             the served model
+  ``GET  /health``                200 serving; 503 while loading or draining
+  ``GET  /metrics``               the Prometheus registry of the metrics port
+  ``POST /tokenize``, ``/detokenize``   vLLM's shapes
+
+Requests and responses follow OpenAI's API with vLLM's extras
+(``jaxserve.server.openai_protocol``). Every request is checked before it
+reaches the engine, with the gRPC servicer's own checks and tokenizer pool
+(so large prompts never hold the event loop). Errors are OpenAI's
+``{"error": {message, type, param, code}}``: 400 for bad input (``param``
+names the field: a bad value, a malformed JSON body, a content type other
+than ``application/json``), 413 for a body over ``max_http_body_bytes``,
+401 without the bearer token when one is configured (every route but
+``/health`` and ``/metrics``), 404 for another model name or route, 429 when
+the waiting queue is full, 503 while loading or draining, 500 when the
+engine fails a running request. An error after a stream started arrives as
+a last ``data: {"error": ...}`` event before ``data: [DONE]``.
+
+Streams are server-sent events (``data: {...}``, then ``data: [DONE]``): one
+chunk per engine step per choice that gained text, ``n`` choices interleaved
+by ``index``; deltas never split a UTF-8 character nor show a stop string
+(the engine's detokenizer holds such tails back). With
+``stream_options.include_usage`` the last chunk has empty ``choices`` and
+the usage. A client that disconnects (a closed stream, or a dropped
+non-streamed request) has its request aborted in the engine before the next
+step, freeing its pages, as a gRPC cancel does; at shutdown, streams still
+running when the grace period ends get ``finish_reason`` "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from concurrent.futures.process import BrokenProcessPool
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxserve.config import ServerConfig
+from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
+from jaxserve.metrics import ServingMetrics
+from jaxserve.server import openai_protocol as oai
+from jaxserve.server.async_engine import (
+    AsyncEngine,
+    EngineError,
+    QueueFullError,
+    RequestStream,
+    ShuttingDownError,
+    StreamAborted,
+)
+from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
+from jaxserve.server.servicer import CHAT_ROLES, GenerationServicer
+
+log = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics")  # answered without the bearer token
+# The gRPC status names ``jaxserve_requests_rejected_total`` is labelled with.
+_REJECT_LABEL = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
+                 413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclasses.dataclass
+class _Job:
+    """One API request's engine work: a prompt per engine request."""
+
+    request_id: str
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str | None]
+    params: list[SamplingParams]
+    streams: list[RequestStream]
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that leaves SIGTERM/SIGINT to the gRPC server's handlers."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+class OpenAIServer:
+    """The HTTP API over the gRPC servicer's engine and checks.
+
+    Args:
+      servicer: the gRPC servicer: its engine (None while loading), model
+        name, prompt limits and tokenizer pool serve both front ends.
+      metrics: the Prometheus registry served at ``/metrics``.
+      config: host, ``http_port``, TLS files, bearer token, body limit.
+    """
+
+    def __init__(self, servicer: GenerationServicer, metrics: ServingMetrics,
+                 config: ServerConfig):
+        self.servicer = servicer
+        self.metrics = metrics
+        self.config = config
+        self.draining = False
+        self.created = int(time.time())
+        self.port: int | None = None
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+        self.app = self._build_app()
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Bind ``config.host:config.http_port`` and serve; returns the port.
+
+        Raises:
+          OSError: the bind failed (the caller names the flag).
+        """
+        cfg = self.config
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.create_server((cfg.host, cfg.http_port), family=family, backlog=2048)
+        self.port = sock.getsockname()[1]
+        uv_config = uvicorn.Config(
+            self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+            ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key, timeout_graceful_shutdown=1,
+            timeout_keep_alive=30)
+        self._server = _Uvicorn(uv_config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise OSError(f"the HTTP server on {cfg.host}:{self.port} stopped at start-up")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self, timeout_s: float) -> None:
+        """Close the listener and the connections left (after the drain)."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), max(0.1, timeout_s))
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+
+    # ---- the app ----------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(oai.APIError)
+        async def api_error(request: Request, e: oai.APIError):
+            label = _REJECT_LABEL.get(e.status)
+            if label is not None and self.servicer.engine is not None:
+                self.metrics.rejected.labels(label).inc()
+            return JSONResponse(e.body(), status_code=e.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, e: StarletteHTTPException):
+            what = "route" if e.status_code == 404 else "method"
+            return JSONResponse(oai.APIError(e.status_code, f"{request.method} {request.url.path}: "
+                                             f"no such {what} ({e.detail})").body(),
+                                status_code=e.status_code)
+
+        @app.exception_handler(Exception)
+        async def internal_error(request: Request, e: Exception):
+            log.exception("HTTP %s %s failed", request.method, request.url.path)
+            return JSONResponse(oai.APIError(500, f"internal error: {type(e).__name__}: {e}")
+                                .body(), status_code=500)
+
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        return app
+
+    # ---- checks -----------------------------------------------------------------
+
+    def _auth(self, request: Request) -> None:
+        token = self.config.auth_token
+        if not token:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                   f"Bearer {token}".encode()):
+            raise oai.APIError(401, "missing or wrong bearer token (header 'Authorization: "
+                                    "Bearer <token>')")
+
+    def _ready(self) -> AsyncEngine:
+        if self.draining:
+            raise oai.APIError(503, "the server is shutting down")
+        engine = self.servicer.engine
+        if engine is None:
+            raise oai.APIError(503, "the model is loading")
+        return engine
+
+    async def _body(self, request: Request):
+        """The request's JSON body. Raises ``APIError``: 400 for another
+        content type or malformed JSON, 413 beyond ``max_http_body_bytes``."""
+        ctype = request.headers.get("content-type")
+        if ctype is not None and ctype.split(";")[0].strip().lower() != "application/json":
+            raise oai.bad_request(f"Content-Type must be application/json, got {ctype!r}")
+        limit = self.config.max_http_body_bytes
+        too_big = oai.APIError(413, f"the request body is larger than the {limit:,} bytes "
+                                    f"allowed (--max_message_mib)")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > 4 * limit:
+            raise too_big  # not worth reading
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > 4 * limit:
+                break
+        if size > limit:
+            raise too_big
+        try:
+            return json.loads(b"".join(chunks))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise oai.bad_request(f"the body is not valid JSON: {e}") from None
+
+    async def _parse(self, request: Request, cls):
+        self._auth(request)
+        body = await self._body(request)
+        req = oai.parse(cls, body)
+        unknown = req.unknown_fields()
+        if unknown:
+            log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(unknown))
+        model = getattr(req, "model", None)
+        if model is not None and model != self.servicer.model_name:
+            raise oai.APIError(404, f"The model `{model}` does not exist; this server serves "
+                                    f"`{self.servicer.model_name}`", "model")
+        return req
+
+    @staticmethod
+    def _request_id(request: Request, prefix: str) -> str:
+        rid = request.headers.get("x-request-id")
+        if rid and len(rid) <= MAX_REQUEST_ID_CHARS:
+            return f"{prefix}-{rid}"
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @contextlib.contextmanager
+    def _errors(self):
+        """The engine's and checks' exceptions as ``APIError``s."""
+        try:
+            yield
+        except InvalidRequest as e:  # "<field>: <why>"
+            field = str(e).split(":", 1)[0]
+            raise oai.bad_request(str(e), field if field.replace(".", "").isidentifier()
+                                  else None) from None
+        except ValueError as e:
+            raise oai.bad_request(str(e)) from None
+        except QueueFullError as e:
+            raise oai.APIError(429, str(e)) from None
+        except (ShuttingDownError, StreamAborted) as e:
+            raise oai.APIError(503, str(e)) from None
+        except BrokenProcessPool:
+            log.error("tokenizer workers died twice in a row")
+            raise oai.APIError(503, "the tokenizer workers died; retry") from None
+
+    def _max_tokens(self, asked: int | None, prompt_len: int, name: str) -> int:
+        """Output tokens for a prompt: ``asked``, or (None) all the room left
+        in the context and the KV cache. Raises ``APIError`` 400 naming
+        ``name`` when ``asked`` does not fit the context."""
+        e = self.servicer.engine.engine
+        context = e.max_model_len
+        if asked is None:
+            cache = e.allocator.num_pages * e.allocator.page_size
+            return max(1, min(context, cache) - prompt_len)
+        if asked < 1:
+            raise oai.bad_request(f"{name}: must be an integer >= 1, got {asked}", name)
+        if prompt_len + asked > context:
+            raise oai.bad_request(
+                f"{name}: this model's maximum context length is {context} tokens; the prompt "
+                f"has {prompt_len} and {name} asks {asked} more ({prompt_len + asked} in all)",
+                name)
+        return asked
+
+    def _check_prompt(self, ids: list[int], field: str) -> list[int]:
+        if not ids:
+            raise oai.bad_request(f"{field}: is empty", field)
+        limit = self.servicer.max_prompt_len
+        if len(ids) > limit:
+            raise oai.bad_request(f"{field}: {len(ids)} tokens is more than max_prompt_len="
+                                  f"{limit}", field)
+        return ids
+
+    async def _start(self, engine: AsyncEngine, rid: str, prompt_ids, prompt_texts, base,
+                     asked: int | None, max_name: str, arrival: float) -> _Job:
+        """Put every prompt in the engine (or none: a failure closes the rest)."""
+        params = [dataclasses.replace(base, max_tokens=self._max_tokens(asked, len(ids),
+                                                                        max_name))
+                  for ids in prompt_ids]
+        job = _Job(rid, prompt_ids, prompt_texts, params, [])
+        try:
+            with self._errors():
+                for ids, p in zip(prompt_ids, params):
+                    job.streams.append(await engine.generate(ids, p, arrival))
+        except BaseException:
+            for s in job.streams:
+                await s.aclose()
+            raise
+        return job
+
+    # ---- generation -------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        arrival = time.monotonic()
+        engine = self._ready()
+        engine.metrics.received.inc()
+        req = await self._parse(request, oai.CompletionRequest)
+        if req.suffix:
+            raise oai.bad_request("suffix: is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise oai.bad_request("best_of: only best_of == n is supported", "best_of")
+        prompts = req.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise oai.bad_request("prompt: is empty", "prompt")
+        asked = None if "max_tokens" in req.model_fields_set and req.max_tokens is None else \
+            req.max_tokens
+        k = req.logprobs
+        plp = req.prompt_logprobs
+        if req.echo and k is not None:
+            plp = max(plp or 0, k)
+        ctx = self.servicer.engine.engine.max_model_len
+        base = oai.sampling_params(req.model_copy(update={"prompt_logprobs": plp}),
+                                   ctx if asked is None else asked, k, {"max_tokens": "max_tokens"})
+        with self._errors():
+            engine.check_limits(base)
+            engine.check_queue(dataclasses.replace(base, n=base.n * len(prompts)))
+            ids, texts = [], []
+            for i, p in enumerate(prompts):
+                field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+                if isinstance(p, str):
+                    if not p:
+                        raise oai.bad_request(f"{field}: is empty", field)
+                    ids.append(self._check_prompt(
+                        await self.servicer.text_ids(check_text(p, field), field), field))
+                    texts.append(p)
+                else:
+                    ids.append(self._check_prompt(self.servicer.check_ids(p, field), field))
+                    texts.append(None)
+        if req.echo:
+            tok = self.servicer.engine.engine.tokenizer
+            texts = [t if t is not None else (tok.decode(i, skip_special_tokens=
+                                                         req.skip_special_tokens) if tok else "")
+                     for t, i in zip(texts, ids)]
+        job = await self._start(engine, self._request_id(request, "cmpl"), ids, texts, base,
+                                asked, "max_tokens", arrival)
+        if req.stream:
+            return self._sse_response(self._completion_chunks(job, req, k))
+        return await self._until_done(request, self._completion_body(job, req, k))
+
+    async def chat_completions(self, request: Request):
+        arrival = time.monotonic()
+        engine = self._ready()
+        engine.metrics.received.inc()
+        req = await self._parse(request, oai.ChatCompletionRequest)
+        if req.tools:
+            raise oai.bad_request("tools: tool calling is not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise oai.bad_request("response_format: only {'type': 'text'} is supported",
+                                  "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise oai.bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
+        messages = self._messages(req)
+        if req.max_completion_tokens is not None:
+            asked, max_name = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            asked, max_name = req.max_tokens, "max_tokens"
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        ctx = self.servicer.engine.engine.max_model_len
+        base = oai.sampling_params(req, ctx if asked is None else asked, k,
+                                   {"max_tokens": max_name, "logprobs": "top_logprobs"})
+        with self._errors():
+            engine.check_limits(base)
+            engine.check_queue(base)
+            ids = self._check_prompt(await self.servicer.chat_ids(messages, "messages"),
+                                     "messages")
+        job = await self._start(engine, self._request_id(request, "chatcmpl"), [ids], [None],
+                                base, asked, max_name, arrival)
+        if req.stream:
+            return self._sse_response(self._chat_chunks(job, req, k))
+        return await self._until_done(request, self._chat_body(job, req, k))
+
+    @staticmethod
+    def _messages(req: oai.ChatCompletionRequest) -> list[dict]:
+        if not req.messages:
+            raise oai.bad_request("messages: at least one message is needed", "messages")
+        out = []
+        for i, m in enumerate(req.messages):
+            role = "system" if m.role == "developer" else m.role
+            if role not in CHAT_ROLES:
+                raise oai.bad_request(f"messages.{i}.role: unknown role {m.role!r}; expected "
+                                      f"one of developer, {', '.join(CHAT_ROLES)}",
+                                      f"messages.{i}.role")
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise oai.bad_request(
+                            f"messages.{i}.content.{j}: only text parts are supported, got "
+                            f"type {part.type!r}", f"messages.{i}.content.{j}")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            try:
+                content = check_text(content or "", f"messages.{i}.content")
+            except ValueError as e:
+                raise oai.bad_request(str(e), f"messages.{i}.content") from None
+            out.append({"role": role, "content": content})
+        return out
+
+    async def _until_done(self, request: Request, work) -> Response:
+        """Await a non-streamed response; a client that disconnects first
+        cancels it (which aborts its requests in the engine)."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if task.done():
+            return JSONResponse(task.result())
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody reads it
+
+    @staticmethod
+    def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of every prompt's request, as they come.
+        Raises ``StreamAborted`` / ``EngineError`` from any of them; closing
+        it aborts whatever still runs."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except (StreamAborted, EngineError) as e:
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(job.streams)]
+        left = len(tasks)
+        try:
+            while left:
+                i, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in job.streams:
+                await s.aclose()  # aborts a request still running
+
+    async def _collect(self, job: _Job) -> tuple[list[RequestOutput | None], bool]:
+        """Every prompt's last output; True when shutdown aborted them."""
+        last: list[RequestOutput | None] = [None] * len(job.streams)
+        outputs = self._outputs(job)
+        try:
+            async for i, out in outputs:
+                last[i] = out
+        except StreamAborted:
+            return last, True
+        except EngineError as e:
+            raise oai.APIError(500, str(e)) from None
+        finally:
+            await outputs.aclose()
+        return last, False
+
+    def _usage(self, job: _Job, last: list[RequestOutput | None]) -> dict:
+        return oai.usage(sum(len(i) for i in job.prompt_ids),
+                         sum(len(c.token_ids) for o in last if o for c in o.outputs),
+                         sum(o.metrics.num_cached_tokens for o in last if o))
+
+    def _head(self, job: _Job, obj: str) -> dict:
+        return {"id": job.request_id, "object": obj, "created": int(time.time()),
+                "model": self.servicer.model_name}
+
+    # ---- completions ------------------------------------------------------------
+
+    def _echo_logprobs(self, job: _Job, i: int, out: RequestOutput):
+        """(token ids, entries) the echoed prompt contributes to logprobs."""
+        return list(job.prompt_ids[i]), list(out.prompt_logprobs or [None] * len(
+            job.prompt_ids[i]))
+
+    async def _completion_body(self, job: _Job, req: oai.CompletionRequest, k) -> dict:
+        last, aborted = await self._collect(job)
+        choices = []
+        for i, out in enumerate(last):
+            if out is None:  # aborted at shutdown before its first output
+                choices += [{"index": i * job.n + j, "text": job.prompt_texts[i] or ""
+                             if req.echo else "", "logprobs": None, "finish_reason": "abort",
+                             "stop_reason": None} for j in range(job.n)]
+            for c in (out.outputs if out else []):
+                text, lp = c.text, None
+                ids, entries = list(c.token_ids), list(c.logprobs or [])
+                if req.echo:
+                    text = job.prompt_texts[i] + text
+                    if k is not None:
+                        pids, pentries = self._echo_logprobs(job, i, out)
+                        ids, entries = pids + ids, pentries + entries
+                if k is not None:
+                    lp = oai.completion_logprobs(ids, entries, k, 0)
+                choice = {"index": i * job.n + c.index, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason or ("abort" if aborted else None),
+                          "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None and c.index == 0:
+                    choice["prompt_logprobs"] = oai.prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
+        choices.sort(key=lambda c: c["index"])
+        return {**self._head(job, "text_completion"), "choices": choices,
+                "usage": self._usage(job, last)}
+
+    async def _completion_chunks(self, job: _Job, req: oai.CompletionRequest, k):
+        head = self._head(job, "text_completion")
+        last: list[RequestOutput | None] = [None] * len(job.streams)
+        finished: set[int] = set()
+        offsets: dict[int, int] = {}  # choice index -> characters sent
+        outputs = self._outputs(job)
+
+        def chunk(index, text, lp, finish, stop_reason=None):
+            return _sse({**head, "choices": [{"index": index, "text": text, "logprobs": lp,
+                                              "finish_reason": finish,
+                                              "stop_reason": stop_reason}]})
+        try:
+            async for i, out in outputs:
+                last[i] = out
+                for c in out.outputs:
+                    idx = i * job.n + c.index
+                    new_finish = c.finish_reason is not None and idx not in finished
+                    text, ids = c.delta_text, list(c.delta_token_ids)
+                    entries = list(c.logprobs[len(c.logprobs) - len(ids):]) if ids and \
+                        c.logprobs is not None else []
+                    if req.echo and idx not in offsets:
+                        text = job.prompt_texts[i] + text
+                        if k is not None:
+                            pids, pentries = self._echo_logprobs(job, i, out)
+                            ids, entries = pids + ids, pentries + entries
+                    if not (text or new_finish or (k is not None and ids)):
+                        continue
+                    lp = oai.completion_logprobs(ids, entries, k, offsets.get(idx, 0)) \
+                        if k is not None else None
+                    offsets[idx] = offsets.get(idx, 0) + len(text)
+                    if new_finish:
+                        finished.add(idx)
+                    yield chunk(idx, text, lp, c.finish_reason, c.stop_reason)
+        except StreamAborted:
+            for idx in range(len(job.streams) * job.n):
+                if idx not in finished:
+                    yield chunk(idx, "", None, "abort")
+        except EngineError as e:
+            yield _sse(oai.APIError(500, str(e)).body())
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            await outputs.aclose()
+        if req.include_usage:
+            yield _sse({**head, "choices": [], "usage": self._usage(job, last)})
+        yield "data: [DONE]\n\n"
+
+    # ---- chat -------------------------------------------------------------------
+
+    async def _chat_body(self, job: _Job, req: oai.ChatCompletionRequest, k) -> dict:
+        (out,), aborted = await self._collect(job)
+        choices = [] if out is not None else [  # aborted at shutdown before its first output
+            {"index": j, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": "abort", "stop_reason": None} for j in range(job.n)]
+        for c in (out.outputs if out else []):
+            lp = oai.chat_logprobs(list(c.token_ids), list(c.logprobs or []), k) \
+                if k is not None else None
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp,
+                            "finish_reason": c.finish_reason or ("abort" if aborted else None),
+                            "stop_reason": c.stop_reason})
+        return {**self._head(job, "chat.completion"), "choices": choices,
+                "usage": self._usage(job, [out])}
+
+    async def _chat_chunks(self, job: _Job, req: oai.ChatCompletionRequest, k):
+        head = self._head(job, "chat.completion.chunk")
+        last: list[RequestOutput | None] = [None]
+        finished: set[int] = set()
+        outputs = self._outputs(job)
+
+        def chunk(index, delta, lp, finish, stop_reason=None):
+            return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                              "finish_reason": finish,
+                                              "stop_reason": stop_reason}]})
+        for idx in range(job.n):
+            yield chunk(idx, {"role": "assistant", "content": ""}, None, None)
+        try:
+            async for _, out in outputs:
+                last[0] = out
+                for c in out.outputs:
+                    new_finish = c.finish_reason is not None and c.index not in finished
+                    ids = list(c.delta_token_ids)
+                    if not (c.delta_text or new_finish or (k is not None and ids)):
+                        continue
+                    lp = None
+                    if k is not None:
+                        entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
+                        lp = oai.chat_logprobs(ids, list(entries), k)
+                    if new_finish:
+                        finished.add(c.index)
+                    delta = {"content": c.delta_text} if c.delta_text else {}
+                    yield chunk(c.index, delta, lp, c.finish_reason, c.stop_reason)
+        except StreamAborted:
+            for idx in range(job.n):
+                if idx not in finished:
+                    yield chunk(idx, {}, None, "abort")
+        except EngineError as e:
+            yield _sse(oai.APIError(500, str(e)).body())
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            await outputs.aclose()
+        if req.include_usage:
+            yield _sse({**head, "choices": [], "usage": self._usage(job, last)})
+        yield "data: [DONE]\n\n"
+
+    # ---- the other routes -------------------------------------------------------
+
+    async def models(self, request: Request):
+        self._auth(request)
+        engine = self._ready()
+        name = self.servicer.model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+            "root": name, "max_model_len": engine.engine.max_model_len}]}
+
+    async def health(self, request: Request):
+        self._ready()
+        return {"status": "serving"}
+
+    async def prometheus(self, request: Request):
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``/tokenize``: ``{prompt, add_special_tokens (default true)}``
+        or ``{messages}`` -> ``{tokens, count, max_model_len}``."""
+        self._auth(request)
+        engine = self._ready()
+        body = await self._body(request)
+        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+            raise oai.bad_request("the body needs exactly one of 'prompt' or 'messages'")
+        if engine.engine.tokenizer is None:
+            raise oai.bad_request("this model has no tokenizer")
+        with self._errors():
+            if "prompt" in body:
+                prompt = body["prompt"]
+                special = body.get("add_special_tokens", True)
+                if not isinstance(prompt, str) or not isinstance(special, bool):
+                    raise oai.bad_request("prompt: must be a string (add_special_tokens a bool)",
+                                          "prompt")
+                ids = await self.servicer.text_ids(check_text(prompt, "prompt"), "prompt",
+                                                   special)
+            else:
+                req = oai.parse(oai.ChatCompletionRequest, {"messages": body["messages"]})
+                ids = await self.servicer.chat_ids(self._messages(req), "messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+
+    async def detokenize(self, request: Request):
+        """vLLM's ``/detokenize``: ``{tokens}`` -> ``{prompt}``."""
+        self._auth(request)
+        engine = self._ready()
+        body = await self._body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise oai.bad_request("tokens: must be a list of token ids", "tokens")
+        tok = engine.engine.tokenizer
+        if tok is None:
+            raise oai.bad_request("this model has no tokenizer")
+        if len(tokens) > engine.engine.max_model_len:
+            raise oai.bad_request(f"tokens: {len(tokens)} ids is more than max_model_len="
+                                  f"{engine.engine.max_model_len}", "tokens")
+        with self._errors():
+            ids = self.servicer.check_ids(tokens, "tokens")
+        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+
+
+__all__ = ["OpenAIServer"]

@@ -1,0 +1,257 @@
+"""OpenAI's request and response shapes for the HTTP API (``jaxserve.server.http``).
+
+Requests are pydantic models of OpenAI's fields (``/v1/completions``,
+``/v1/chat/completions``) plus vLLM's extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+``skip_special_tokens``, ``include_stop_str_in_output``, ``prompt_logprobs``),
+with vLLM's defaults. Unknown fields are kept aside (``unknown_fields``) so
+the server can log and ignore them, as vLLM does; a known field with a bad
+type or value is an ``APIError`` 400 whose ``param`` names it.
+
+Responses are plain dicts in OpenAI's shapes, built from the engine's
+``RequestOutput``: logprobs as the legacy completions object (``tokens``,
+``token_logprobs``, ``top_logprobs`` as {token text: logprob}, ``text_offset``)
+or the chat object (``content``: [{token, logprob, bytes, top_logprobs}]).
+Token texts are ``Logprob.decoded_token`` (the token decoded alone, special
+tokens included); ``top_logprobs`` holds the ``k`` best candidates by rank,
+the sampled token's own logprob sits beside them.
+
+Reference: https://platform.openai.com/docs/api-reference (completions,
+chat, errors) and vLLM's ``vllm/entrypoints/openai/protocol.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+
+from jaxserve.engine.request import Logprob, SamplingParams
+
+# OpenAI's error "type" for each status jaxserve answers.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "internal_error",
+               503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's shape ``{"error": {message, type, param, code}}``;
+    ``code`` is the HTTP status (as vLLM sends it)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """The fields both APIs share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a text, a list of texts, a list
+    of token ids or a list of such lists; ``max_tokens`` absent means 16,
+    null means up to the context length."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` (or the older
+    ``max_tokens``) absent or null means up to the context length."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict | None = None
+
+
+def parse(cls: type[_Request], body: Any) -> _Request:
+    """``cls`` from a decoded JSON body.
+
+    Raises:
+      APIError: 400 naming the first bad field (``param`` is its dotted path).
+    """
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        return cls.model_validate(body)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[",
+                                                                   "str", "int"))]
+        param = ".".join(loc) or None
+        got = err.get("input")
+        shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+        raise bad_request(f"{param or 'body'}: {err['msg']} (got {shown})", param) from None
+
+
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
+                    names: dict[str, str]) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``req``.
+
+    Args:
+      max_tokens: output tokens for this prompt (the caller resolved null).
+      logprobs: the engine's ``logprobs`` (top candidates per position) or None.
+      names: engine field -> the API field a user set it by (``logprobs`` is
+        ``top_logprobs`` in chat, ``max_tokens`` may be ``max_completion_tokens``).
+
+    Raises:
+      APIError: 400 naming the API field whose value the engine refuses.
+    """
+    if req.logit_bias:
+        raise bad_request("logit_bias: is not supported", "logit_bias")
+    kw = dict(max_tokens=max_tokens, n=req.n, stop=req.stop, seed=req.seed,
+              stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+              min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+              skip_special_tokens=req.skip_special_tokens,
+              include_stop_str_in_output=req.include_stop_str_in_output)
+    defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                    presence_penalty=0.0, frequency_penalty=0.0)
+    for f, default in defaults.items():
+        v = getattr(req, f)
+        kw[f] = default if v is None else v
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        m = _FIELD.search(str(e))
+        field = names.get(m.group(1), m.group(1)) if m else None
+        msg = str(e).replace(f"SamplingParams.{m.group(1)}", field) if m else str(e)
+        raise bad_request(msg, field) from None
+
+
+# ---- responses ----------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The ``k`` best candidates of a position, by rank."""
+    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                  key=lambda lp: lp.rank)[:k]
+
+
+def _text(lp: Logprob) -> str:
+    return lp.decoded_token or ""
+
+
+def completion_logprobs(token_ids: list[int], entries: list, k: int, offset: int) -> dict:
+    """The legacy completions ``logprobs`` object of ``token_ids`` (one
+    ``{token_id: Logprob}`` entry each, None for a position without one: the
+    first prompt token under ``echo``); ``offset`` is the character offset
+    of the first token in the choice's text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, entry in zip(token_ids, entries):
+        out["text_offset"].append(offset)
+        if entry is None:
+            out["tokens"].append("")
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        chosen = entry[tok]
+        out["tokens"].append(_text(chosen))
+        out["token_logprobs"].append(chosen.logprob)
+        out["top_logprobs"].append({_text(lp): lp.logprob for lp in _top(entry, k)})
+        offset += len(_text(chosen))
+    return out
+
+
+def _chat_token(lp: Logprob) -> dict:
+    t = _text(lp)
+    return {"token": t, "logprob": lp.logprob, "bytes": list(t.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list, k: int) -> dict:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}] (the k best)}]}``."""
+    return {"content": [{**_chat_token(entry[tok]),
+                         "top_logprobs": [_chat_token(lp) for lp in _top(entry, k)]}
+                        for tok, entry in zip(token_ids, entries)]}
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or
+    ``{token_id: {logprob, rank, decoded_token}}``."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(i): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for i, lp in e.items()} for e in entries]
+
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "ERROR_TYPES",
+           "bad_request", "chat_logprobs", "completion_logprobs", "parse",
+           "prompt_logprobs_json", "sampling_params", "usage"]
