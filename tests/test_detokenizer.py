@@ -190,3 +190,32 @@ def test_stream_with_stop_strings(tok, data, text):
     if min_tokens <= 1:  # every token checked: stop at the first stop string
         assert (expected_stop is None) == (not any(s in text for s in stop))
         assert not any(s in expected for s in stop)
+
+
+@pytest.mark.parametrize("text,stop,expected", [
+    # the stop string stays at the end of the text; nothing after it
+    (" the quick brown fox jumps", ["brown"], " the quick brown"),
+    # it lies inside one token (" quick"): the cut is mid-token, after it
+    (" the quick brown fox jumps", ["uic"], " the quic"),
+    # the earliest match wins, as without include_stop_str
+    (" the quick brown fox jumps", ["fox", "quick"], " the quick"),
+])
+def test_include_stop_str_keeps_the_stop_string(tok, text, stop, expected):
+    d = IncrementalDetokenizer(tok, stop, include_stop_str=True)
+    acc = ""
+    for i in encode(tok, text):
+        acc += d.add(i)
+        assert expected.startswith(acc), (acc, expected)
+        if d.stopped_on is not None:
+            break
+    acc += d.finish()
+    assert acc == d.output_text == expected
+
+
+def test_skip_special_tokens_false_keeps_them(tok):
+    eos = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(eos) == 1  # SmolLM2's chat end marker is one special token
+    ids = encode(tok, "Hi there") + eos + encode(tok, " again")
+    kept, dropped = (IncrementalDetokenizer(tok, [], skip_special_tokens=s) for s in (False, True))
+    texts = ["".join(d.add(i) for i in ids) + d.finish() for d in (kept, dropped)]
+    assert texts == ["Hi there<|im_end|> again", "Hi there again"]
