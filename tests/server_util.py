@@ -25,6 +25,12 @@ class ServerProcess:
         (``--warmup``); off by default so tests start in seconds (their
         steps compile lazily).
 
+    Attributes:
+      port, target: the gRPC port and ``127.0.0.1:port``.
+      metrics_port: the Prometheus port (None when off).
+      http_port, http_url: the OpenAI HTTP API's port and
+        ``http://127.0.0.1:port`` (None without ``--http_port``).
+
     Raises:
       RuntimeError: the process exited or did not report serving in time
         (the message holds its stderr).
@@ -47,6 +53,10 @@ class ServerProcess:
         m = re.search(r"metrics on http://[\d.]+:(\d+)/metrics", text)
         self.metrics_port = int(m.group(1)) if m else None
         self.target = f"127.0.0.1:{self.port}"
+        # With --http_port the OpenAI API's line comes before the gRPC one.
+        m = re.search(r"HTTP on http://[\d.]+:(\d+)", text)
+        self.http_port = int(m.group(1)) if m else None
+        self.http_url = f"http://127.0.0.1:{self.http_port}" if m else None
         if wait_serving:
             self.wait_serving()
 
