@@ -67,7 +67,7 @@ from jaxserve.server.async_engine import (
     StreamAborted,
 )
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
-from jaxserve.server.servicer import CHAT_ROLES, GenerationServicer
+from jaxserve.server.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ class OpenAIServer:
                                   "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise oai.bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-        messages = self._messages(req)
+        messages = oai.chat_messages(req)
         if req.max_completion_tokens is not None:
             asked, max_name = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -406,34 +406,6 @@ class OpenAIServer:
         if req.stream:
             return self._sse_response(self._chat_chunks(job, req, k))
         return await self._until_done(request, self._chat_body(job, req, k))
-
-    @staticmethod
-    def _messages(req: oai.ChatCompletionRequest) -> list[dict]:
-        if not req.messages:
-            raise oai.bad_request("messages: at least one message is needed", "messages")
-        out = []
-        for i, m in enumerate(req.messages):
-            role = "system" if m.role == "developer" else m.role
-            if role not in CHAT_ROLES:
-                raise oai.bad_request(f"messages.{i}.role: unknown role {m.role!r}; expected "
-                                      f"one of developer, {', '.join(CHAT_ROLES)}",
-                                      f"messages.{i}.role")
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise oai.bad_request(
-                            f"messages.{i}.content.{j}: only text parts are supported, got "
-                            f"type {part.type!r}", f"messages.{i}.content.{j}")
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            try:
-                content = check_text(content or "", f"messages.{i}.content")
-            except ValueError as e:
-                raise oai.bad_request(str(e), f"messages.{i}.content") from None
-            out.append({"role": role, "content": content})
-        return out
 
     async def _until_done(self, request: Request, work) -> Response:
         """Await a non-streamed response; a client that disconnects first
@@ -549,43 +521,57 @@ class OpenAIServer:
         return {**self._head(job, "text_completion"), "choices": choices,
                 "usage": self._usage(job, last)}
 
-    async def _completion_chunks(self, job: _Job, req: oai.CompletionRequest, k):
+    def _completion_chunks(self, job: _Job, req: oai.CompletionRequest, k):
         head = self._head(job, "text_completion")
-        last: list[RequestOutput | None] = [None] * len(job.streams)
-        finished: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> characters sent
-        outputs = self._outputs(job)
 
         def chunk(index, text, lp, finish, stop_reason=None):
             return _sse({**head, "choices": [{"index": index, "text": text, "logprobs": lp,
                                               "finish_reason": finish,
                                               "stop_reason": stop_reason}]})
+
+        def on_output(i: int, out: RequestOutput, finished: set[int]):
+            for c in out.outputs:
+                idx = i * job.n + c.index
+                new_finish = c.finish_reason is not None and idx not in finished
+                text, ids = c.delta_text, list(c.delta_token_ids)
+                entries = list(c.logprobs[len(c.logprobs) - len(ids):]) if ids and \
+                    c.logprobs is not None else []
+                if req.echo and idx not in offsets:
+                    text = job.prompt_texts[i] + text
+                    if k is not None:
+                        pids, pentries = self._echo_logprobs(job, i, out)
+                        ids, entries = pids + ids, pentries + entries
+                if not (text or new_finish or (k is not None and ids)):
+                    continue
+                lp = oai.completion_logprobs(ids, entries, k, offsets.get(idx, 0)) \
+                    if k is not None else None
+                offsets[idx] = offsets.get(idx, 0) + len(text)
+                if new_finish:
+                    finished.add(idx)
+                yield chunk(idx, text, lp, c.finish_reason, c.stop_reason)
+        return self._events(job, req, head, on_output, lambda idx: chunk(idx, "", None, "abort"))
+
+    async def _events(self, job: _Job, req, head: dict, on_output, aborted_chunk,
+                      first: tuple[str, ...] = ()):
+        """A stream's SSE events: ``first``, then ``on_output(prompt index,
+        output, finished choice indices)``'s chunks for each output; at
+        shutdown ``aborted_chunk(index)`` for every unfinished choice, on an
+        engine failure an error event; the usage chunk if asked; ``[DONE]``."""
+        last: list[RequestOutput | None] = [None] * len(job.streams)
+        finished: set[int] = set()
+        outputs = self._outputs(job)
+        for event in first:
+            yield event
         try:
             async for i, out in outputs:
                 last[i] = out
-                for c in out.outputs:
-                    idx = i * job.n + c.index
-                    new_finish = c.finish_reason is not None and idx not in finished
-                    text, ids = c.delta_text, list(c.delta_token_ids)
-                    entries = list(c.logprobs[len(c.logprobs) - len(ids):]) if ids and \
-                        c.logprobs is not None else []
-                    if req.echo and idx not in offsets:
-                        text = job.prompt_texts[i] + text
-                        if k is not None:
-                            pids, pentries = self._echo_logprobs(job, i, out)
-                            ids, entries = pids + ids, pentries + entries
-                    if not (text or new_finish or (k is not None and ids)):
-                        continue
-                    lp = oai.completion_logprobs(ids, entries, k, offsets.get(idx, 0)) \
-                        if k is not None else None
-                    offsets[idx] = offsets.get(idx, 0) + len(text)
-                    if new_finish:
-                        finished.add(idx)
-                    yield chunk(idx, text, lp, c.finish_reason, c.stop_reason)
+                for event in on_output(i, out, finished):
+                    yield event
         except StreamAborted:
             for idx in range(len(job.streams) * job.n):
                 if idx not in finished:
-                    yield chunk(idx, "", None, "abort")
+                    yield aborted_chunk(idx)
         except EngineError as e:
             yield _sse(oai.APIError(500, str(e)).body())
             yield "data: [DONE]\n\n"
@@ -613,47 +599,32 @@ class OpenAIServer:
         return {**self._head(job, "chat.completion"), "choices": choices,
                 "usage": self._usage(job, [out])}
 
-    async def _chat_chunks(self, job: _Job, req: oai.ChatCompletionRequest, k):
+    def _chat_chunks(self, job: _Job, req: oai.ChatCompletionRequest, k):
         head = self._head(job, "chat.completion.chunk")
-        last: list[RequestOutput | None] = [None]
-        finished: set[int] = set()
-        outputs = self._outputs(job)
 
         def chunk(index, delta, lp, finish, stop_reason=None):
             return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish,
                                               "stop_reason": stop_reason}]})
-        for idx in range(job.n):
-            yield chunk(idx, {"role": "assistant", "content": ""}, None, None)
-        try:
-            async for _, out in outputs:
-                last[0] = out
-                for c in out.outputs:
-                    new_finish = c.finish_reason is not None and c.index not in finished
-                    ids = list(c.delta_token_ids)
-                    if not (c.delta_text or new_finish or (k is not None and ids)):
-                        continue
-                    lp = None
-                    if k is not None:
-                        entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
-                        lp = oai.chat_logprobs(ids, list(entries), k)
-                    if new_finish:
-                        finished.add(c.index)
-                    delta = {"content": c.delta_text} if c.delta_text else {}
-                    yield chunk(c.index, delta, lp, c.finish_reason, c.stop_reason)
-        except StreamAborted:
-            for idx in range(job.n):
-                if idx not in finished:
-                    yield chunk(idx, {}, None, "abort")
-        except EngineError as e:
-            yield _sse(oai.APIError(500, str(e)).body())
-            yield "data: [DONE]\n\n"
-            return
-        finally:
-            await outputs.aclose()
-        if req.include_usage:
-            yield _sse({**head, "choices": [], "usage": self._usage(job, last)})
-        yield "data: [DONE]\n\n"
+
+        def on_output(i: int, out: RequestOutput, finished: set[int]):
+            for c in out.outputs:
+                new_finish = c.finish_reason is not None and c.index not in finished
+                ids = list(c.delta_token_ids)
+                if not (c.delta_text or new_finish or (k is not None and ids)):
+                    continue
+                lp = None
+                if k is not None:
+                    entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
+                    lp = oai.chat_logprobs(ids, list(entries), k)
+                if new_finish:
+                    finished.add(c.index)
+                delta = {"content": c.delta_text} if c.delta_text else {}
+                yield chunk(c.index, delta, lp, c.finish_reason, c.stop_reason)
+        roles = tuple(chunk(idx, {"role": "assistant", "content": ""}, None, None)
+                      for idx in range(job.n))
+        return self._events(job, req, head, on_output, lambda idx: chunk(idx, {}, None, "abort"),
+                            roles)
 
     # ---- the other routes -------------------------------------------------------
 
@@ -694,7 +665,7 @@ class OpenAIServer:
                                                    special)
             else:
                 req = oai.parse(oai.ChatCompletionRequest, {"messages": body["messages"]})
-                ids = await self.servicer.chat_ids(self._messages(req), "messages")
+                ids = await self.servicer.chat_ids(oai.chat_messages(req), "messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
 
     async def detokenize(self, request: Request):

@@ -28,7 +28,8 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.request import Logprob, SamplingParams
+from jaxserve.engine.request import Logprob, SamplingParams, check_text
+from jaxserve.server.servicer import CHAT_ROLES
 
 # OpenAI's error "type" for each status jaxserve answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -190,6 +191,41 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
         raise bad_request(msg, field) from None
 
 
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The role/content dicts the chat template takes (``developer`` is
+    ``system``; text parts joined by newlines, as vLLM does).
+
+    Raises:
+      APIError: 400 naming the message at fault (unknown role, a non-text
+        part, text that is not valid Unicode) or no message at all.
+    """
+    if not req.messages:
+        raise bad_request("messages: at least one message is needed", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages.{i}.role: unknown role {m.role!r}; expected "
+                                  f"one of developer, {', '.join(CHAT_ROLES)}",
+                                  f"messages.{i}.role")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages.{i}.content.{j}: only text parts are supported, got "
+                        f"type {part.type!r}", f"messages.{i}.content.{j}")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        try:
+            content = check_text(content or "", f"messages.{i}.content")
+        except ValueError as e:
+            raise bad_request(str(e), f"messages.{i}.content") from None
+        out.append({"role": role, "content": content})
+    return out
+
+
 # ---- responses ----------------------------------------------------------------
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -253,5 +289,5 @@ def prompt_logprobs_json(entries: list | None) -> list | None:
 
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "ERROR_TYPES",
-           "bad_request", "chat_logprobs", "completion_logprobs", "parse",
+           "bad_request", "chat_logprobs", "chat_messages", "completion_logprobs", "parse",
            "prompt_logprobs_json", "sampling_params", "usage"]
