@@ -10,8 +10,10 @@ Modes:
     shared-prefix|mixed`` runs the serving benchmark instead
     (``jaxserve.bench.suite``): concurrency levels, open or closed loop,
     vLLM-style latency/throughput/goodput figures, a per-phase roofline and
-    peers (HF transformers, llama.cpp) side by side, written to ``--output``
-    as JSON, Markdown and PNG plots.
+    peers (HF transformers, llama.cpp, llama.cpp's server) side by side,
+    written to ``--output`` as JSON, Markdown and PNG plots. ``--backend
+    grpc|openai`` drives a spawned server (or ``--target``, a running one;
+    openai: any OpenAI-compatible server) instead of the engine in-process.
 
   serve: the gRPC server (``jaxserve.server``) and, with ``--http_port``, the
     OpenAI HTTP API on the same engine: ``--host``, ``--port``,
@@ -150,9 +152,15 @@ flags.DEFINE_integer("num_prompts", None, "bench --workload: requests per level 
 flags.DEFINE_string("slo", None, "bench --workload: goodput SLOs, e.g. 'ttft_ms=2000,tpot_ms=200' "
                     "(keys ttft_ms, tpot_ms, e2e_ms).")
 flags.DEFINE_string("peers", "hf,llama_cpp", "bench --workload: other engines on the same "
-                    "prompts (hf, llama_cpp, none); a missing package is skipped and said so.")
-flags.DEFINE_enum("backend", "inprocess", ["inprocess", "grpc"], "bench --workload: drive the "
-                  "engine in this process, or a spawned gRPC server.")
+                    "prompts (hf, llama_cpp, llama_cpp_server: llama.cpp's OpenAI server, "
+                    "none); a missing package is skipped and said so.")
+flags.DEFINE_enum("backend", "inprocess", ["inprocess", "grpc", "openai"], "bench --workload: "
+                  "drive the engine in this process, or a spawned server over gRPC or over "
+                  "the OpenAI HTTP API (SSE streams).")
+flags.DEFINE_string("target", None, "bench --workload: a running server instead of a spawned "
+                    "one: --backend openai: the base URL of any OpenAI-compatible server "
+                    "(http://host:port; bearer token from $OPENAI_API_KEY); --backend grpc: "
+                    "host:port of a jaxserve gRPC server.")
 flags.DEFINE_float("scale", None, "bench --workload: multiply prompt and output lengths "
                    "(default 1, or 0.2 on CPU).")
 flags.DEFINE_bool("warmup", True, "--mode serve: compile every step shape the engine can reach "
@@ -432,35 +440,9 @@ def _eval() -> None:
 
 def _serving_bench() -> None:
     """``--mode bench --workload W``: options checked before the model loads."""
-    from jaxserve.bench import peers, stats, suite
-    flag_args = ["--dtype", FLAGS.dtype, "--page_size", str(FLAGS.page_size),
-                 "--kv_cache_mib", str(FLAGS.kv_cache_mib), "--max_num_seqs",
-                 str(FLAGS.max_num_seqs), "--max_num_batched_tokens",
-                 str(FLAGS.max_num_batched_tokens),
-                 f"--enable_prefix_caching={FLAGS.enable_prefix_caching}",
-                 f"--enable_chunked_prefill={FLAGS.enable_chunked_prefill}",
-                 "--quantization", FLAGS.quantization, "--quantization_group_size",
-                 str(FLAGS.quantization_group_size), "--kv_cache_dtype", FLAGS.kv_cache_dtype]
-    if _speculative_config() is not None:
-        flag_args += ["--speculative_method", FLAGS.speculative_method,
-                      "--num_speculative_tokens", str(FLAGS.num_speculative_tokens),
-                      "--prompt_lookup_min", str(FLAGS.prompt_lookup_min),
-                      "--prompt_lookup_max", str(FLAGS.prompt_lookup_max),
-                      "--draft_quantization", FLAGS.draft_quantization,
-                      f"--speculative_adaptive={FLAGS.speculative_adaptive}"]
-    for name in ("num_pages", "max_model_len", "mesh", "num_devices", "seed", "draft_model"):
-        if getattr(FLAGS, name) is not None:
-            flag_args += [f"--{name}", str(getattr(FLAGS, name))]
-    opts = suite.BenchOptions(
-        workload=FLAGS.workload, concurrency=suite.parse_levels(FLAGS.concurrency),
-        request_rate=FLAGS.request_rate,
-        num_prompts=FLAGS.num_prompts, slo=stats.parse_slo(FLAGS.slo),
-        peers=tuple(peers.parse_peers(FLAGS.peers)), backend=FLAGS.backend, scale=FLAGS.scale,
-        seed=FLAGS.seed or 0, warmup=FLAGS.warmup,
-        peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None,
-        peak_bytes=FLAGS.peak_gbps * 1e9 if FLAGS.peak_gbps else None,
-        model=FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization,
-        kv_cache_dtype=FLAGS.kv_cache_dtype, engine_flags=tuple(flag_args))
+    from jaxserve.bench import suite
+    opts = suite.options_from_flags({n: getattr(FLAGS, n) for n in suite.FLAG_NAMES},
+                                    api_key=os.environ.get("OPENAI_API_KEY"))
     out = FLAGS.output or os.path.join(
         "bench-results", f"{FLAGS.workload}-{time.strftime('%Y%m%d-%H%M%S')}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -577,6 +559,7 @@ def main(argv) -> None:
     # absl shows INFO logs; JAX's "Unable to initialize backend 'tpu'" is noise
     # before every start-up (and every one-line error).
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per bench HTTP request
     if FLAGS.mode == "convert":
         try:
             _convert()

@@ -1,5 +1,6 @@
 """The engines users would pick instead, on the same prompts and the same
-model file: HF transformers (torch) and llama.cpp (``llama-cpp-python``).
+model file: HF transformers (torch), llama.cpp (``llama-cpp-python``) in
+this process, and llama.cpp's own OpenAI-compatible server.
 
 Both are driven greedily with EOS ignored and each request's own output
 length, like jaxserve, and produce ``RequestRecord``s for
@@ -37,6 +38,18 @@ the sequence before it to finish) counts as queue time in its TTFT and E2E.
 A sequential engine's service does not depend on C, so llama.cpp runs once
 and each level is a view of that run.
 
+``llama_cpp_server``: ``python -m llama_cpp.server`` (``pip install
+'llama-cpp-python[server]'``) on the same GGUF, spawned by
+``openai_load.spawn_llama_cpp_server`` and driven over HTTP by
+``openai_load.run_openai`` at every level's concurrency and arrivals, real
+clients like jaxserve's (no ``client_view``). Its ``/v1/completions`` takes
+only text prompts (``prompt: str | list[str]``), so each prompt is its ids
+detokenized by the server and tokenized again by it (BOS added when the GGUF
+asks); it streams no usage and does not know ``ignore_eos``, so a request
+can end at EOS (counted as a short output). It serves one request at a time
+(a lock around the model); the others wait in their open streams. The
+driver lives in ``jaxserve.bench.suite`` (``_run_llama_cpp_server``).
+
 ``token_ids`` of each record are kept so the report can say how often the
 peers' greedy tokens agree with jaxserve's.
 """
@@ -53,12 +66,15 @@ import time
 from jaxserve.bench.stats import RequestRecord
 from jaxserve.bench.workloads import BenchRequest
 
-PEERS = ("hf", "llama_cpp")
+PEERS = ("hf", "llama_cpp", "llama_cpp_server")
 HOW = {
     "hf": "transformers generate, static batches of `concurrency` requests (no continuous "
           "batching), f32, streamer-stamped steps",
     "llama_cpp": "llama-cpp-python, one request at a time (sequential) whatever the "
                  "concurrency, the GGUF's own quantization",
+    "llama_cpp_server": "llama.cpp's OpenAI server (python -m llama_cpp.server), driven "
+                        "over HTTP by the same client at the same concurrency (it serves one "
+                        "request at a time), text prompts, the GGUF's own quantization",
 }
 
 
@@ -79,17 +95,23 @@ def parse_peers(spec: str | None) -> list[str]:
 
 def available(name: str) -> str | None:
     """None when peer ``name`` can run here, else why not."""
-    mods = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",)}[name]
+    mods = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",),
+            # what ``python -m llama_cpp.server`` imports beyond llama_cpp (its [server] extra)
+            "llama_cpp_server": ("llama_cpp", "fastapi", "uvicorn", "sse_starlette",
+                                 "starlette_context", "pydantic_settings")}[name]
     missing = [m for m in mods if importlib.util.find_spec(m) is None]
     if missing:
         how = "pip install -e '.[test]'" if name == "hf" else \
             "pip install -e '.[peers]', which compiles llama.cpp"
-        return f"{', '.join(missing)} not installed ({how})"
+        what = ", ".join(missing) if name != "llama_cpp_server" or "llama_cpp" in missing \
+            else f"llama_cpp.server's {', '.join(missing)}"
+        return f"{what} not installed ({how})"
     return None
 
 
 def version(name: str) -> str:
-    pkg = {"hf": "transformers", "llama_cpp": "llama_cpp_python"}[name]
+    pkg = {"hf": "transformers", "llama_cpp": "llama_cpp_python",
+           "llama_cpp_server": "llama_cpp_python"}[name]
     try:
         v = importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError:

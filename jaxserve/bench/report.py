@@ -13,6 +13,14 @@
   for groups of engine steps (decode by batch rows, prefill and mixed by
   token bucket) under the device's two roofs;
 * ``kv_pages.png``: KV pages in use over each level.
+
+The engine measured by the levels is named by its backend (``main_label``):
+"jaxserve" in-process, "jaxserve (gRPC)", "jaxserve (HTTP)", or the URL of
+another OpenAI-compatible server (``--backend openai --target URL``); the
+``llama_cpp_server`` peer is "llama.cpp server (HTTP)". Levels driven over
+HTTP carry ``http`` notes (``openai_load``): how output tokens were counted
+and how many requests ended before their ``max_tokens``, both said under
+the tables.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import json
 import os
 import platform
 
-ENGINE_LABEL = {"jaxserve": "jaxserve", "hf": "HF transformers", "llama_cpp": "llama.cpp"}
+ENGINE_LABEL = {"jaxserve": "jaxserve", "hf": "HF transformers", "llama_cpp": "llama.cpp",
+                "llama_cpp_server": "llama.cpp server (HTTP)"}
 
 
 def environment(extra: dict | None = None) -> dict:
@@ -59,6 +68,52 @@ def _ratio(a, b) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def main_label(result: dict) -> str:
+    """The name of the engine behind ``result["levels"]``: its backend, and
+    the target when it was not spawned (see the module docstring)."""
+    cfg = result["config"]
+    server = result["env"].get("server") or {}
+    target = cfg.get("target")
+    if cfg["backend"] == "grpc":
+        return "jaxserve (gRPC" + (f" at {target})" if target else ")")
+    if cfg["backend"] == "openai":
+        if server.get("owned_by") == "jaxserve":
+            return "jaxserve (HTTP" + (f" at {target})" if target else ")")
+        return f"{target or server.get('base_url', 'server')} (HTTP)"
+    return "jaxserve"
+
+
+def _label(result: dict, name: str) -> str:
+    return main_label(result) if name == "jaxserve" else ENGINE_LABEL.get(name, name)
+
+
+def _http_notes(result: dict) -> list[str]:
+    """Lines on how HTTP-driven levels counted tokens, and their short outputs."""
+    lines = []
+    for name, levels in _engine_levels(result).items():
+        notes = [lv["http"] for lv in levels if lv.get("http")]
+        if not notes:
+            continue
+        label = _label(result, name)
+        sources: dict[str, int] = {}
+        for n in notes:
+            for k, v in n["token_count"].items():
+                sources[k] = sources.get(k, 0) + v
+        how = {"usage": "the server's usage", "length": "max_tokens (finish_reason length)",
+               "tokenizer": "the output text re-tokenized", "chunks": "one per text chunk"}
+        lines.append(f"- {label}: OpenAI HTTP API, prompts as {notes[0]['prompt_as']}; TTFT "
+                     "and ITL from each SSE chunk carrying text as it arrived; output tokens "
+                     "from " + ", ".join(f"{how.get(k, k)} ({v} requests)"
+                                         for k, v in sources.items()) + ".")
+        short = sum(n["short_outputs"] for n in notes)
+        if short:
+            total = sum(sum(n["token_count"].values()) for n in notes)
+            lines.append(f"- **{label}: {short} of {total} requests ended before their "
+                         "max_tokens (the server stops at EOS: it does not know ignore_eos); "
+                         "its figures count the tokens it did generate.**")
+    return lines
+
+
 def _engine_levels(result: dict) -> dict[str, list[dict]]:
     """{engine: [level dicts with "concurrency" and "summary"]}."""
     out = {"jaxserve": result["levels"]}
@@ -84,6 +139,15 @@ def markdown(result: dict) -> str:
     columns, per-workload shape table and per-phase roofline table."""
     cfg, env = result["config"], result["env"]
     lines = [f"# jaxserve serving benchmark: `{cfg['workload']}`", ""]
+    me = main_label(result)
+    server = env.get("server") or {}
+    via = {"grpc": "gRPC", "openai": "OpenAI HTTP API"}.get(cfg["backend"])
+    if via:
+        where = server.get("base_url") or server.get("target") or cfg.get("target") or ""
+        via = (f" ({via} at {where}, " + ("spawned" if cfg.get("target") is None else "running")
+               + (f", model `{server['model']}`" if server.get("model") else "")
+               + (f", prompts as {server['prompt_as']}" if server.get("prompt_as") else "")
+               + ")")
     shapes = ", ".join(f"{w} {s['prompt_tokens_mean']:.0f} -> {s['output_tokens']:.0f}"
                        for w, s in result["workload"]["shapes"].items())
     loop = "closed loop" if cfg["request_rate"] is None else \
@@ -91,7 +155,7 @@ def markdown(result: dict) -> str:
     lines += [
         f"- model `{cfg['model']}` ({cfg['dtype']}; weights {cfg.get('quantization', 'none')}, "
         f"KV cache {cfg.get('kv_cache_dtype', 'auto')}{_weight_note(env)}), backend "
-        f"`{cfg['backend']}`, devices "
+        f"`{cfg['backend']}`{via or ''}, devices "
         f"{', '.join(env.get('devices', []))}; jax {env['versions']['jax']}, "
         f"{env['cpu_count']} CPUs",
         f"- {cfg['num_prompts']} requests per level, {loop}, concurrency "
@@ -102,7 +166,7 @@ def markdown(result: dict) -> str:
                                  or "none (every completed request counts)"),
         f"- warm-up: {result['warmup']['note']}",
         "",
-        "## jaxserve per level",
+        f"## {me} per level",
         "",
         "Latencies in ms (client side: TTFT and E2E from send; TPOT = (E2E - TTFT) / "
         "(tokens - 1); ITL between streamed outputs), throughputs per s. Device idle: the "
@@ -148,6 +212,8 @@ def markdown(result: dict) -> str:
             lines += ["", f"**C={lv['concurrency']}: XLA compiled {lv['compilations']} time(s) "
                       "during the timed level: those steps' compile time is in its latencies "
                       "and goodput. Run again (the executables are cached now).**"]
+    if http := _http_notes(result):
+        lines += ["", "Driven over HTTP:", "", *http]
     clients = ("C closed-loop clients (request k is sent when request k - C ends)"
                if cfg["request_rate"] is None else
                "the same Poisson arrival times, at most C requests in flight (request k is "
@@ -161,14 +227,18 @@ def markdown(result: dict) -> str:
     else:
         lines += [f"Same prompts and the same model file, greedy, same max tokens, and for "
                   f"every engine {clients}, so time spent waiting for a peer's static batch or "
-                  "for the request before it counts in its TTFT and E2E. Speed-up columns are "
-                  "jaxserve's advantage (> 1: jaxserve better): peer's latency / jaxserve's, "
-                  "jaxserve's throughput / peer's. One run each: at low concurrency, where the "
-                  "engines are close, a ratio can move by 30% from run to run.", ""]
+                  "for the request before it counts in its TTFT and E2E"
+                  + (" (llama.cpp's server is driven by real HTTP clients, not placed on a "
+                     "timeline: its requests wait in their open streams while it serves "
+                     "another)" if "llama_cpp_server" in result["peers"] else "")
+                  + f". Speed-up columns are {me}'s advantage (> 1: {me} better): peer's "
+                  f"latency / {me}'s, {me}'s throughput / peer's. One run each: at low "
+                  "concurrency, where the engines are close, a ratio can move by 30% from run "
+                  "to run.", ""]
     for name, p in result.get("peers", {}).items():
         lines.append(f"- **{ENGINE_LABEL.get(name, name)}** {p.get('version', '')}: "
                      + (p["how"] if "skipped" not in p else f"skipped: {p['skipped']}")
-                     + (f"; greedy tokens identical to jaxserve's in {p['token_agreement']:.0%} "
+                     + (f"; greedy tokens identical to {me}'s in {p['token_agreement']:.0%} "
                         f"of requests (first 16 tokens)" if p.get("token_agreement") is not None
                         else ""))
     engines = _engine_levels(result)
@@ -185,7 +255,7 @@ def markdown(result: dict) -> str:
             mode = row.get("mode", "continuous batching")
             g = lambda d, k="p50": d[k] if d else None
             lines.append(
-                f"| {c} | {ENGINE_LABEL.get(name, name)} | {mode} | {_f(s['output_throughput'])} "
+                f"| {c} | {_label(result, name)} | {mode} | {_f(s['output_throughput'])} "
                 f"| {_f(g(s['ttft_ms']), '{:.0f}')} | {_f(g(s['tpot_ms']))} | "
                 f"{_f(g(s['e2e_ms']), '{:.0f}')} | "
                 + (" | | | |" if name == "jaxserve" else
@@ -194,7 +264,7 @@ def markdown(result: dict) -> str:
                    f"{_ratio(g(s['tpot_ms']), g(js['tpot_ms']))} | "
                    f"{_ratio(g(s['e2e_ms']), g(js['e2e_ms']))} |"))
     top = result["levels"][-1]
-    lines += ["", f"## Request shapes at C={top['concurrency']} (jaxserve)", "",
+    lines += ["", f"## Request shapes at C={top['concurrency']} ({me})", "",
               "queue: send -> first scheduled; prefill: first scheduled -> first token; "
               "decode: ms per output token after the first (= TPOT). Each request's TTFT "
               "is its queue + prefill; the columns are separate medians, which need not add "
@@ -209,7 +279,7 @@ def markdown(result: dict) -> str:
                      f"| {_f(s['decode_ms_per_token']['p50'])} | {_f(s['ttft_ms']['p50'], '{:.0f}')} "
                      f"| {_f(s['e2e_ms']['p50'], '{:.0f}')} |")
     roof = result.get("roofline")
-    lines += ["", "## Roofline per phase (jaxserve, all levels)", ""]
+    lines += ["", f"## Roofline per phase ({me}, all levels)", ""]
     if not roof:
         lines.append("Not available: " + result.get("roofline_note", "no engine steps seen."))
     else:
@@ -266,7 +336,7 @@ def _plot_latency(result, path, plt):
         xs = [lv["summary"]["output_throughput"] or 0 for lv in levels]
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
             ys = [lv["summary"][key]["p50"] for lv in levels]
-            ax.plot(xs, ys, "o-", label=ENGINE_LABEL.get(name, name))
+            ax.plot(xs, ys, "o-", label=_label(result, name))
             for x, y, lv in zip(xs, ys, levels):
                 if y is not None:
                     ax.annotate(f"C={lv['concurrency']}", (x, y), textcoords="offset points",
@@ -290,7 +360,7 @@ def _plot_timeline(result, path, plt):
     colors = {"queue": "0.7", "prefill": "tab:orange", "decode": "tab:blue"}
     for ax, lv in zip(axes[:, 0], levels):
         for y, r in enumerate(lv["requests"]):
-            if r["end_s"] is None:
+            if r["end_s"] is None or r["first_token_s"] is None:
                 continue
             send = r["send_s"]
             sched = send + (r["queue_ms"] or 0) / 1e3
@@ -301,7 +371,8 @@ def _plot_timeline(result, path, plt):
         ax.set_yticks(range(len(lv["requests"])))
         ax.set_yticklabels([r["workload"] for r in lv["requests"]], fontsize=6)
         ax.invert_yaxis()
-        ax.set(title=f"jaxserve C={lv['concurrency']}", xlabel="s since the level started")
+        ax.set(title=f"{main_label(result)} C={lv['concurrency']}",
+               xlabel="s since the level started")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     axes[0, 0].legend(handles, list(colors), loc="lower left", bbox_to_anchor=(0, 1.08),
                       ncol=3, fontsize=8, frameon=False)

@@ -23,6 +23,8 @@ Two backends:
   stamped on arrival. KV pages, prefix-cache counters and preemptions are
   polled from the server's Prometheus page every 0.25 s. Step shapes are not
   visible from outside the server, so there is no roofline for this backend.
+* ``openai_load.run_openai``: the same over OpenAI's HTTP API (SSE streams),
+  for jaxserve's ``--http_port`` or any other OpenAI-compatible server.
 
 Every request is greedy with EOS ignored, ``max_tokens`` = its output length.
 Times are ``time.monotonic()`` seconds; the records feed
@@ -74,6 +76,9 @@ class LevelRun:
       spec_drafts, spec_draft_tokens, spec_accepted_tokens: speculative
         decoding during the level (rows that verified drafts, drafts
         verified, drafts accepted; 0 without speculation).
+      texts: each request's output text (OpenAI HTTP only; None elsewhere).
+      http: how an OpenAI HTTP level was driven and counted (``openai_load``:
+        prompt_as, token_count sources, short_outputs, ...; None elsewhere).
     """
 
     concurrency: int
@@ -94,6 +99,8 @@ class LevelRun:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    texts: list[str] | None = None
+    http: dict | None = None
 
     def spec_dict(self) -> dict | None:
         """The level's speculation figures for the JSON (None without drafts):
@@ -225,22 +232,28 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
 
 # ---- gRPC ----------------------------------------------------------------------
 
-def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0):
+def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0,
+                 http: bool = False):
     """Start ``python -m jaxserve.main --mode serve`` on free ports with
     ``engine_flags``; returns (process, "host:port", metrics URL) once it
-    prints ``jaxserve: serving``. Its stderr is echoed to ours, tagged.
+    prints ``jaxserve: serving``, and with ``http`` (``--http_port 0``: the
+    OpenAI API too) a fourth item, its base URL ``http://host:port``. Its
+    stderr is echoed to ours, tagged.
 
     Raises:
       RuntimeError: it exited, or was not ready within ``timeout_s``.
     """
     cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
-           "--metrics_port", "0", "--model", model, *engine_flags]
+           "--metrics_port", "0", "--model", model, *engine_flags,
+           *(["--http_port", "0"] if http else [])]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     found, ready = {}, threading.Event()
 
     def pump():
         for line in proc.stderr:
             sys.stderr.write("[server] " + line)
+            if m := re.match(r"jaxserve: HTTP on (https?://\S+)", line):
+                found["http"] = m[1]
             if m := re.match(r"jaxserve: gRPC on (\S+):(\d+) ", line):
                 found["target"] = f"{m[1]}:{m[2]}"
                 if u := re.search(r"metrics on (http://\S+/metrics)", line):
@@ -253,6 +266,8 @@ def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_server(proc)
             raise RuntimeError(f"server not ready (exit status {proc.returncode})")
+    if http:
+        return proc, found["target"], found.get("metrics"), found["http"]
     return proc, found["target"], found.get("metrics")
 
 

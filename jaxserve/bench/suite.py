@@ -13,10 +13,16 @@ Steps of a run:
    compiles nothing more (the per-level ``compilations`` column shows it).
    An open loop's shapes depend on the clock: a level that still compiled is
    run again, up to ``MAX_RERUNS`` times (``reruns`` in the JSON), and the
-   report flags a level that compiled in the end. Over gRPC every level runs
-   once on other prompts of the same shapes.
-3. jaxserve, level by level (``serving.run_inprocess`` / ``run_grpc``), the
-   prefix cache emptied before each in-process level.
+   report flags a level that compiled in the end. Over gRPC and HTTP every
+   level runs once on other prompts of the same shapes.
+3. jaxserve, level by level (``serving.run_inprocess`` / ``run_grpc`` /
+   ``openai_load.run_openai``), the prefix cache emptied before each
+   in-process level. ``backend="openai"`` drives OpenAI's HTTP API: a spawned
+   jaxserve's ``--http_port``, or with ``target`` any running
+   OpenAI-compatible server (named from ``GET /v1/models``), its prompts
+   made with the server's ``/tokenize`` and sent as token ids where it takes
+   them, else as text; ``backend="grpc"`` with ``target`` drives a running
+   gRPC server.
 4. Roofline: the device's ceilings (measured: ``roofline.measure_ceilings``,
    or given) and ``roofline.analyze`` of the recorded steps, per level and
    over all levels (in-process only), in the bytes as stored: the mean bytes
@@ -24,7 +30,10 @@ Steps of a run:
    or int4 values with their f32 scales) and per KV element (int8/fp8
    scales included); the weight bytes and the format are in the JSON.
 5. Peers (``peers``), each on every level's slice, seen by the same clients
-   (closed loop, or jaxserve's Poisson arrival times: ``peers.client_view``).
+   (closed loop, or jaxserve's Poisson arrival times: ``peers.client_view``);
+   ``llama_cpp_server`` is llama.cpp's own HTTP server on the same GGUF,
+   spawned and driven by ``run_openai`` at every level's concurrency (real
+   clients, real arrivals, no ``client_view``).
 6. ``report.write``: ``result.json``, ``report.md``, PNGs.
 
 ``scale`` defaults to 1 on GPU and TPU and to 0.2 on CPU, where the named
@@ -41,6 +50,7 @@ import os
 import sys
 import time
 
+from jaxserve.bench import openai_load
 from jaxserve.bench import peers as peers_mod
 from jaxserve.bench import quant_bench, report, roofline, serving, stats
 from jaxserve.bench.workloads import SHAPES, WORKLOADS, BenchRequest, make_requests
@@ -76,7 +86,11 @@ class BenchOptions:
       num_prompts: requests per level; None = max(4, C).
       slo: ``stats.parse_slo`` output, for goodput.
       peers: names from ``peers.PEERS``; missing packages are skipped, said so.
-      backend: ``"inprocess"`` or ``"grpc"`` (a server is spawned).
+      backend: ``"inprocess"``, ``"grpc"`` or ``"openai"`` (a jaxserve server
+        is spawned unless ``target`` is given).
+      target: grpc: ``host:port`` of a running server; openai: the base URL
+        (``http://host:port``) of a running OpenAI-compatible server.
+      api_key: bearer token for ``target`` (openai).
       scale: prompt and output length multiplier; None = 1, or 0.2 on CPU.
       seed: requests and arrivals.
       warmup: run the sweep once untimed first.
@@ -94,6 +108,8 @@ class BenchOptions:
     slo: dict = dataclasses.field(default_factory=dict)
     peers: tuple[str, ...] = ("hf", "llama_cpp")
     backend: str = "inprocess"
+    target: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     scale: float | None = None
     seed: int = 0
     warmup: bool = True
@@ -116,8 +132,15 @@ class BenchOptions:
                              f"got {self.request_rate}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"--num_prompts must be >= 1, got {self.num_prompts}")
-        if self.backend not in ("inprocess", "grpc"):
-            raise ValueError(f"--backend must be inprocess or grpc, got {self.backend!r}")
+        if self.backend not in ("inprocess", "grpc", "openai"):
+            raise ValueError(f"--backend must be inprocess, grpc or openai, got "
+                             f"{self.backend!r}")
+        if self.target is not None and self.backend == "inprocess":
+            raise ValueError("--target needs --backend grpc (host:port) or openai (a URL)")
+        if self.target is not None and self.backend == "openai" and \
+                not self.target.startswith(("http://", "https://")):
+            raise ValueError(f"--target for --backend openai is a URL such as "
+                             f"http://127.0.0.1:8000, got {self.target!r}")
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"--scale must be > 0, got {self.scale}")
         for name, v in (("peak_flops", self.peak_flops), ("peak_bytes", self.peak_bytes)):
@@ -127,6 +150,45 @@ class BenchOptions:
 
     def prompts_per_level(self) -> list[int]:
         return [self.num_prompts or max(4, c) for c in self.concurrency]
+
+
+# ``jaxserve.main`` flags a spawned server gets as given (with their values),
+# and the speculation flags it gets when --speculative_method is not none.
+SERVER_FLAGS = ("dtype", "page_size", "kv_cache_mib", "max_num_seqs", "max_num_batched_tokens",
+                "enable_prefix_caching", "enable_chunked_prefill", "quantization",
+                "quantization_group_size", "kv_cache_dtype")
+SPEC_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min",
+              "prompt_lookup_max", "draft_quantization", "speculative_adaptive")
+OPTIONAL_FLAGS = ("num_pages", "max_model_len", "mesh", "num_devices", "seed", "draft_model")
+BENCH_FLAGS = ("workload", "concurrency", "request_rate", "num_prompts", "slo", "peers",
+               "backend", "target", "scale", "seed", "warmup", "peak_tflops", "peak_gbps",
+               "model")
+FLAG_NAMES = tuple(dict.fromkeys(SERVER_FLAGS + SPEC_FLAGS + OPTIONAL_FLAGS + BENCH_FLAGS))
+
+
+def options_from_flags(values: dict, api_key: str | None = None) -> BenchOptions:
+    """``BenchOptions`` of ``jaxserve.main``'s flag values ({name: value} for
+    every name of ``FLAG_NAMES``), with the flags a spawned server gets.
+
+    Raises:
+      ValueError: a bad level list, SLO, peer name or option.
+    """
+    def server_args(names):  # absl takes --name=value for every kind, bools included
+        return [f"--{n}={values[n]}" for n in names]
+    flag_args = server_args(SERVER_FLAGS)
+    if values["speculative_method"] != "none":
+        flag_args += server_args(SPEC_FLAGS)
+    flag_args += server_args([n for n in OPTIONAL_FLAGS if values[n] is not None])
+    return BenchOptions(
+        workload=values["workload"], concurrency=parse_levels(values["concurrency"]),
+        request_rate=values["request_rate"], num_prompts=values["num_prompts"],
+        slo=stats.parse_slo(values["slo"]), peers=tuple(peers_mod.parse_peers(values["peers"])),
+        backend=values["backend"], target=values["target"], api_key=api_key,
+        scale=values["scale"], seed=values["seed"] or 0, warmup=values["warmup"],
+        peak_flops=values["peak_tflops"] * 1e12 if values["peak_tflops"] else None,
+        peak_bytes=values["peak_gbps"] * 1e9 if values["peak_gbps"] else None,
+        model=values["model"], dtype=values["dtype"], quantization=values["quantization"],
+        kv_cache_dtype=values["kv_cache_dtype"], engine_flags=tuple(flag_args))
 
 
 def _log(msg: str) -> None:
@@ -152,12 +214,12 @@ def _request_dict(r: stats.RequestRecord, t0: float) -> dict:
             "chunk_times_s": [rel(t) for t in r.chunk_times], "chunk_tokens": r.chunk_tokens}
 
 
-def _level_dict(run: serving.LevelRun, slo: dict) -> dict:
+def _level_dict(run: serving.LevelRun, slo: dict, mode: str = "continuous batching") -> dict:
     pages = [s[1] for s in run.kv_series]
     return {
         "concurrency": run.concurrency,
         "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
-        "mode": "continuous batching",
+        "mode": mode,
         "summary": stats.summarize(run.records, slo=slo),
         "by_workload": stats.by_workload(run.records, slo),
         "kv": {"pages_total": run.pages_total, "peak_pages": max(pages, default=0),
@@ -171,6 +233,7 @@ def _level_dict(run: serving.LevelRun, slo: dict) -> dict:
         "num_steps": len(run.steps) if run.steps else None,
         "device": run.device_dict(),
         "speculation": run.spec_dict(),
+        "http": run.http,
         "requests": [_request_dict(r, run.t0) for r in run.records],
     }
 
@@ -198,7 +261,8 @@ def _base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {"workload": opts.workload, "model": opts.model, "dtype": opts.dtype,
                    "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype,
-                   "backend": opts.backend, "concurrency": list(opts.concurrency),
+                   "backend": opts.backend, "target": opts.target,
+                   "concurrency": list(opts.concurrency),
                    "num_prompts": counts if len(set(counts)) > 1 else counts[0],
                    "request_rate": None if math.isinf(opts.request_rate) else opts.request_rate,
                    "slo": opts.slo, "peers": list(opts.peers), "scale": scale,
@@ -297,10 +361,12 @@ class _RpcTokenizer:
 
 
 def run_grpc(opts: BenchOptions):
-    """Spawn a server with ``opts.engine_flags``, warm it up, run the levels;
-    returns what ``run_inprocess`` does."""
+    """Spawn a server with ``opts.engine_flags`` (or use ``opts.target``: no
+    metrics page then), warm it up, run the levels; returns what
+    ``run_inprocess`` does."""
     from jaxserve.server.client import AsyncClient, Client
-    proc, target, metrics_url = serving.spawn_server(opts.model, list(opts.engine_flags))
+    proc, target, metrics_url = (None, opts.target, None) if opts.target else \
+        serving.spawn_server(opts.model, list(opts.engine_flags))
     try:
         with Client(target) as client:
             info = client.model_info()
@@ -344,8 +410,99 @@ def run_grpc(opts: BenchOptions):
                          f"{s['failed']} failed")
         asyncio.run(go())
     finally:
-        serving.stop_server(proc)
+        if proc is not None:
+            serving.stop_server(proc)
     result["roofline_note"] = ("the gRPC backend cannot see the server's steps; run "
+                               "--backend inprocess for the roofline")
+    return result, per_level, records
+
+
+def _prompt_as(base: str, model: str, ids: list[int], tok, api_key=None) -> str:
+    """"ids" when the server takes token-id prompts, else "text" (which needs ``tok``).
+
+    Raises:
+      ValueError: text only, and the server cannot detokenize.
+    """
+    if openai_load.accepts_token_ids(base, model, ids[:1], api_key):  # no full page cached
+        return "ids"
+    if tok is None:
+        raise ValueError(f"{base} takes no token-id prompts and has no /tokenize route to "
+                         "make text ones")
+    return "text"
+
+
+def run_openai(opts: BenchOptions):
+    """The jaxserve backend over OpenAI's HTTP API: a spawned server's
+    ``--http_port`` (``opts.engine_flags``), or ``opts.target``, any
+    OpenAI-compatible server; warm-up and levels as ``run_grpc``; returns
+    what ``run_inprocess`` does."""
+    proc, grpc_target, info = None, None, None
+    if opts.target:
+        base = opts.target.rstrip("/")
+        metrics_url = openai_load.jaxserve_metrics(base)  # None for a foreign server
+    else:
+        proc, grpc_target, metrics_url, base = serving.spawn_server(
+            opts.model, list(opts.engine_flags), http=True)
+    tok = None
+    try:
+        model = openai_load.server_model(base, opts.api_key)
+        if grpc_target is not None:
+            from jaxserve.server.client import Client
+            with Client(grpc_target) as client:
+                info = client.model_info()
+        # A spawned server says its platform; a target's is unknown: scale 1 unless given.
+        scale = _scale(opts, info.backend if info is not None else "target")
+        counts = opts.prompts_per_level()
+        tok = openai_load.HttpTokenizer(base, opts.api_key)
+        if not tok.available():
+            tok = None  # random ids
+        vocab = getattr(info, "vocab_size", 0) or 32000
+        requests = make_requests(tok, vocab, opts.workload, sum(counts), seed=opts.seed,
+                                 scale=scale)
+        warm = make_requests(tok, vocab, opts.workload, sum(counts), seed=opts.seed + 1000,
+                             scale=scale) if opts.warmup else []
+        prompt_as = _prompt_as(base, model["id"], requests[0].prompt_ids, tok, opts.api_key)
+        per_level = _slices(requests, counts)
+        server = {"api": "openai", "base_url": base, "model": model["id"],
+                  "owned_by": model.get("owned_by"), "spawned": proc is not None,
+                  "prompt_as": prompt_as, "tokenizer": tok.shape if tok else None,
+                  "metrics_url": metrics_url}
+        if info is not None:
+            server.update(grpc_target=grpc_target, backend=info.backend,
+                          num_devices=info.num_devices, dtype=info.dtype,
+                          attention_impl=info.attention_impl)
+        result = _base_result(opts, scale, requests, counts, {"server": server})
+        jaxserve = model.get("owned_by") == "jaxserve"
+        mode = "continuous batching" if jaxserve else "as served"
+        records = []
+        kw = dict(api_key=opts.api_key, prompt_as=prompt_as, tokenizer=tok)
+
+        async def go():
+            t = time.monotonic()
+            for c, reqs in zip(opts.concurrency, _slices(warm, counts)):
+                await openai_load.run_openai(base, model["id"], reqs, c, opts.request_rate,
+                                             opts.seed, **kw)
+                _log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")
+            result["warmup"] = {"seconds": time.monotonic() - t, "compilations": None,
+                                "note": "every level once, untimed, on other prompts of "
+                                        f"the same shapes ({time.monotonic() - t:.0f} s)"
+                                if opts.warmup else "none"}
+            for c, reqs in zip(opts.concurrency, per_level):
+                run = await openai_load.run_openai(base, model["id"], reqs, c,
+                                                   opts.request_rate, opts.seed,
+                                                   metrics_url, **kw)
+                records.append(run.records)
+                result["levels"].append(_level_dict(run, opts.slo, mode))
+                s = result["levels"][-1]["summary"]
+                _log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
+                     f"{s['failed']} failed, {run.http['short_outputs']} short")
+        asyncio.run(go())
+    finally:
+        if tok is not None:
+            tok.close()
+        if proc is not None:
+            serving.stop_server(proc)
+    result["roofline_note"] = ("the openai backend cannot see the server's steps; run "
                                "--backend inprocess for the roofline")
     return result, per_level, records
 
@@ -385,7 +542,7 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
                 path = _model_file(opts.model)
             except ValueError as e:
                 why = str(e)
-        if why is None and name == "llama_cpp" and not path.endswith(".gguf"):
+        if why is None and name.startswith("llama_cpp") and not path.endswith(".gguf"):
             why = "llama.cpp needs a .gguf model"
         if why is not None:
             entry["skipped"] = why
@@ -393,6 +550,9 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
             continue
         t = time.monotonic()
         n_ctx = max(len(r.prompt_ids) + r.output_len for reqs in per_level for r in reqs) + 16
+        if name == "llama_cpp_server":
+            _run_llama_cpp_server(entry, opts, per_level, jax_records, path, n_ctx)
+            continue
         warm = [dataclasses.replace(per_level[0][0], output_len=2)]
         if name == "hf":
             model = peers_mod.load_hf(path)
@@ -432,12 +592,61 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
         del model  # free its memory before the next peer loads
 
 
+# llama_cpp.server's sampling defaults that temperature 0 does not switch
+# off: repeat_penalty 1.1 would change the greedy tokens.
+LLAMA_CPP_SERVER_BODY = {"repeat_penalty": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+
+
+def _run_llama_cpp_server(entry: dict, opts: BenchOptions, per_level, jax_records,
+                          path: str, n_ctx: int) -> None:
+    """The ``llama_cpp_server`` peer: llama.cpp's server spawned on ``path``
+    and driven by ``run_openai`` at every level's concurrency and arrival
+    rate (its clients are real: no ``client_view``); fills ``entry``."""
+    t = time.monotonic()
+    try:
+        proc, base = openai_load.spawn_llama_cpp_server(path, n_ctx)
+    except RuntimeError as e:
+        entry["skipped"] = str(e).splitlines()[0]
+        _log(f"peer llama_cpp_server skipped: {e}")
+        return
+    tok = openai_load.HttpTokenizer(base)
+    try:
+        model = openai_load.server_model(base)["id"]
+        prompt_as = _prompt_as(base, model, per_level[0][0].prompt_ids, tok)
+        kw = dict(prompt_as=prompt_as, tokenizer=tok, extra_body=LLAMA_CPP_SERVER_BODY,
+                  id_prefix="llama_cpp_server-")
+        warm = [dataclasses.replace(per_level[0][0], output_len=2)]
+        asyncio.run(openai_load.run_openai(base, model, warm, 1, **kw))
+        entry.update(load_s=time.monotonic() - t, base_url=base, prompt_as=prompt_as,
+                     extra_body=LLAMA_CPP_SERVER_BODY, levels=[])
+        same = total = 0
+        for j, (c, reqs) in enumerate(zip(opts.concurrency, per_level)):
+            run = asyncio.run(openai_load.run_openai(base, model, reqs, c, opts.request_rate,
+                                                     opts.seed, **kw))
+            recs = run.records
+            a, b = _agreement(recs, jax_records[j])
+            same, total = same + a, total + b
+            entry["levels"].append({
+                "concurrency": c, "mode": f"HTTP, up to {c} streams open (served one at a time)",
+                "summary": stats.summarize(recs, slo=opts.slo),
+                "token_agreement": a / b if b else None, "http": run.http,
+                "requests": [_request_dict(r, run.t0) for r in recs]})
+            s = entry["levels"][-1]["summary"]
+            _log(f"peer llama_cpp_server C={c}: {s['completed']} requests in "
+                 f"{s['duration_s']:.1f} s, {s['output_throughput']:.1f} output tok/s, "
+                 f"{run.http['short_outputs']} short")
+        entry["token_agreement"] = same / total if total else None
+    finally:
+        tok.close()
+        serving.stop_server(proc)
+
+
 def run(opts: BenchOptions, output_dir: str, llm=None,
         started: float | None = None) -> tuple[dict, list[str]]:
     """The whole benchmark; returns the result and the paths written.
 
     Args:
-      llm: the in-process ``LLM`` (``backend="inprocess"``); unused for gRPC.
+      llm: the in-process ``LLM`` (``backend="inprocess"``); unused otherwise.
       started: ``time.monotonic()`` before the model was loaded, so the
         wall time reported includes the load (default: now).
 
@@ -450,6 +659,8 @@ def run(opts: BenchOptions, output_dir: str, llm=None,
         if llm is None:
             raise ValueError("the in-process backend needs an LLM")
         result, per_level, records = run_inprocess(llm, opts)
+    elif opts.backend == "openai":
+        result, per_level, records = run_openai(opts)
     else:
         result, per_level, records = run_grpc(opts)
     run_peers(result, opts, per_level, records)
