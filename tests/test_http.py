@@ -498,6 +498,8 @@ def test_models_health_metrics(server, client, http, tiny_gguf):
     assert m.model_dump()["max_model_len"] == CONTEXT
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["id"] == tiny_gguf
+    assert client.models.retrieve(tiny_gguf).id == tiny_gguf  # GET /v1/models/{id}
+    _assert_error(http.get("/v1/models/other"), 404, "model")
     assert http.get("/health").status_code == 200
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

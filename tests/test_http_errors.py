@@ -52,6 +52,14 @@ BAD = [  # (route, body, status, param)
     ("/v1/chat/completions", dict(messages=HI, n=0), 400, "n"),
     ("/v1/chat/completions", dict(messages=HI, logprobs=True, top_logprobs=21), 400,
      "top_logprobs"),
+    # stream_options without stream, and vLLM extras that would change the
+    # output if honoured: refused, not ignored
+    ("/v1/completions", dict(prompt="hi", stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("/v1/completions", dict(prompt="hi", guided_json={"type": "object"}), 400, "guided_json"),
+    ("/v1/chat/completions", dict(messages=HI, add_generation_prompt=False), 400,
+     "add_generation_prompt"),
+    ("/v1/chat/completions", dict(messages=HI, echo=True), 400, "echo"),
 ]
 
 
@@ -130,6 +138,11 @@ def test_bearer_token(tiny_gguf, tmp_path, reference):
             auth = {"authorization": f"Bearer {token}"}
             r = h.post("/tokenize", json=dict(prompt="hi"), headers=auth)
             assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+            # the scheme is case-insensitive (RFC 9110); HEAD /health for load balancers
+            r = h.post("/tokenize", json=dict(prompt="hi"), headers={"authorization":
+                                                                      f"bearer {token}"})
+            assert r.status_code == 200, r.text
+            assert h.head("/health").status_code == 200
         good = openai.OpenAI(base_url=base + "/v1", api_key=token, max_retries=0)
         assert [m.id for m in good.models.list().data] == [tiny_gguf]
         resp = good.completions.create(model=tiny_gguf, prompt=[5, 6, 7], max_tokens=4,

@@ -189,7 +189,8 @@ class OpenAIServer:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
-        app.get("/health")(self.health)
+        app.get("/v1/models/{model_id:path}")(self.model)
+        app.api_route("/health", methods=["GET", "HEAD"])(self.health)
         app.get("/metrics")(self.prometheus)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
@@ -201,9 +202,9 @@ class OpenAIServer:
         token = self.config.auth_token
         if not token:
             return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
-                                   f"Bearer {token}".encode()):
+        scheme, _, got = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                got.strip().encode("utf-8", "surrogateescape"), token.encode()):
             raise oai.APIError(401, "missing or wrong bearer token (header 'Authorization: "
                                     "Bearer <token>')")
 
@@ -635,6 +636,14 @@ class OpenAIServer:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
             "root": name, "max_model_len": engine.engine.max_model_len}]}
+
+    async def model(self, request: Request, model_id: str):
+        """``GET /v1/models/{id}``: the served model, or 404 for another id."""
+        listing = await self.models(request)
+        if model_id != self.servicer.model_name:
+            raise oai.APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                                    f"`{self.servicer.model_name}`", "model")
+        return listing["data"][0]
 
     async def health(self, request: Request):
         self._ready()

@@ -55,11 +55,28 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+# vLLM's extras that change what is generated and that jaxserve does not
+# implement: refused with 400 rather than ignored with a warning.
+REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs", "chat_template", "chat_template_kwargs",
+                  "continue_final_message", "echo", "allowed_token_ids", "bad_words",
+                  "logits_processors", "truncate_prompt_tokens")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
+
+    def refused_fields(self) -> list[str]:
+        """vLLM fields jaxserve does not implement that would change the
+        result if honoured (so ignoring them is wrong): set, not default."""
+        extra = self.model_extra or {}
+        out = [f for f in REFUSED_FIELDS if extra.get(f) not in (None, False, {}, [])]
+        if extra.get("add_generation_prompt", True) is not True:
+            out.append("add_generation_prompt")
+        return out
 
 
 class StreamOptions(_Request):
@@ -143,7 +160,7 @@ def parse(cls: type[_Request], body: Any) -> _Request:
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
     try:
-        return cls.model_validate(body)
+        req = cls.model_validate(body)
     except pydantic.ValidationError as e:
         err = e.errors()[0]
         loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[",
@@ -152,6 +169,12 @@ def parse(cls: type[_Request], body: Any) -> _Request:
         got = err.get("input")
         shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
         raise bad_request(f"{param or 'body'}: {err['msg']} (got {shown})", param) from None
+    refused = req.refused_fields()
+    if refused:
+        raise bad_request(f"{refused[0]}: is not supported by jaxserve", refused[0])
+    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    return req
 
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
