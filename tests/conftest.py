@@ -108,6 +108,21 @@ def smollm2_llm():
 
 
 @pytest.fixture(scope="session")
+def gemma3_path():
+    """The real Gemma 3 270M Q4_K_M GGUF (alias ``gemma3-270m``, ~253 MB, fetched once)."""
+    from checkpoints.fetch import resolve_model
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_tokenizer(gemma3_path):
+    """transformers' tokenizer read from the Gemma 3 GGUF (~20 s: 262,144 pieces)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gemma3_path.parent),
+                                                      gguf_file=gemma3_path.name)
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
     """A tiny random Llama GGUF (vocab 320, 2 layers, 512 positions, with a
     tokenizer) for CLI and server tests; path as str."""
