@@ -1,10 +1,13 @@
 """A tokenizer rebuilt from GGUF metadata, id-for-id equal to transformers'.
 
-GGUF files carry no ``tokenizer.json``: they hold the vocabulary, merges, token
-types and special ids under llama.cpp's ``tokenizer.ggml.*`` keys. We rebuild the
-``tokenizers`` pipeline that ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``
+GGUF files carry no ``tokenizer.json``: they hold the vocabulary, merges, scores,
+token types and special ids under llama.cpp's ``tokenizer.ggml.*`` keys. We rebuild
+the ``tokenizers`` pipeline that ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``
 builds (transformers v5, ``integrations/gguf/gguf_tokenizer_mapping.py`` +
-``GPT2Tokenizer`` + ``TokenizersBackend``):
+``GPT2Tokenizer`` / ``LlamaTokenizer`` / ``GemmaTokenizer`` + ``TokenizersBackend``).
+Two kinds of ``tokenizer.ggml.model``:
+
+``"gpt2"``, byte-level BPE (SmolLM2, Llama 3, Qwen2), built here:
 
 - model: byte-level BPE over the file's tokens and merges; a token spelled outside
   the GPT-2 byte alphabet is respelled byte by byte (``byte_level_tokenizer``).
@@ -12,14 +15,22 @@ builds (transformers v5, ``integrations/gguf/gguf_tokenizer_mapping.py`` +
   unless ``tokenizer.ggml.pre`` names a split regex HF knows (llama-bpe, qwen2,
   tekken, gpt-4o ...), then ``Split(regex, isolated)`` + ``ByteLevel(use_regex=False)``.
 - decoder: ``ByteLevel``; no clean-up of spaces (HF skips it for BPE).
-- added tokens: control tokens (type 3) spelled in the byte alphabet and the
-  bos/eos/unk/pad tokens are special; user-defined tokens (type 4) are added as
-  plain tokens. All are matched whole in the input text.
-- post-processor: prepend BOS only if ``tokenizer.ggml.add_bos_token`` (default
-  False for this kind), append EOS only if ``tokenizer.ggml.add_eos_token``.
 
-Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: SmolLM2, Llama 3, Qwen2)
-is supported; sentencepiece (``"llama"``) and others raise ``ValueError``.
+``"llama"``, sentencepiece (Llama 2, Mistral v0.1, Gemma 1-3, Phi-3): BPE with byte
+fallback over the pieces, merges from the file or derived from scores, "▁" for
+spaces; model, normalizer, pre-tokenizer and decoder are built by
+``checkpoints/tokenizer_spm.py``, which picks Llama's, Gemma's or Phi-3's pipeline by
+``general.architecture`` as transformers does.
+
+Both kinds then get:
+
+- added tokens: control tokens (type 3) and the bos/eos/unk/pad tokens are special
+  (for gpt2, only control tokens spelled in the byte alphabet); user-defined
+  tokens (type 4) are added as plain tokens. All are matched whole in the input text.
+- post-processor: prepend BOS only if ``tokenizer.ggml.add_bos_token`` (default
+  False for gpt2, True for llama), append EOS only if ``tokenizer.ggml.add_eos_token``.
+
+Other kinds (``"t5"``, ``"gemma4"``, ``"bert"``, ``"rwkv"`` ...) raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from checkpoints.chat_template import render_chat_template
+from checkpoints.tokenizer_spm import spm_backend
 
-SUPPORTED_KINDS = ("gpt2",)
+SUPPORTED_KINDS = ("gpt2", "llama")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # Split regexes per ``tokenizer.ggml.pre``, copied from transformers'
@@ -89,7 +101,8 @@ def check_tokenizer_fields(fields: Mapping[str, Any]) -> None:
     module reads: tokens a list of strings; merges a list of ``"a b"`` strings
     (two parts, one space); ``token_type`` and ``scores``, when present, one
     int / number per token; special token ids ints inside the vocabulary;
-    ``pre`` and ``chat_template`` strings.
+    ``add_bos_token`` / ``add_eos_token`` bools; ``pre`` and ``chat_template``
+    strings. (Whether a kind needs merges or scores is its builder's check.)
 
     Raises:
       ValueError: the first field that is wrong, named with what is wrong.
@@ -113,7 +126,8 @@ def check_tokenizer_fields(fields: Mapping[str, Any]) -> None:
             raise ValueError(f"tokenizer.ggml.{key} has {length} entries, "
                              f"tokenizer.ggml.tokens {len(tokens)}")
         if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
-            raise ValueError(f"tokenizer.ggml.{key} must hold numbers")
+            raise ValueError(f"tokenizer.ggml.{key} must hold "
+                             f"{'integers' if kind is int else 'numbers'}, one per token")
     for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
                 "eot_token_id", "eom_token_id"):
         i = fields.get(f"tokenizer.ggml.{key}")
@@ -121,9 +135,41 @@ def check_tokenizer_fields(fields: Mapping[str, Any]) -> None:
                               or not 0 <= i < len(tokens)):
             raise ValueError(f"tokenizer.ggml.{key} = {i!r:.80} is not a token id in "
                              f"[0, {len(tokens)})")
+    for key in ("add_bos_token", "add_eos_token"):
+        flag = fields.get(f"tokenizer.ggml.{key}")
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"tokenizer.ggml.{key} must be a bool, got {flag!r:.80}")
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
         if key in fields and not isinstance(fields[key], str):
             raise ValueError(f"{key} must be a string, got {type(fields[key]).__name__}")
+
+
+def _byte_level_backend(fields: Mapping[str, Any], alphabet: frozenset[str]
+                        ) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """Model, pre-tokenizer and decoder of a ``gpt2`` GGUF, and its vocabulary
+    (token -> id, in the byte alphabet)."""
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    merges: list[str] = fields.get("tokenizer.ggml.merges") or []
+    if not merges:
+        raise ValueError("GGUF byte-level BPE tokenizer needs tokenizer.ggml.tokens and "
+                         "tokenizer.ggml.merges")
+    vocab = {_byte_level_spelling(t, alphabet): i for i, t in enumerate(tokens)}
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(
+            vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+            continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise ValueError(f"cannot build the BPE tokenizer from tokenizer.ggml.tokens / "
+                         f"merges: {' '.join(str(e).split())}") from None
+    split = PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend, vocab
 
 
 class Tokenizer:
@@ -169,58 +215,53 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
-        """Build from GGUF metadata (key -> Python value; only ``tokenizer.*`` is read).
+        """Build from GGUF metadata (key -> Python value): the ``tokenizer.*`` keys,
+        and ``general.architecture`` for a sentencepiece vocabulary (``tokenizer_spm``).
 
         Raises:
-          ValueError: no token list, a tokenizer kind other than ``"gpt2"`` (names it),
-            a gpt2 vocabulary without merges, or metadata of the wrong type or
-            length (``check_tokenizer_fields``).
+          ValueError: no token list, a tokenizer kind not in ``SUPPORTED_KINDS``
+            (names it), a gpt2 vocabulary without merges, a sentencepiece one without
+            merges or scores, or metadata of the wrong type or length
+            (``check_tokenizer_fields``).
         """
         kind = fields.get("tokenizer.ggml.model")
         if not isinstance(kind, str) or kind not in SUPPORTED_KINDS:
             raise ValueError(f"unsupported GGUF tokenizer kind tokenizer.ggml.model={kind!r:.80}; "
                              f"supported: {list(SUPPORTED_KINDS)}")
         tokens: list[str] = fields.get("tokenizer.ggml.tokens") or []
-        merges: list[str] = fields.get("tokenizer.ggml.merges") or []
-        if not tokens or not merges:
-            raise ValueError("GGUF byte-level BPE tokenizer needs tokenizer.ggml.tokens and "
-                             "tokenizer.ggml.merges")
+        if not tokens:
+            raise ValueError("GGUF tokenizer needs tokenizer.ggml.tokens")
         check_tokenizer_fields(fields)
-        token_types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = frozenset(bytes_to_unicode().values())
-        vocab = {_byte_level_spelling(t, alphabet): i for i, t in enumerate(tokens)}
-        try:
-            backend = tokenizers.Tokenizer(models.BPE(
-                vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
-            raise ValueError(f"cannot build the BPE tokenizer from tokenizer.ggml.tokens / "
-                             f"merges: {' '.join(str(e).split())}") from None
-        split = PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if kind == "gpt2":
+            alphabet: frozenset[str] | None = frozenset(bytes_to_unicode().values())
+            backend, vocab = _byte_level_backend(fields, alphabet)
+            extra: list[str] = []
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
+            alphabet = None
+            backend, vocab, extra = spm_backend(fields)
+        token_types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
         ids = {name: fields.get(f"tokenizer.ggml.{key}") for name, key in (
             ("bos", "bos_token_id"), ("eos", "eos_token_id"),
             ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
         ids = {name: None if i is None else int(i) for name, i in ids.items()}
+        # A byte-level vocabulary spells every real token in its alphabet; a control
+        # token that is not is a llama.cpp mislabel (HF skips it too).
         backend.add_special_tokens([
             AddedToken(t, normalized=False, special=True)
-            for t, ttype in zip(tokens, token_types) if ttype == _CONTROL and set(t) <= alphabet])
+            for t, ttype in zip(tokens, token_types)
+            if ttype == _CONTROL and (alphabet is None or set(t) <= alphabet)])
         backend.add_tokens([
             AddedToken(t, normalized=False, special=False)
             for t, ttype in zip(tokens, token_types) if ttype == _USER_DEFINED and t in vocab])
         added = {tok.content for tok in backend.get_added_tokens_decoder().values()}
-        named = [tokens[i] for i in ids.values() if i is not None and tokens[i] not in added]
+        named = [tokens[i] for i in ids.values() if i is not None] + extra
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                    for t in dict.fromkeys(named)])
+                                    for t in dict.fromkeys(named) if t not in added])
 
-        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and ids["bos"] is not None
+        # llama.cpp and HF add BOS to a sentencepiece vocabulary that does not say otherwise.
+        add_bos = fields.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        add_bos = bool(add_bos) and ids["bos"] is not None
         add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and ids["eos"] is not None
         bos = tokens[ids["bos"]] if add_bos else None
         eos = tokens[ids["eos"]] if add_eos else None
@@ -241,7 +282,8 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def id_to_token(self, i: int) -> str | None:
-        """The vocabulary entry for id ``i`` (byte-level spelling), None if out of range."""
+        """The vocabulary entry for id ``i`` as the model spells it (byte alphabet for
+        gpt2, "▁" for spaces and ``<0xNN>`` bytes for sentencepiece), None if out of range."""
         return self.backend.id_to_token(int(i))
 
     # -- text -----------------------------------------------------------------

@@ -112,8 +112,8 @@ def test_unsupported_architecture():
 
 
 def test_unsupported_tokenizer_kind():
-    with pytest.raises(ValueError, match=r"'llama'.*gpt2"):
-        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(ValueError, match=r"'t5'.*gpt2"):
+        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
 
 
 # ---------------------------------------------------------------- 2. tiny GGUF
