@@ -7,6 +7,8 @@ and ``render_jinja_template`` (v5): an ``ImmutableSandboxedEnvironment`` with
 ``raise_exception`` and ``strftime_now``, and a ``tojson`` filter that does not
 HTML-escape. The special-token strings (``bos_token``, ``eos_token``, ...) are
 passed as template variables, as HF passes its ``special_tokens_map``.
+
+``render_transcript`` is the fallback for a model without a template.
 """
 
 from __future__ import annotations
@@ -48,6 +50,46 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
+
+
+# A model with no chat template of its own (a pretrained base model: Gemma 3
+# 270M's GGUF, a folder without one) was never trained on turn tokens; it
+# continues a plain transcript sensibly. ``render_transcript`` writes
+# the conversation as one, and the assistant's turn ends where the model
+# starts the next user line (``TRANSCRIPT_STOP``, added to chat requests'
+# stop strings by ``Tokenizer.chat_stop``). vLLM refuses to chat without a
+# template; llama.cpp falls back to ChatML, which a base model does not follow.
+TRANSCRIPT_STOP = ("\nUser:",)
+_TRANSCRIPT_ROLES = {"user": "User", "assistant": "Assistant", "tool": "Tool"}
+
+
+def render_transcript(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """``messages`` as a plain transcript: a system message as its own
+    paragraph, then one ``User: ...`` / ``Assistant: ...`` line per message,
+    ending with ``Assistant:`` when ``add_generation_prompt``. List content
+    keeps its text parts, joined.
+
+    Raises:
+      TypeError: a message is not a dict.
+      ValueError: a role other than system, user, assistant or tool.
+    """
+    lines = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise TypeError(f"chat messages must be dicts, got {m!r}")
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        role = m.get("role")
+        if role == "system":
+            lines.append(content.strip() + "\n")
+        elif role in _TRANSCRIPT_ROLES:
+            lines.append(f"{_TRANSCRIPT_ROLES[role]}: {content.strip()}")
+        else:
+            raise ValueError(f"unknown chat role {role!r}")
+    if add_generation_prompt:
+        lines.append("Assistant:")
+    return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,4 +135,4 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
         messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
-__all__ = ["compile_template", "render_chat_template"]
+__all__ = ["TRANSCRIPT_STOP", "compile_template", "render_chat_template", "render_transcript"]

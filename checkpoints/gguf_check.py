@@ -3,8 +3,8 @@
 ``gguf.GGUFReader`` trusts every count and offset in the header: a truncated or
 corrupt file ends in an ``IndexError`` deep in numpy, a "cannot reshape" error,
 or a loop over 2**63 claimed entries. ``check_gguf(path)`` walks the header
-once with ``struct`` over a memory map and raises ``ValueError`` naming the
-file, the entry and what is wrong. Layout checked (ggml ``docs/gguf.md``;
+once with ``struct`` over a memory map, keeping every metadata value, and
+raises ``ValueError`` naming the file, the entry and what is wrong. Layout checked (ggml ``docs/gguf.md``;
 little-endian, or wholly byte-swapped when the version's low 16 bits are 0,
 the rule the reader uses):
 
@@ -37,6 +37,7 @@ import os
 import struct
 
 import gguf
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -45,6 +46,11 @@ _SCALAR_SIZES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UI
                  GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4,
                  GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1, GGUFValueType.UINT64: 8,
                  GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+# struct formats of the scalar types (bool as "?": 0 is False, anything else True)
+_SCALAR_FORMATS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+                   GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+                   GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+                   GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
 _MIN_KV_BYTES = 8 + 4 + 1          # empty key, type, a one-byte value
 _MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # empty name, n_dims = 0, type, offset
 
@@ -71,7 +77,8 @@ class TensorExtent:
 @dataclasses.dataclass(frozen=True)
 class GGUFLayout:
     """What ``check_gguf`` read: version, alignment, data start, the tensor table
-    (in file order) and the value type of every key."""
+    (in file order), the value type of every key, every metadata value
+    (``fields``: key -> Python value) and the byte order (``"<"`` or ``">"``)."""
 
     version: int
     alignment: int
@@ -79,6 +86,8 @@ class GGUFLayout:
     file_size: int
     tensors: tuple[TensorExtent, ...]
     kv_types: dict[str, GGUFValueType]
+    fields: dict = dataclasses.field(default_factory=dict)
+    byte_order: str = "<"
 
 
 class _Cursor:
@@ -139,14 +148,15 @@ def _min_size(vtype: GGUFValueType) -> int:
     return _SCALAR_SIZES.get(vtype, 8 if vtype == GGUFValueType.STRING else 12)
 
 
-def _skip_value(cur: _Cursor, vtype: GGUFValueType, what: str, depth: int = 0):
-    """Step over one value; returns it for u32 scalars (``general.alignment``)."""
+def _read_value(cur: _Cursor, vtype: GGUFValueType, what: str, depth: int = 0):
+    """Read one value as a Python value (``gguf.ReaderField.contents()``'s
+    types: int, float, bool, str, lists of them). Arrays of numbers are read
+    with one ``numpy.frombuffer``, so a 262,144-entry token score list costs
+    milliseconds (``gguf.GGUFReader`` makes one numpy view per entry)."""
     if vtype in _SCALAR_SIZES:
-        fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_SIZES[vtype]]
-        return cur.unpack(fmt, what)
+        return cur.unpack(_SCALAR_FORMATS[vtype], what)
     if vtype == GGUFValueType.STRING:
-        cur.string(what)
-        return None
+        return cur.string(what)
     if depth >= _MAX_ARRAY_DEPTH:
         raise cur.fail(f"{what} nests arrays more than {_MAX_ARRAY_DEPTH} deep")
     item = _value_type(cur, cur.unpack("I", f"{what} item type"), f"{what} (array items)")
@@ -155,11 +165,12 @@ def _skip_value(cur: _Cursor, vtype: GGUFValueType, what: str, depth: int = 0):
         raise cur.fail(f"{what} claims {count} {item.name} items, more than the "
                        f"{cur.left()} bytes left in the file could hold (truncated or corrupt)")
     if item in _SCALAR_SIZES:
+        dtype = np.dtype(cur.order + _SCALAR_FORMATS[item].replace("?", "b1").replace(
+            "f", "f4").replace("d", "f8"))
+        values = np.frombuffer(cur.buf, dtype, count, cur.pos).tolist()
         cur.pos += count * _SCALAR_SIZES[item]
-    else:
-        for i in range(count):
-            _skip_value(cur, item, f"{what}[{i}]", depth + 1)
-    return None
+        return values
+    return [_read_value(cur, item, f"{what}[{i}]", depth + 1) for i in range(count)]
 
 
 def _check_tensor(cur: _Cursor, index: int, count: int,
@@ -209,6 +220,7 @@ def check_gguf_buffer(buf, path: str) -> GGUFLayout:
                        f"than the {cur.left()} bytes left in the file could hold "
                        f"(truncated or corrupt)")
     kv_types: dict[str, GGUFValueType] = {}
+    fields: dict = {}
     alignment = gguf.GGUF_DEFAULT_ALIGNMENT
     for i in range(n_kv):
         key = cur.string(f"metadata key {i} (of {n_kv} the header claims)")
@@ -216,7 +228,7 @@ def check_gguf_buffer(buf, path: str) -> GGUFLayout:
             raise cur.fail(f"metadata key {_q(key)} appears twice")
         vtype = _value_type(cur, cur.unpack("I", f"metadata {_q(key)} type"), f"metadata {_q(key)}")
         kv_types[key] = vtype
-        value = _skip_value(cur, vtype, f"metadata {_q(key)}")
+        value = fields[key] = _read_value(cur, vtype, f"metadata {_q(key)}")
         if key == "general.alignment":
             if vtype != GGUFValueType.UINT32:
                 raise cur.fail(f"general.alignment has type {vtype.name}, not UINT32")
@@ -252,7 +264,8 @@ def check_gguf_buffer(buf, path: str) -> GGUFLayout:
                            f"{previous.start + previous.nbytes})")
         previous = t if t.nbytes else previous
     return GGUFLayout(version=version, alignment=alignment, data_start=data_start,
-                      file_size=cur.size, tensors=tuple(tensors), kv_types=kv_types)
+                      file_size=cur.size, tensors=tuple(tensors), kv_types=kv_types,
+                      fields=fields, byte_order=cur.order)
 
 
 def check_gguf(path: str | os.PathLike) -> GGUFLayout:

@@ -65,11 +65,11 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from tqdm.auto import tqdm
 
-from checkpoints.gguf_check import GGUFLayout, check_gguf
+from checkpoints.gguf_check import GGUFLayout, TensorExtent, check_gguf
 from checkpoints.tokenizer import Tokenizer
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 # ggml types ``keep_blocks`` keeps quantized (``blocks_to_quantized``).
 KEPT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
@@ -91,9 +91,28 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors a llama GGUF may carry that have no HF parameter (HF drops them too).
-# rope_freqs holds Llama-3.1 RoPE scaling factors, which ModelConfig cannot express yet.
+# Gemma 3 (llama.cpp ``LLM_ARCH_GEMMA3``): sandwich norms and q/k norms;
+# ``ffn_norm`` is the norm before the MLP, which HF calls pre_feedforward.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_NAMES = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+# Tensors a GGUF may carry that have no HF parameter. rope_freqs (Llama 3.1+)
+# is read into ``ModelConfig.rope_freq_factors`` instead.
 _IGNORED = ("rope_freqs.weight",)
+# Gemma's norms scale by (1 + w); llama.cpp's converter stores w + 1 (its
+# RMSNorm multiplies by the weight), so the loader subtracts it again, as
+# transformers' ``Gemma2TensorProcessor`` does.
+_NORM_SHIFT = {"gemma3": 1.0}
+# llama.cpp writes no local RoPE base or layer pattern for Gemma 3: it uses
+# these (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``), as do HF's defaults.
+_GEMMA3_ROPE_LOCAL_THETA = 10000.0
+_GEMMA3_SLIDING_PATTERN = 6
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -123,29 +142,47 @@ def read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
+def _architecture(fields: Mapping[str, Any]) -> str:
+    """``general.architecture``, checked to be one of ``SUPPORTED_ARCHITECTURES``.
+
+    Raises:
+      ValueError: another (or no) architecture; the message lists the supported ones.
+    """
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r:.80}; supported: "
+                         f"{list(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
 def model_config_from_gguf(fields: Mapping[str, Any],
-                           tensor_names: frozenset[str] | set[str] | None = None) -> ModelConfig:
+                           tensor_names: frozenset[str] | set[str] | None = None,
+                           rope_freqs: np.ndarray | None = None) -> ModelConfig:
     """Build a ``ModelConfig`` from GGUF metadata.
 
     Args:
       fields: GGUF key -> value, as ``read_fields`` returns.
       tensor_names: names of the file's tensors; ``tie_word_embeddings`` is True
         when ``output.weight`` is not among them. None means tied.
+      rope_freqs: the ``rope_freqs.weight`` tensor's values f32[H/2] (Llama
+        3.1+: llama.cpp's per-frequency RoPE divisors), or None.
 
     Returns:
       The config. ``eos_token_ids`` is ``tokenizer.ggml.eos_token_id`` followed by
-      ``eot_token_id`` / ``eom_token_id`` when present and different.
+      ``eot_token_id`` / ``eom_token_id`` when present and different (and,
+      for Gemma 3, ``<end_of_turn>``, as its HF ``generation_config.json``
+      and llama.cpp's end-of-generation tokens have it). RoPE scaling:
+      ``rope_freqs``, or ``{arch}.rope.scaling.type`` ``linear`` with its
+      ``factor``. Gemma 3: layer pattern, local RoPE base and score scale as
+      llama.cpp sets them (``_gemma3_fields``).
 
     Raises:
       ValueError: the architecture is not supported (message lists the supported
         ones), a required key is missing or has the wrong type, a special token
-        id lies outside the vocabulary, or the values make no valid
-        ``ModelConfig`` (message names the key or field).
+        id lies outside the vocabulary, a RoPE scaling other than linear, or
+        the values make no valid ``ModelConfig`` (message names the key or field).
     """
-    arch = fields.get("general.architecture")
-    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r:.80}; supported: "
-                         f"{list(SUPPORTED_ARCHITECTURES)}")
+    arch = _architecture(fields)
 
     def get(key: str, default: Any = None, kind: type = int) -> Any:
         """``fields[key]`` (or ``default``), checked to be an int (``kind=int``) or a number."""
@@ -179,6 +216,18 @@ def model_config_from_gguf(fields: Mapping[str, Any],
             special[key] = token_id
     eos_ids = list(dict.fromkeys(special[k] for k in ("eos_token_id", "eot_token_id",
                                                       "eom_token_id") if k in special))
+    family: dict[str, Any] = {}
+    if arch == "gemma3":
+        family = _gemma3_fields(fields, get, tokens, eos_ids)
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        family["rope_scaling"] = RopeScaling(
+            "linear", float(get(f"{arch}.rope.scaling.factor", kind=float)))
+    elif scaling != "none":
+        raise ValueError(f"GGUF metadata {arch}.rope.scaling.type = {scaling!r:.40} is not "
+                         "supported (none, linear; llama3 comes as the rope_freqs tensor)")
+    if rope_freqs is not None:
+        family["rope_freq_factors"] = tuple(float(f) for f in np.ravel(rope_freqs))
     return ModelConfig(
         architecture=arch,
         vocab_size=len(tokens),
@@ -194,11 +243,52 @@ def model_config_from_gguf(fields: Mapping[str, Any],
         tie_word_embeddings=tensor_names is None or "output.weight" not in tensor_names,
         bos_token_id=special.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),
+        **family,
     )
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a llama GGUF tensor name; None for ignored tensors.
+def _gemma3_fields(fields: Mapping[str, Any], get, tokens: list[str],
+                   eos_ids: list[int]) -> dict[str, Any]:
+    """The ``ModelConfig`` fields a Gemma 3 GGUF implies beyond llama's (as
+    llama.cpp's ``LLM_ARCH_GEMMA3`` and transformers' GGUF loader read it):
+    ``attention.sliding_window`` W; every sixth layer global (or
+    ``attention.sliding_window_pattern``, a period or one bool per layer,
+    True = sliding, where a file has it); the local RoPE base
+    ``rope.freq_base_swa`` (default 10,000); scores scaled by ``key_length
+    ** -0.5`` (``hidden / heads`` for the 62-layer 27B, as llama.cpp does);
+    q/k norms, GeGLU, soft caps where the file sets them. Appends
+    ``<end_of_turn>`` to ``eos_ids`` (in place) when the vocabulary has it.
+    """
+    n = get("gemma3.block_count")
+    pattern = fields.get("gemma3.attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != n or not all(isinstance(b, bool) for b in pattern):
+            raise ValueError(f"GGUF metadata gemma3.attention.sliding_window_pattern must be "
+                             f"one bool per layer ({n}), got {pattern!r:.80}")
+        sliding = pattern
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        sliding = [bool((i + 1) % pattern) for i in range(n)]
+    else:
+        raise ValueError(f"GGUF metadata gemma3.attention.sliding_window_pattern must be a "
+                         f"positive period or a list of bools, got {pattern!r:.80}")
+    heads, hidden = get("gemma3.attention.head_count"), get("gemma3.embedding_length")
+    head_dim = get("gemma3.attention.key_length", hidden // heads if heads > 0 else 0)
+    caps = {name: float(get(f"gemma3.{name}", kind=float)) for name in (
+        "attn_logit_softcapping", "final_logit_softcapping") if f"gemma3.{name}" in fields}
+    if "<end_of_turn>" in tokens:
+        eos_ids.append(tokens.index("<end_of_turn>"))
+        eos_ids[:] = list(dict.fromkeys(eos_ids))
+    return dict(
+        sliding_window=get("gemma3.attention.sliding_window"),
+        layer_types=tuple("sliding_attention" if b else "full_attention" for b in sliding),
+        rope_local_theta=float(get("gemma3.rope.freq_base_swa", _GEMMA3_ROPE_LOCAL_THETA, float)),
+        query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
+        qk_norm=True, hidden_act="gelu_pytorch_tanh", **caps)
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name for a GGUF tensor name of architecture ``arch``
+    (``"llama"`` or ``"gemma3"``); None for ignored tensors.
 
     Raises:
       ValueError: a tensor name this loader does not know.
@@ -209,10 +299,11 @@ def hf_name(gguf_name: str) -> str | None:
     if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    names = LAYER_NAMES[arch]
+    if match and match.group(2) in names:
         layer, part, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
-    raise ValueError(f"unknown tensor {gguf_name!r} in a llama GGUF file")
+        return f"model.layers.{layer}.{names[part]}.{suffix}"
+    raise ValueError(f"unknown tensor {gguf_name!r} in a {arch} GGUF file")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -239,11 +330,21 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     Raises:
       ValueError: ``gguf.quants`` cannot dequantize the tensor's type (names both).
     """
-    qtype = tensor.tensor_type
+    return dequantize_array(tensor.data, tensor.tensor_type, tensor.name)
+
+
+def dequantize_array(data: np.ndarray, qtype: GGMLQuantizationType, name: str) -> np.ndarray:
+    """float32 values of a tensor's bytes (``ReaderTensor.data``'s layout) of
+    ggml type ``qtype`` (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants:
+    whatever ``gguf.quants.dequantize`` implements).
+
+    Raises:
+      ValueError: ``gguf.quants`` cannot dequantize ``qtype`` (names ``name`` and it).
+    """
     try:
-        values = gguf.quants.dequantize(tensor.data, qtype)
+        values = gguf.quants.dequantize(data, qtype)
     except NotImplementedError:
-        raise ValueError(f"tensor {tensor.name!r} has type {qtype.name}, which "
+        raise ValueError(f"tensor {name!r} has type {qtype.name}, which "
                          "gguf.quants cannot dequantize") from None
     return values.astype(np.float32, copy=False)
 
@@ -302,8 +403,10 @@ def tensor_types(path: str | os.PathLike) -> dict[str, GGMLQuantizationType]:
     """
     path = os.fspath(path)
     with _errors_name(path):
-        return {name: t.ggml_type for t in check_gguf(path).tensors
-                if (name := hf_name(t.name)) is not None}
+        layout = check_gguf(path)
+        arch = _architecture(layout.fields)
+        return {name: t.ggml_type for t in layout.tensors
+                if (name := hf_name(t.name, arch)) is not None}
 
 
 @contextlib.contextmanager
@@ -324,35 +427,57 @@ def _errors_name(path: str) -> Iterator[None]:
                          f"{' '.join(str(e).split())})") from None
 
 
-def _read(path: str) -> tuple[GGUFLayout, gguf.GGUFReader, dict[str, Any]]:
-    """``check_gguf``, then the reader and its metadata (any error a ``ValueError``)."""
+def _read(path: str) -> tuple[GGUFLayout, dict[str, Any]]:
+    """``check_gguf`` (which reads every metadata value while it checks the
+    header), and the metadata as ``read_fields`` would give it, with
+    ``gguf.GGUFReader``'s three ``GGUF.*`` entries."""
     layout = check_gguf(path)
-    try:
-        reader = gguf.GGUFReader(path)
-        return layout, reader, read_fields(reader)
-    except (MemoryError, TimeoutError):  # not the file's fault (or a test's time limit)
-        raise
-    except Exception as e:  # noqa: BLE001 - last line of defence, see _errors_name
-        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())})") from None
+    fields = {"GGUF.version": layout.version, "GGUF.tensor_count": len(layout.tensors),
+              "GGUF.kv_count": len(layout.fields), **layout.fields}
+    return layout, fields
 
 
 def load_gguf_fields(path: str | os.PathLike) -> dict[str, Any]:
-    """Every metadata field of a GGUF file (``read_fields``), after ``check_gguf``.
+    """Every metadata field of a GGUF file (as ``read_fields`` returns them), after
+    ``check_gguf``. Reads the header only: ~0.4 s for Gemma 3's 262,144-token
+    vocabulary, where ``gguf.GGUFReader`` takes ~16 s.
 
     Raises:
       ValueError: a missing, truncated or corrupt file; the message starts with the path.
     """
-    return _read(os.fspath(path))[2]
+    path = os.fspath(path)
+    with _errors_name(path):
+        return _read(path)[1]
 
 
-def _open(path: str) -> tuple[gguf.GGUFReader, dict[str, Any], ModelConfig]:
-    """Check the file (``check_gguf``), open it, read its metadata and config,
-    and check its tensor table against the config (inside ``_errors_name``)."""
-    layout, reader, fields = _read(path)
-    config = model_config_from_gguf(fields, {t.name for t in layout.tensors})
+def _tensor_bytes(path: str, layout: GGUFLayout) -> Iterator[tuple[TensorExtent, np.ndarray]]:
+    """Each tensor's extent and its bytes as ``gguf.ReaderTensor.data`` holds
+    them for ``gguf.quants.dequantize``: uint8 ``[*reversed(ne[1:]), row
+    bytes]`` (a read-only view of a memory map; copy before keeping it).
+
+    Raises:
+      ValueError: a big-endian file (its tensor data is not read here).
+    """
+    if layout.byte_order != "<":
+        raise ValueError("big-endian GGUF files are not supported")
+    data = np.memmap(path, np.uint8, mode="r")
+    for t in layout.tensors:
+        block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
+        row = t.dims[0] // block * type_size if t.dims else type_size
+        yield t, data[t.start:t.start + t.nbytes].reshape(*reversed(t.dims[1:]), row)
+
+
+def _open(path: str) -> tuple[GGUFLayout, dict[str, Any], ModelConfig]:
+    """Check the file (``check_gguf``), read its metadata and config (with the
+    ``rope_freqs`` tensor, the only one a config needs), and check its tensor
+    table against the config (inside ``_errors_name``)."""
+    layout, fields = _read(path)
+    rope_freqs = next((dequantize_array(data, t.ggml_type, t.name)
+                       for t, data in _tensor_bytes(path, layout)
+                       if t.name == "rope_freqs.weight"), None)
+    config = model_config_from_gguf(fields, {t.name for t in layout.tensors}, rope_freqs)
     check_tensor_shapes(config, {t.name: tuple(reversed(t.dims)) for t in layout.tensors})
-    return reader, fields, config
+    return layout, fields, config
 
 
 def check_tensor_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -372,7 +497,7 @@ def check_tensor_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...
     expected = expected_tensors(config)
     found = {}
     for gguf_name, shape in shapes.items():
-        name = hf_name(gguf_name)
+        name = hf_name(gguf_name, config.architecture)
         if name is None:
             continue
         found[name] = gguf_name
@@ -422,34 +547,38 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
     """
     path = os.fspath(path)
     with _errors_name(path):
-        reader, fields, config = _open(path)
+        layout, fields, config = _open(path)
+        arch = config.architecture
         params: dict[str, np.ndarray] = {}
-        for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors",
-                           disable=not show_progress):
-            name = hf_name(tensor.name)
+        for tensor, data in tqdm(_tensor_bytes(path, layout), total=len(layout.tensors),
+                                 desc="dequantizing GGUF tensors", disable=not show_progress):
+            name = hf_name(tensor.name, arch)
             if name is None:
                 continue
-            n_head = (config.num_heads if ".self_attn.q_proj." in name else
-                      config.num_kv_heads if ".self_attn.k_proj." in name else 0)
-            if keep_blocks and tensor.tensor_type in KEPT_TYPES:
-                qt = blocks_to_quantized(tensor.data, tensor.tensor_type,
-                                         tuple(int(d) for d in reversed(tensor.shape)))
+            n_head = 0 if arch != "llama" else (  # only llama's q/k rows are permuted
+                config.num_heads if ".self_attn.q_proj." in name else
+                config.num_kv_heads if ".self_attn.k_proj." in name else 0)
+            if keep_blocks and tensor.ggml_type in KEPT_TYPES:
+                qt = blocks_to_quantized(data, tensor.ggml_type, tuple(reversed(tensor.dims)))
                 if n_head:  # rows of q, scale and zero alike; fresh arrays
                     qt = dataclasses.replace(qt, **{k: unpermute_qk(getattr(qt, k), n_head)
                                                     for k in ("q", "scale", "zero")
                                                     if getattr(qt, k) is not None})
                 params[name] = qt
                 continue
-            values = dequantize_tensor(tensor)
+            values = dequantize_array(data, tensor.ggml_type, tensor.name)
             if n_head:
                 values = unpermute_qk(values, n_head)
+            if name.endswith("norm.weight") and arch in _NORM_SHIFT:
+                values = values - _NORM_SHIFT[arch]
             params[name] = np.array(values, dtype=dtype)  # copies: never a view of the mmap
         metadata = {k: v for k, v in fields.items() if not isinstance(v, list)}
+        tokenizer = Tokenizer.from_gguf_fields(fields)
         return GGUFCheckpoint(
             config=config,
             params=params,
-            tokenizer=Tokenizer.from_gguf_fields(fields),
-            chat_template=fields.get("tokenizer.chat_template"),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
             metadata=metadata,
         )
 

@@ -42,7 +42,7 @@ import tokenizers
 from tqdm.auto import tqdm
 
 from checkpoints.tokenizer import Tokenizer
-from jaxserve.config import ModelConfig
+from jaxserve.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> numpy dtype (little-endian); only floating weights are loaded.
@@ -75,17 +75,42 @@ class HFCheckpoint:
 
 # ---- config.json -> ModelConfig ---------------------------------------------
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    """RoPE base from ``rope_theta`` (transformers v4) or ``rope_parameters`` (v5).
+def _rope_scaling(rope: Mapping[str, Any] | None) -> RopeScaling | None:
+    """A ``RopeScaling`` from an HF rope dict (v5 ``rope_parameters`` or v4
+    ``rope_scaling``: ``rope_type`` (or ``type``), ``factor``, and llama3's
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
 
     Raises:
-      ValueError: RoPE scaling other than the default (llama3, yarn, linear, ...).
+      ValueError: a kind other than default, linear or llama3 (yarn, dynamic,
+        longrope, ...), or a missing key (names it).
+    """
+    rope = rope or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, "
+                         f"{', '.join(ROPE_SCALING_TYPES)})")
+    keys = ("factor",) if kind == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"rope scaling {kind!r} lacks {missing[0]!r}")
+    return RopeScaling(kind, **{k: int(rope[k]) if k == "original_max_position_embeddings"
+                                else float(rope[k]) for k in keys})
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` of a family with one kind of layer:
+    ``rope_theta`` + ``rope_scaling`` (transformers v4) or ``rope_parameters``
+    (v5).
+
+    Raises:
+      ValueError: as ``_rope_scaling``.
     """
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"rope scaling {kind!r} is not supported (only default RoPE)")
-    return float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    return dict(rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling(rope))
 
 
 def _qwen_window(hf: Mapping[str, Any]) -> int | None:
@@ -131,6 +156,51 @@ def _qwen3(hf: Mapping[str, Any]) -> dict[str, Any]:
                 sliding_window=_qwen_window(hf))
 
 
+def _gemma3(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text (``Gemma3ForCausalLM``, ``model_type`` gemma3_text) as
+    transformers reads its config: ``layer_types`` (or every
+    ``sliding_window_pattern``-th layer global, default 6); RoPE per layer
+    kind from v5 ``rope_parameters`` {full_attention, sliding_attention} or
+    v4 ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (global
+    layers only); defaults of ``Gemma3TextConfig`` for absent keys.
+
+    Raises:
+      ValueError: bidirectional attention (EmbeddingGemma), an activation
+        other than the tanh GELU, a scaled local RoPE, attention biases, or a
+        bad ``layer_types``.
+    """
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true (an encoder) is not supported")
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported for gemma3")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported for gemma3 "
+                         "(only gelu_pytorch_tanh)")
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers v5
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+        if _rope_scaling(local) is not None:
+            raise ValueError("scaled RoPE on sliding_attention layers is not supported")
+    else:
+        full = hf.get("rope_scaling") or {}
+        theta, local_theta = hf.get("rope_theta", 1e6), hf.get("rope_local_base_freq", 1e4)
+    n = hf.get("num_hidden_layers", 0)
+    period = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % period else
+                                      "full_attention" for i in range(n)]
+    caps = {k: None if hf.get(k) is None else float(hf[k])
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(architecture="gemma3", head_dim=int(hf.get("head_dim") or 256),
+                rope_theta=float(theta), rope_local_theta=float(local_theta),
+                rope_scaling=_rope_scaling(full), layer_types=tuple(types),
+                sliding_window=int(hf.get("sliding_window") or 4096),
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+                qk_norm=True, hidden_act=act,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), **caps)
+
+
 def _mixtral(hf: Mapping[str, Any]) -> dict[str, Any]:
     # Every block is sparse; ``intermediate_size`` is each expert's width and
     # the router renormalises its top-k (modeling_mixtral.py).
@@ -173,6 +243,7 @@ HF_ARCHITECTURES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "Qwen3ForCausalLM": _qwen3,
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "Gemma3ForCausalLM": _gemma3,
 }
 
 # Tensors of one MoE layer after "model.layers.{i}.": the router [E, D], then
@@ -206,7 +277,8 @@ def model_config_from_hf(hf: Mapping[str, Any],
       ValueError: no ``architectures``, an architecture not in ``HF_ARCHITECTURES``
         (names it and the supported ones), a missing required key (names it), or
         an option this runtime does not implement (quantization, an activation
-        other than silu, RoPE scaling, mixed sliding/full layers, MLP bias).
+        other than silu (Gemma 3: the tanh GELU), RoPE scaling other than
+        linear and llama3, Qwen's mixed sliding/full layers, MLP bias).
     """
     archs = hf.get("architectures") or []
     if not archs:
@@ -218,9 +290,10 @@ def model_config_from_hf(hf: Mapping[str, Any],
     if hf.get("quantization_config"):
         raise ValueError(f"quantized checkpoints are not supported "
                          f"(quantization_config={hf['quantization_config']!r})")
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    if archs[0] != "Gemma3ForCausalLM":
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
 
     def need(key: str) -> Any:
         if hf.get(key) is None:
@@ -234,7 +307,7 @@ def model_config_from_hf(hf: Mapping[str, Any],
         vocab_size=need("vocab_size"), hidden_size=hidden,
         intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads, rope_theta=_rope_theta(hf),
+        head_dim=hf.get("head_dim") or hidden // heads, **_rope(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=need("max_position_embeddings"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -245,7 +318,8 @@ def model_config_from_hf(hf: Mapping[str, Any],
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor ``cfg``'s model loads (what
     ``jaxserve.models.llama.load_params`` reads, or ``moe.load_params`` for an
-    MoE config: ``MOE_TENSOR_NAMES`` in place of a sparse layer's MLP)."""
+    MoE config: ``MOE_TENSOR_NAMES`` in place of a sparse layer's MLP;
+    ``gemma3.load_params``: two more norms per layer)."""
     D, N, K, H, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.vocab_size)
     E, Fe = cfg.num_experts, cfg.moe_intermediate_size
@@ -277,6 +351,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[pre + "self_attn.o_proj.bias"] = (D,)
         if cfg.qk_norm:
             out |= {pre + "self_attn.q_norm.weight": (H,), pre + "self_attn.k_norm.weight": (H,)}
+        if cfg.architecture == "gemma3":  # sandwich norms around the MLP
+            out |= {pre + "pre_feedforward_layernorm.weight": (D,),
+                    pre + "post_feedforward_layernorm.weight": (D,)}
     return out
 
 

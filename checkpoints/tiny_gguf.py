@@ -48,7 +48,8 @@ def tiny_tokens(vocab_size: int) -> list[str]:
 
 def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
                     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
-                    seed: int = 0) -> dict[str, np.ndarray]:
+                    seed: int = 0, params: dict[str, np.ndarray] | None = None,
+                    extra_tensors: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Write a random llama GGUF for ``config`` and return its expected HF params.
 
     Args:
@@ -58,6 +59,9 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
         EOS ``<|im_end|>`` (2), EOT ``<|endoftext|>`` (0).
       qtype: quantization of 2-D weights whose rows divide into its blocks (others F32).
       seed: numpy seed of the weights.
+      params: HF name -> f32 array to write instead of random weights (an HF
+        model's ``state_dict``; ``qtype=F32`` keeps them exact).
+      extra_tensors: GGUF name -> f32 array written as it is (``rope_freqs.weight``).
 
     Returns:
       HF name -> float32 array, exactly what ``load_gguf(path).params`` should hold
@@ -101,6 +105,8 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
 
     def add(gguf_name: str, hf: str, shape: tuple[int, ...], n_head: int = 0, norm=False):
         w = (norm + 0.1 * rng.standard_normal(shape)).astype(np.float32)  # norms near 1
+        if params is not None:
+            w = np.asarray(params[hf], np.float32).reshape(shape)
         stored = permute_qk(w, n_head) if n_head else w
         block, _ = gguf.GGML_QUANT_SIZES[qtype]
         if len(shape) == 2 and shape[-1] % block == 0:
@@ -129,6 +135,8 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
     add("output_norm.weight", "model.norm.weight", (D,), norm=True)
     if not c.tie_word_embeddings:
         add("output.weight", "lm_head.weight", (V, D))
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(value, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from checkpoints.chat_template import render_chat_template
+from checkpoints.chat_template import TRANSCRIPT_STOP, render_chat_template, render_transcript
 from checkpoints.tokenizer_spm import spm_backend
 
 SUPPORTED_KINDS = ("gpt2", "llama")
@@ -301,23 +301,34 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------
 
+    @property
+    def chat_stop(self) -> tuple[str, ...]:
+        """Stop strings every chat request adds: () with a chat template;
+        ``TRANSCRIPT_STOP`` (the next ``User:`` line) for the transcript of a
+        model without one."""
+        return () if self.chat_template else TRANSCRIPT_STOP
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tokenize: bool = False) -> str | list[int]:
-        """Render the model's chat template over ``messages`` as HF does.
+        """Render the model's chat template over ``messages`` as HF does; a
+        model without one gets a plain transcript (``render_transcript``),
+        whose assistant turn ends at ``chat_stop``.
 
         Args:
           messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
           add_generation_prompt: end with the opening of an assistant turn.
-          tokenize: return ids (the text encoded with ``add_special_tokens=False``,
-            HF semantics) instead of text.
+          tokenize: return ids (a template's text encoded with
+            ``add_special_tokens=False``, HF semantics; a transcript with
+            them, like any completion prompt) instead of text.
 
         Raises:
-          ValueError: the model has no chat template.
+          ValueError: a transcript message with an unknown role.
           jinja2.TemplateError: the template rejected the conversation.
         """
         if not self.chat_template:
-            raise ValueError("this model has no chat template (tokenizer.chat_template)")
+            text = render_transcript(messages, add_generation_prompt)
+            return self.encode(text) if tokenize else text
         names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
                  "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}
         variables = {k: self.id_to_token(i) for k, i in names.items() if i is not None}

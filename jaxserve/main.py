@@ -276,9 +276,12 @@ def _requests(llm, SamplingParams):
         items = DEMO_PROMPTS
     out = []
     for text, chat, max_tokens in items:
-        prompt = llm.apply_chat_template([{"role": "user", "content": text}]) if chat and text \
-            else text
-        out.append((text, prompt, params(max_tokens)))
+        sp = params(max_tokens)
+        prompt = text
+        if chat and text:
+            prompt = llm.apply_chat_template([{"role": "user", "content": text}])
+            sp = sp.with_stop(llm.engine.tokenizer.chat_stop)
+        out.append((text, prompt, sp))
     return out
 
 

@@ -175,8 +175,15 @@ def test_tiny_tokenizer_bos_and_missing_template(tiny):
     tok = Tokenizer.from_gguf_fields(fields)
     assert tok.encode("he") == [1, 260]
     assert tok.encode("he", add_special_tokens=False) == [260]
-    with pytest.raises(ValueError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    # No template: a plain transcript (BOS added as for any prompt), which
+    # ends the assistant's turn at the next user line.
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "User: hi\nAssistant:"
+    assert tok.apply_chat_template([{"role": "user", "content": "he"}],
+                                   tokenize=True) == [1, *tok.encode("User: he\nAssistant:",
+                                                                     add_special_tokens=False)]
+    assert tok.chat_stop == ("\nUser:",)
+    with pytest.raises(ValueError, match="unknown chat role 'narrator'"):
+        tok.apply_chat_template([{"role": "narrator", "content": "hi"}])
 
 
 # ---------------------------------------------------------------- 3. the real model

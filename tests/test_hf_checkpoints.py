@@ -237,8 +237,8 @@ def test_missing_or_corrupt_config(llama_copy):
                                               r"'GPT2LMHeadModel'.*LlamaForCausalLM"),
     (dict(architectures=None), r"config\.json: config\.json has no 'architectures'"),
     (dict(hidden_size=None), r"config\.json: .*'hidden_size'"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
-     r"config\.json: rope scaling 'llama3'"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}),
+     r"config\.json: rope scaling 'yarn' is not supported"),
     (dict(hidden_act="gelu"), r"config\.json: hidden_act 'gelu'"),
     (dict(num_key_value_heads=3), r"config\.json: num_heads \(4\) must be a multiple"),
 ])

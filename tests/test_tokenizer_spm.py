@@ -286,8 +286,15 @@ def test_gemma3_specials(gemma3_tok, gemma3_hf_tokenizer):
     assert 107 not in tok.special_token_ids  # "\n" is user-defined, not special
     for i in (0, 2, 105, 107, 138, 236743, 238, 493, 262_143):
         assert tok.id_to_token(i) == hf.convert_ids_to_tokens(i)
-    with pytest.raises(ValueError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    # The file carries no chat template (HF's tokenizer has none either): chat
+    # is a plain transcript, encoded like a completion prompt (BOS first).
+    assert tok.chat_template is None and hf.chat_template is None
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = "Be brief.\n\nUser: hi\nAssistant:"
+    assert tok.apply_chat_template(conv) == text
+    assert tok.apply_chat_template(conv, tokenize=True) == hf(text).input_ids
+    assert tok.apply_chat_template(conv, tokenize=True)[0] == 2
+    assert tok.chat_stop == ("\nUser:",)
 
 
 @pytest.mark.real_model

@@ -96,10 +96,10 @@ def _params(engine):
     ``nnx.Param`` or a ``quant.QuantizedWeight``; stacked experts once)."""
     from flax import nnx
 
-    from jaxserve.models import llama, moe
+    from jaxserve import models
     runner = engine.runner
     model = nnx.merge(runner.graphdef, runner.state)  # views of the same arrays
-    family = moe if isinstance(model, moe.MoEForCausalLM) else llama
+    family = models.family(model)
     seen = set()
     for name, (p, _) in family.hf_params(model).items():
         if id(p) not in seen:

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models import MODEL_CLASSES, llama, moe
+from jaxserve import models
+from jaxserve.models import MODEL_CLASSES
 from sharding.mesh import validate_mesh_for_model
 
 
@@ -47,7 +48,7 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
         attention_impl=attention_impl, interpret=config.attention_interpret,
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size)
-    family = moe if isinstance(model, moe.MoEForCausalLM) else llama
+    family = models.family(model)
     if orbax_dir is not None:  # each tensor (or quantized part) into its sharding
         from checkpoints.orbax_ckpt import restore_for_model
         params = restore_for_model(orbax_dir, family.hf_params(model), mesh,
@@ -59,7 +60,7 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
 
 def _host_params(model) -> dict:
     """HF-named f32 host arrays of an unquantized model's weights."""
-    family = moe if isinstance(model, moe.MoEForCausalLM) else llama
+    family = models.family(model)
     out = {}
     for name, (p, expert) in family.hf_params(model).items():
         if not isinstance(p, nnx.Param):

@@ -821,6 +821,14 @@ class LLM:
 
     def chat(self, messages, sampling_params=None) -> list[RequestOutput]:
         """Generate replies to one conversation (list of role/content dicts) or
-        a list of conversations, each rendered with the chat template."""
+        a list of conversations, each rendered with the chat template (or,
+        for a model without one, as a transcript that stops at the next
+        user line: ``Tokenizer.chat_stop``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
+        prompts = [self.apply_chat_template(c) for c in convs]
+        stop = self.engine.tokenizer.chat_stop
+        if isinstance(sampling_params, (list, tuple)):
+            sampling_params = [p.with_stop(stop) for p in sampling_params]
+        else:
+            sampling_params = (sampling_params or SamplingParams()).with_stop(stop)
+        return self.generate(prompts, sampling_params)

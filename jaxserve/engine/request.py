@@ -141,6 +141,13 @@ class SamplingParams:
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be a bool")
 
+    def with_stop(self, stop: tuple[str, ...] | list[str]) -> "SamplingParams":
+        """A copy that also stops at each of ``stop`` (those not already
+        there); ``self`` when there is nothing to add. Chat entry points
+        pass ``Tokenizer.chat_stop``."""
+        extra = [s for s in stop if s not in self.stop]
+        return dataclasses.replace(self, stop=self.stop + extra) if extra else self
+
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -25,13 +25,14 @@ RMSNorm in f32, SwiGLU), ``modeling_qwen2.py``, ``modeling_qwen3.py``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import quant
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
@@ -86,31 +87,83 @@ class AttentionMetadata:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in f32 as HF does."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in f32 as HF does.
 
-    def __init__(self, dim: int, eps: float, dtype, rngs=None):
-        self.weight = _param((dim,), ("norm",), dtype, None, ones=True)
+    The scale is ``offset + weight``: ``offset`` 0 for Llama-style weights
+    (initialised to 1), 1 for Gemma's zero-centred ones (HF ``Gemma3RMSNorm``:
+    ``x * (1 + w)``, initialised to 0).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype, rngs=None, offset: float = 0.0):
+        self.weight = _param((dim,), ("norm",), dtype, None, ones=offset == 0.0)
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x_DT):
         """Normalise each column of feature-major ``x_DT`` [D, T]."""
         x32 = x_DT.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + self.eps)
-        return (self.weight.value.astype(jnp.float32)[:, None] * x32).astype(x_DT.dtype)
+        w = self.weight.value.astype(jnp.float32)
+        return (((w + self.offset) if self.offset else w)[:, None] * x32).astype(x_DT.dtype)
 
 
-def rms_norm_heads(x_TNH, w_H, eps: float):
-    """RMSNorm over the last axis H of [T, heads, H] in f32 (Qwen3 ``q_norm``/``k_norm``)."""
+def rms_norm_heads(x_TNH, w_H, eps: float, offset: float = 0.0):
+    """RMSNorm over the last axis H of [T, heads, H] in f32, scale ``offset + w``
+    (Qwen3 ``q_norm``/``k_norm``: offset 0; Gemma 3: 1)."""
     x32 = x_TNH.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (w_H.astype(jnp.float32) * x32).astype(x_TNH.dtype)
+    w = w_H.astype(jnp.float32)
+    return (((w + offset) if offset else w) * x32).astype(x_TNH.dtype)
 
 
-def rope_cos_sin(positions_T, head_dim: int, theta: float):
-    """cos, sin of shape [T, H/2] in f32 (HF ``LlamaRotaryEmbedding``, no scaling)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  freq_factors: tuple[float, ...] = ()):
+    """RoPE inverse frequencies f32 [H/2], radians per position.
+
+    ``theta ** (-2i / H)`` (Su et al. 2021; HF ``_compute_default_rope_parameters``),
+    then rescaled by ``scaling`` (``RopeScaling``: linear, or llama3 as HF
+    ``_compute_llama3_parameters``), or divided elementwise by
+    ``freq_factors`` (a GGUF's ``rope_freqs`` tensor: llama.cpp's form of
+    the same llama3 rescaling).
+    """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if freq_factors:
+        inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    old = scaling.original_max_position_embeddings  # llama3
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions_T, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                 freq_factors: tuple[float, ...] = ()):
+    """cos, sin of shape [T, H/2] in f32 (HF ``LlamaRotaryEmbedding``; the
+    frequencies of ``rope_inv_freq``)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, freq_factors)
     freqs_TH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(freqs_TH2), jnp.sin(freqs_TH2)
+
+
+def layer_rope_tables(cfg: ModelConfig, positions_T) -> list[tuple[jax.Array, jax.Array]]:
+    """Each layer's RoPE (cos, sin) [T, H/2] (``ModelConfig.layer_rope``); a
+    table is computed once for all the layers that share it."""
+    tables: dict = {}
+    out = []
+    for i in range(cfg.num_layers):
+        key = cfg.layer_rope(i)
+        if key not in tables:
+            tables[key] = rope_cos_sin(positions_T, cfg.head_dim, *key, cfg.rope_freq_factors)
+        out.append(tables[key])
+    return out
 
 
 def apply_rope(x_TNH, cos_TH2, sin_TH2):
@@ -141,10 +194,16 @@ class Attention(nnx.Module):
     [N*H], ``k_bias`` / ``v_bias`` [K*H], ``o_bias`` [D], ``q_norm`` / ``k_norm`` [H].
     The four projections are ``quant.QuantizedWeight``s when ``qfmt`` is set
     (``adopt``: each takes its checkpoint tensor's own format, ``gguf``).
+
+    ``sliding_window``: this layer's window (``ModelConfig.layer_window``);
+    ``norm_offset``: the q/k norms scale by ``offset + w`` (Gemma: 1). The
+    score scale and soft cap are the config's (``sm_scale``,
+    ``attn_logit_softcapping``).
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, attention_impl: str = "xla",
-                 interpret=False, qfmt: quant.TensorFormat | None = None, adopt: bool = False):
+                 interpret=False, qfmt: quant.TensorFormat | None = None, adopt: bool = False,
+                 sliding_window: int | None = None, norm_offset: float = 0.0):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda shape, names: quant.weight(shape, names, dtype, rngs, qfmt, adopt)  # noqa: E731
         self.q_proj = proj((N * H, D), ("q_heads", "embed"))
@@ -156,11 +215,14 @@ class Attention(nnx.Module):
         self.k_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
         self.v_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
         self.o_bias = _param((D,), ("embed",), dtype, rngs) if cfg.attention_out_bias else None
-        self.q_norm = _param((H,), ("head_dim",), dtype, None, ones=True) if cfg.qk_norm else None
-        self.k_norm = _param((H,), ("head_dim",), dtype, None, ones=True) if cfg.qk_norm else None
+        ones = norm_offset == 0.0
+        self.q_norm = _param((H,), ("head_dim",), dtype, None, ones=ones) if cfg.qk_norm else None
+        self.k_norm = _param((H,), ("head_dim",), dtype, None, ones=ones) if cfg.qk_norm else None
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret
+        self.sliding_window = sliding_window
+        self.norm_offset = norm_offset
 
     def __call__(self, x_DT, cos_TH2, sin_TH2, k_cache, v_cache, md: AttentionMetadata):
         """k_cache, v_cache: this layer's ``KVPages`` ([P, L, K, H] pages, f32
@@ -171,9 +233,9 @@ class Attention(nnx.Module):
         q_TNH = _linear(self.q_proj, x_DT, _value(self.q_bias)).T.reshape(T, N, H)
         k_TKH = _linear(self.k_proj, x_DT, _value(self.k_bias)).T.reshape(T, K, H)
         v_TKH = _linear(self.v_proj, x_DT, _value(self.v_bias)).T.reshape(T, K, H)
-        if cfg.qk_norm:  # Qwen3: per-head RMSNorm, before RoPE
-            q_TNH = rms_norm_heads(q_TNH, self.q_norm.value, cfg.rms_norm_eps)
-            k_TKH = rms_norm_heads(k_TKH, self.k_norm.value, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm, before RoPE
+            q_TNH = rms_norm_heads(q_TNH, self.q_norm.value, cfg.rms_norm_eps, self.norm_offset)
+            k_TKH = rms_norm_heads(k_TKH, self.k_norm.value, cfg.rms_norm_eps, self.norm_offset)
         q_TNH = apply_rope(q_TNH, cos_TH2, sin_TH2)
         k_TKH = apply_rope(k_TKH, cos_TH2, sin_TH2)
         # Write this step's K/V first; padding tokens target page P (dropped).
@@ -181,8 +243,8 @@ class Attention(nnx.Module):
         k_cache, v_cache = rpa_kernel.write_kv(k_cache, v_cache, k_TKH, v_TKH,
                                                md.slot_pages, md.slot_offsets)
         k_pages, v_pages = k_cache.pages_PLKH, v_cache.pages_PLKH
-        kw = dict(sm_scale=H ** -0.5, sliding_window=cfg.sliding_window,
-                  k_scales_PLK=k_cache.scales_PLK, v_scales_PLK=v_cache.scales_PLK)
+        kw = dict(sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
+                  soft_cap=cfg.attn_logit_softcapping, k_scales_PLK=k_cache.scales_PLK, v_scales_PLK=v_cache.scales_PLK)
         if self.attention_impl == "pallas":
             o_TNH = rpa_kernel.ragged_paged_attention(
                 q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices,
@@ -195,8 +257,13 @@ class Attention(nnx.Module):
                 k_cache, v_cache)
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward (Shazeer 2020): down(act(gate(x)) * up(x)); act is
+    ``cfg.hidden_act``: silu (SwiGLU) or the tanh GELU (Gemma's GeGLU)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt: quant.TensorFormat | None = None,
                  adopt: bool = False, intermediate_size: int | None = None):
@@ -204,9 +271,10 @@ class MLP(nnx.Module):
         self.gate_proj = quant.weight((F, D), ("mlp", "embed"), dtype, rngs, qfmt, adopt)
         self.up_proj = quant.weight((F, D), ("mlp", "embed"), dtype, rngs, qfmt, adopt)
         self.down_proj = quant.weight((D, F), ("embed", "mlp"), dtype, rngs, qfmt, adopt)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x_DT):
-        h_FT = jax.nn.silu(_linear(self.gate_proj, x_DT)) * _linear(self.up_proj, x_DT)
+        h_FT = self.act(_linear(self.gate_proj, x_DT)) * _linear(self.up_proj, x_DT)
         return _linear(self.down_proj, h_FT)
 
 
@@ -244,8 +312,9 @@ class LlamaForCausalLM(nnx.Module):
         adopt = quantization == "gguf"
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, qfmt, adopt,
-                                             attention_impl=attention_impl, interpret=interpret)
-                                for _ in range(cfg.num_layers)])
+                                             attention_impl=attention_impl, interpret=interpret,
+                                             sliding_window=cfg.layer_window(i))
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 
@@ -267,11 +336,11 @@ class LlamaForCausalLM(nnx.Module):
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
-        cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
+        ropes = layer_rope_tables(cfg, md.positions)
         k_caches, v_caches = list(k_cache), list(v_cache)
         for i, layer in enumerate(self.layers):
             h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md)
+                layer.input_layernorm(x_DT), *ropes[i], k_caches[i], v_caches[i], md)
             x_DT = x_DT + h_DT
             x_DT = x_DT + layer.mlp(layer.post_attention_layernorm(x_DT))
         out = (self.logits_of(x_DT[:, md.logits_indices]), tuple(k_caches), tuple(v_caches))
@@ -279,10 +348,12 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits_of(self, x_DR):
         """Next-token logits f32 [R, V] of last-layer outputs x [D, R] (final
-        norm, then the LM head)."""
+        norm, then the LM head, then ``final_logit_softcapping`` if set)."""
         head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
-        return jnp.einsum("vd,dr->rv", head_VD, self.norm(x_DR),
-                          preferred_element_type=jnp.float32)
+        logits_RV = jnp.einsum("vd,dr->rv", head_VD, self.norm(x_DR),
+                               preferred_element_type=jnp.float32)
+        cap = self.cfg.final_logit_softcapping
+        return logits_RV if cap is None else cap * jnp.tanh(logits_RV / cap)
 
 
 def attention_hf_params(layer, pre: str) -> dict[str, nnx.Param]:

@@ -68,7 +68,7 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import ModelConfig
 from jaxserve.models import quant
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
-                                   _param, attention_hf_params, put_param, rope_cos_sin)
+                                   _param, attention_hf_params, layer_rope_tables, put_param)
 from sharding.rules import ShardingRules
 from sharding.rules import _logical_axes as logical_axes
 
@@ -290,7 +290,8 @@ class MoEForCausalLM(nnx.Module):
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([
             MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers, qfmt, adopt,
-                            attention_impl=attention_impl, interpret=interpret)
+                            attention_impl=attention_impl, interpret=interpret,
+                            sliding_window=cfg.layer_window(i))
             for i in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"),
@@ -306,13 +307,13 @@ class MoEForCausalLM(nnx.Module):
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
-        cos, sin = rope_cos_sin(md.positions, cfg.head_dim, cfg.rope_theta)
+        ropes = layer_rope_tables(cfg, md.positions)
         valid_T = md.slot_pages < k_cache[0].shape[0]  # padding writes to page P
         k_caches, v_caches = list(k_cache), list(v_cache)
         loads = []
         for i, layer in enumerate(self.layers):
             h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), cos, sin, k_caches[i], v_caches[i], md)
+                layer.input_layernorm(x_DT), *ropes[i], k_caches[i], v_caches[i], md)
             x_DT = x_DT + h_DT
             h_DT = layer.post_attention_layernorm(x_DT)
             if isinstance(layer.mlp, MoEBlock):

@@ -402,6 +402,7 @@ class OpenAIServer:
             engine.check_queue(base)
             ids = self._check_prompt(await self.servicer.chat_ids(messages, "messages"),
                                      "messages")
+        base = base.with_stop(engine.engine.tokenizer.chat_stop)  # a transcript's turn end
         job = await self._start(engine, self._request_id(request, "chatcmpl"), [ids], [None],
                                 base, asked, max_name, arrival)
         if req.stream:

@@ -256,6 +256,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 self.check_ids(params.stop_token_ids, "sampling.stop_token_ids")
             engine.check_queue(params)  # before tokenizing: a full queue costs nothing
             ids = await self._prompt_ids(request)
+            if request.WhichOneof("prompt") == "chat":  # a transcript's turn end
+                params = params.with_stop(engine.engine.tokenizer.chat_stop)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, e)
         except QueueFullError as e:
