@@ -1,7 +1,7 @@
-"""Read a llama-architecture GGUF file into HF-named, HF-laid-out numpy arrays.
+"""Read a llama- or gemma3-architecture GGUF file into HF-named, HF-laid-out numpy arrays.
 
 ``load_gguf(path)`` returns the ``ModelConfig``, every tensor dequantized to
-``dtype`` under its Hugging Face Llama name, the tokenizer and chat template from
+``dtype`` under its Hugging Face name, the tokenizer and chat template from
 the metadata, and the scalar metadata. The result matches
 ``transformers.AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`` tensor
 for tensor (both dequantize with ``gguf.quants.dequantize``).
@@ -25,13 +25,19 @@ GGUF lists dims fastest-first (ggml ``ne``); numpy shapes read the other way, so
 ``dequantize`` already yields ``[out, in]``. llama.cpp's converter permutes the
 rows of q_proj / k_proj within each head from HF's rotate-half order into
 interleaved-pair order; ``unpermute_qk`` undoes it, so the params expect HF
-(rotate-half) RoPE.
+(rotate-half) RoPE. Gemma 3 (``LAYER_NAMES["gemma3"]``: q/k norms and four
+norms per block) is stored unpermuted, with every norm weight as ``w + 1``
+(llama.cpp multiplies by it; Gemma by ``1 + w``): the loader subtracts the 1
+again, as transformers does.
 
-A file is checked before ``gguf.GGUFReader`` touches it (``checkpoints.gguf_check``:
-every count, length, type tag, offset and tensor extent against the file size),
-then its metadata types, special token ids, tokenizer fields and tensor shapes
-against the metadata; every failure is a one-line ``ValueError`` starting with
-the path. Anything the library still raises is translated the same way.
+A file's header is walked once by ``checkpoints.gguf_check`` (every count,
+length, type tag, offset and tensor extent against the file size), which
+also returns every metadata value; tensors are then read from a memory map
+at the extents it checked (``gguf.GGUFReader``, which builds one numpy view
+per array element, is not used: 16 s for a 262,144-token vocabulary). Then
+its metadata types, special token ids, tokenizer fields and tensor shapes
+are checked against the metadata; every failure is a one-line
+``ValueError`` starting with the path.
 
 ``load_gguf(path, keep_blocks=True)`` (``--quantization gguf``) keeps every
 Q8_0, Q4_0 and Q4_1 tensor as a ``jaxserve.models.quant.QuantizedTensor``

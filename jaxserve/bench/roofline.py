@@ -6,13 +6,14 @@ Counting (per step; T = tokens computed in the step, S = sequences in it):
 * **FLOPs** (multiply-add = 2): the matmuls only; norms, RoPE, softmax and
   sampling are left out (a few % at most).
   - projections, per layer and token: ``2 * D * (N*H + 2*K*H)`` (q, k, v)
-    ``+ 2 * N*H * D`` (o) ``+ 3 * 2 * D * F`` (SwiGLU gate, up, down); an MoE
+    ``+ 2 * N*H * D`` (o) ``+ 3 * 2 * D * F`` (gated MLP gate, up, down); an MoE
     layer has ``2 * D * E`` (router) ``+ k * 3 * 2 * D * F_e`` instead of the
-    SwiGLU;
+    MLP;
   - attention, per layer and visible (query, key) pair: ``4 * N * H``
     (``q @ k`` and ``p @ v``); a sequence computing ``q`` new tokens on top of
-    ``c`` cached ones has ``sum_{i=1..q} min(c + i, W)`` pairs (W the sliding
-    window, else unbounded): causal, padding not counted;
+    ``c`` cached ones has ``sum_{i=1..q} min(c + i, W)`` pairs (W the layer's
+    sliding window, ``ModelConfig.layer_window``, else unbounded: Gemma 3
+    mixes both kinds): causal, padding not counted;
   - LM head: ``2 * D * V`` per sequence (the engine computes logits only for
     each sequence's last token).
 * **Bytes moved**: every weight once per step (projections, norms, the LM
@@ -111,10 +112,12 @@ def step_flops(cfg: ModelConfig, q_lens, kv_lens) -> float:
     """FLOPs of one step (see the module docstring)."""
     D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     T = sum(q_lens)
-    pairs = sum(attention_pairs(q, kv, cfg.sliding_window) for q, kv in zip(q_lens, kv_lens))
+    pairs = {w: sum(attention_pairs(q, kv, w) for q, kv in zip(q_lens, kv_lens))
+             for w in {cfg.layer_window(i) for i in range(cfg.num_layers)}}
     flops = 0.0
     for layer in range(cfg.num_layers):
-        flops += 2 * T * (D * (N * H + 2 * K * H) + N * H * D) + 4 * N * H * pairs
+        flops += (2 * T * (D * (N * H + 2 * K * H) + N * H * D)
+                  + 4 * N * H * pairs[cfg.layer_window(layer)])
         if _moe_layer(cfg, layer):
             flops += 2 * T * (D * cfg.num_experts
                               + cfg.num_experts_per_tok * 3 * D * cfg.moe_intermediate_size)
@@ -140,6 +143,8 @@ def step_bytes(cfg: ModelConfig, q_lens, kv_lens, param_bytes: int, kv_bytes: in
         attn += D
     if cfg.qk_norm:
         attn += 2 * H
+    if cfg.architecture == "gemma3":  # two more norms per block
+        attn += 2 * D
     params = 0.0
     for layer in range(cfg.num_layers):
         params += attn
@@ -150,11 +155,13 @@ def step_bytes(cfg: ModelConfig, q_lens, kv_lens, param_bytes: int, kv_bytes: in
         else:
             params += 3 * D * cfg.intermediate_size
     params += D + D * V + T * D  # final norm, LM head, embedding rows looked up
-    W = cfg.sliding_window
-    read_pos = sum(kv if W is None else min(kv, q + W - 1) for q, kv in zip(q_lens, kv_lens))
-    per_pos = 2 * cfg.num_layers * K * H * kv_bytes
+    read_pos = 0  # positions read, summed over layers (a sliding layer reads its window)
+    for layer in range(cfg.num_layers):
+        W = cfg.layer_window(layer)
+        read_pos += sum(kv if W is None else min(kv, q + W - 1) for q, kv in zip(q_lens, kv_lens))
+    per_pos = 2 * K * H * kv_bytes
     out = {"weights": params * param_bytes, "kv_read": float(read_pos * per_pos),
-           "kv_written": float(T * per_pos)}
+           "kv_written": float(T * per_pos * cfg.num_layers)}
     out["total"] = out["weights"] + out["kv_read"] + out["kv_written"]
     return out
 
