@@ -37,15 +37,15 @@ from jaxserve.engine import multihost, shapes
 from jaxserve.engine.build import build_model, load_draft
 from jaxserve.engine.async_step import InFlightStep, StepInfo, StepPipeline, sync_reason
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.page_table import PageAllocator, cdiv
+from jaxserve.engine.page_table import PageAllocator, cdiv, page_hashes
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
-                                     RequestOutput, SamplingParams, check_text)
+                                     RequestOutput, RequestStatus, SamplingParams, check_text)
 from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.sampling import MAX_BANNED
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 from jaxserve.engine.speculation import DraftModelProposer, Speculator, accept
 from jaxserve.models import MODEL_CLASSES
-from pallas_kernels.ragged_paged_attention.quant import check_kv_cache_dtype
+from pallas_kernels.ragged_paged_attention.quant import KVPages, check_kv_cache_dtype
 from sharding.mesh import make_mesh, parse_mesh_spec, validate_mesh_for_model
 
 
@@ -97,6 +97,15 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_mean_acceptance_length: float = 0.0
     spec_k: int = 0
+
+
+class KVHandoffError(ValueError):
+    """A prefilled request's KV cannot be taken (``Engine.add_prefilled``);
+    ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"KV handoff refused ({reason}): {message}")
+        self.reason = reason
 
 
 @dataclasses.dataclass(eq=False)
@@ -270,18 +279,33 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, hold_kv: bool = False) -> str:
         """Queue a request (its ``params.n`` choices); returns its id.
 
         ``arrival_time`` (``time.monotonic()`` seconds, default now) is where
         queue time, TTFT and E2E start: a server passes the time the request
-        reached it.
+        reached it. ``hold_kv`` (a prefill worker's request, ``n == 1``):
+        when it finishes, its pages stay held for ``export_kv`` /
+        ``release_kv`` instead of being freed (an abort still frees them).
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that leaves no
-            room in ``max_model_len``, ``n`` above ``max_num_seqs``, or a
-            sequence larger than the whole KV cache.
+            room in ``max_model_len``, ``n`` above ``max_num_seqs``, a
+            sequence larger than the whole KV cache, or ``hold_kv`` with
+            ``n > 1``.
         """
+        group = self._new_group(request_id, prompt, params, arrival_time)
+        if hold_kv:
+            if group.params.n != 1:
+                raise ValueError(f"hold_kv needs SamplingParams.n == 1, got {group.params.n}")
+            group.seqs[0].hold_kv = True
+        self._groups[group.request_id] = group
+        for r in group.seqs:
+            self.scheduler.add(r)
+        return group.request_id
+
+    def _new_group(self, request_id, prompt, params, arrival_time) -> _Group:
+        """Check a request and build its group (not yet registered or queued)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -320,13 +344,126 @@ class Engine:
                                 index=i, fork_of=seqs[0] if i else None))
         if params.prompt_logprobs is not None:
             seqs[0].prompt_logprobs = [None]
-        self._groups[request_id] = _Group(
+        return _Group(
             request_id, text, ids, params, seqs,
             [IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                     params.include_stop_str_in_output) for _ in seqs], metrics)
-        for r in seqs:
-            self.scheduler.add(r)
-        return request_id
+
+    # ---- KV handoff (disaggregated prefill/decode, ``jaxserve.disagg``) ------
+
+    def cached_prefix_pages(self, token_ids: Sequence[int]) -> int:
+        """Full pages of a prompt's prefix that this engine's prefix cache
+        holds now (never the page of the last token, whose logits a prefill
+        must compute), as ``Scheduler`` admission would reuse them."""
+        L = self.allocator.page_size
+        max_pages = (len(token_ids) - 1) // L
+        if not self.allocator.enable_prefix_caching or max_pages <= 0:
+            return 0
+        return len(self.allocator.lookup(page_hashes(list(token_ids[:max_pages * L]), L),
+                                         max_pages))
+
+    @property
+    def num_held_kv(self) -> int:
+        """Finished ``hold_kv`` requests whose pages are still held."""
+        return len(self.scheduler.held)
+
+    def export_kv(self, request_id: str, skip_pages: int = 0) -> tuple[KVPages, KVPages]:
+        """Copy a finished ``hold_kv`` request's pages from ``skip_pages`` on
+        (``ModelRunner.read_pages``: one buffer per K/V over every layer, on
+        one device) and release them.
+
+        Raises:
+          KeyError: no pages are held under ``request_id`` (released, leased
+            out, aborted, or never a ``hold_kv`` request).
+          ValueError: ``skip_pages`` outside [0, held pages).
+        """
+        pages = self.scheduler.held.get(str(request_id))
+        if pages is None:
+            raise KeyError(f"no KV pages are held for request {request_id!r}")
+        if not 0 <= skip_pages < len(pages):
+            raise ValueError(f"skip_pages must be in [0, {len(pages)}), got {skip_pages}")
+        try:
+            return self.runner.read_pages(pages[skip_pages:])
+        finally:
+            self.scheduler.release(str(request_id))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a finished ``hold_kv`` request's held pages (lease expired,
+        or the decode side gave up); False when none were held."""
+        return self.scheduler.release(str(request_id))
+
+    def add_prefilled(self, request_id: str | None, prompt_token_ids: Sequence[int],
+                      params: SamplingParams, first_token: int, kv: tuple[KVPages, KVPages],
+                      skip_pages: int = 0, arrival_time: float | None = None,
+                      first_logprob: float = 0.0, transfer_ms: float | None = None,
+                      transfer_bytes: int = 0) -> str:
+        """Start a request whose prompt another engine prefilled: its first
+        ``skip_pages`` pages come from this engine's prefix cache, the rest
+        from ``kv`` (``export_kv``'s buffers, written into fresh pages), its
+        first output token is ``first_token``; it joins the running batch as
+        a decoding sequence, and its first output comes from the next
+        ``step``. Returns its id.
+
+        Raises:
+          ValueError: as ``add_request``; ``n > 1``, ``logprobs`` or
+            ``prompt_logprobs`` (the handoff carries one token's id only).
+          KVHandoffError: the pages cannot be taken now (``reason``:
+            ``"evicted"``: the prefix-cache pages it skipped are gone;
+            ``"no_pages"`` / ``"no_slot"``: no room; ``"bad_kv"``: buffers of
+            the wrong page count or shape); nothing is changed then, and the
+            caller runs the request with ``add_request`` instead.
+        """
+        params = params if params is not None else SamplingParams()
+        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("a prefilled request needs n == 1 and no logprobs or "
+                             "prompt_logprobs")
+        group = self._new_group(request_id, list(prompt_token_ids), params, arrival_time)
+        r, alloc, L = group.seqs[0], self.allocator, self.allocator.page_size
+        ids = r.prompt_token_ids
+        n_kv = jax.tree.leaves(kv)[0].shape[1] if jax.tree.leaves(kv) else 0
+        if skip_pages < 0 or skip_pages + n_kv != cdiv(len(ids), L):
+            raise KVHandoffError("bad_kv", f"{skip_pages} cached + {n_kv} sent pages do not "
+                                 f"cover a {len(ids)}-token prompt in pages of {L}")
+        hits: list[int] = []
+        if skip_pages:
+            r.page_hashes = page_hashes(ids[:skip_pages * L], L)
+            hits = alloc.lookup(r.page_hashes, skip_pages)
+            if len(hits) < skip_pages:
+                raise KVHandoffError("evicted", f"{skip_pages - len(hits)} of the "
+                                     f"{skip_pages} cached prefix pages were evicted")
+        sched = self.scheduler
+        if len(sched.running) >= self.config.scheduler.max_num_seqs:
+            raise KVHandoffError("no_slot", f"{len(sched.running)} sequences run already")
+        reserve = sched.watermark_pages if sched.running else 0
+        if n_kv + alloc.count_free_among(hits) + reserve > alloc.num_free_pages:
+            raise KVHandoffError("no_pages", f"{n_kv} pages needed, "
+                                 f"{alloc.num_free_pages} free")
+        alloc.share(hits)
+        new = alloc.allocate(n_kv)
+        try:
+            self.runner.write_pages(new, *kv)
+        except ValueError as e:
+            alloc.free(hits + new)
+            raise KVHandoffError("bad_kv", str(e)) from None
+        now = time.monotonic()
+        r.page_ids = hits + new
+        r.num_computed_tokens = len(ids)
+        r.num_registered_pages = len(hits)
+        r.status = RequestStatus.RUNNING
+        sched.running.append(r)
+        alloc.prefix_queries += len(ids)
+        alloc.prefix_hits += skip_pages * L
+        m = group.metrics
+        m.first_scheduled_time = now
+        m.num_cached_tokens = skip_pages * L
+        m.disagg_route, m.kv_transfer_ms, m.kv_transfer_bytes = \
+            "handoff", transfer_ms, transfer_bytes
+        self._groups[group.request_id] = group
+        r.output_token_ids.append(int(first_token))
+        sched.cache_computed_pages(r)
+        delta = self._take_token(r, int(first_token), float(first_logprob), None, 1, now)
+        self._pending.append(self._group_output(group, {0: (delta, [int(first_token)])}, now))
+        return group.request_id
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of an iterable of ids) in any state
@@ -540,12 +677,20 @@ class Engine:
         """Take slot ``k``'s sampled token, now ``r``'s ``n_out``-th output token
         on the host, into its logprobs, metrics, text and stop checks; returns
         (delta text, [token])."""
-        tok, lp = int(res.token_ids[k]), float(res.logprobs[k])
+        tok = int(res.token_ids[k])
+        top = None
+        if r.params.logprobs is not None:
+            top = (int(res.ranks[k]), res.top_ids[k], res.top_logprobs[k])
+        return self._take_token(r, tok, float(res.logprobs[k]), top, n_out, now), [tok]
+
+    def _take_token(self, r: Request, tok: int, lp: float, top, n_out: int, now: float) -> str:
+        """``r``'s ``n_out``-th output token ``tok`` (already in
+        ``output_token_ids``, raw logprob ``lp``, ``top`` = (rank, top ids,
+        top logprobs) when logprobs are asked) into its logprobs, metrics,
+        text and stop checks; returns the delta text."""
         r.cumulative_logprob += lp
         if r.params.logprobs is not None:
-            r.output_logprobs.append(self._logprob_dict(
-                tok, lp, int(res.ranks[k]), res.top_ids[k], res.top_logprobs[k],
-                r.params.logprobs))
+            r.output_logprobs.append(self._logprob_dict(tok, lp, *top, r.params.logprobs))
         self._num_generation_tokens += 1
         m = r.metrics
         m.num_output_tokens = max(m.num_output_tokens, n_out)
@@ -566,7 +711,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(r, reason, stop_reason)
             delta += detok.finish()
-        return delta, [tok]
+        return delta
 
     def _group_output(self, g: _Group, deltas: dict, now: float) -> RequestOutput:
         """The group's output after a step; retires it when every choice is done."""

@@ -172,7 +172,14 @@ class RequestMetrics:
     ``e2e_ms``: arrival to finish; ``num_cached_tokens``: prompt tokens served
     from the prefix cache at first scheduling; ``num_draft_tokens`` /
     ``num_accepted_tokens``: speculative drafts verified for it and accepted
-    (``spec_acceptance_rate`` their ratio). Each is None until its
+    (``spec_acceptance_rate`` their ratio); ``disagg_route``: on a
+    disaggregated decode worker (``jaxserve.disagg``), how the request was
+    served (``"handoff"``: prefilled by a prefill worker, its KV pulled;
+    otherwise the reason it ran locally: ``"short"``, ``"cached"``,
+    ``"unsupported"``, ``"no_worker"``, or ``"fallback:<reason>"`` after a
+    failed handoff), None elsewhere; ``kv_transfer_ms`` / ``kv_transfer_bytes``:
+    the KV pull of a handoff (pull call to arrays in this worker's cache).
+    Each is None until its
     timestamps exist (``tpot_ms`` also below two output tokens). With ``n > 1`` the choices share
     one ``RequestMetrics``: first token is the earliest choice's, finish the
     last one's, ``num_output_tokens`` the longest choice's.
@@ -186,6 +193,14 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    disagg_route: str | None = None
+    kv_transfer_ms: float | None = None
+    kv_transfer_bytes: int = 0
+
+    @property
+    def kv_handoff(self) -> bool:
+        """The prompt was prefilled by a prefill worker and its KV pulled here."""
+        return self.disagg_route == "handoff"
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -331,6 +346,9 @@ class Request:
     num_registered_pages: int = 0
     num_placeholders: int = 0
     num_draft_computed: int = 0  # tokens whose K/V the draft model's cache holds
+    # A prefill worker's request (``jaxserve.disagg``): when it finishes, its
+    # pages stay held (``Scheduler.held``) for a decode worker to pull.
+    hold_kv: bool = False
 
     def __post_init__(self):
         if self.group_id is None:

@@ -252,6 +252,13 @@ class ModelRunner:
         # program per token count (not a second copy of the model's step).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, static_argnums=(3,))
         self._all_logits = jax.jit(self._all_logits_fn)  # token_logits: f32[T, V] per T
+        # KV handoff (read_pages / write_pages): replicated page buffers.
+        self._replicated = replicated
+        self._gather_pages = jax.jit(self._gather_pages_fn, out_shardings=replicated)
+        self._scatter_pages = jax.jit(
+            self._scatter_pages_fn, donate_argnums=(0, 1),
+            in_shardings=(caches, caches, replicated, replicated, replicated),
+            out_shardings=(caches, caches))
         # The latest launched step's sampled ids, i32[max_rows] on device
         # (what ``prev_rows`` index), and the launches so far.
         self._no_prev = jnp.zeros(self.max_rows, jnp.int32, device=replicated)
@@ -319,6 +326,69 @@ class ModelRunner:
         _, self.k_cache, self.v_cache, *_, x_DT = out
         self.num_launched += 1
         return np.asarray(self._all_logits(self.state, x_DT))[:sum(batch.q_lens)]
+
+    # ---- KV pages in and out (disaggregated prefill/decode) -----------------
+
+    def read_pages(self, page_ids) -> tuple[KVPages, KVPages]:
+        """A copy of some pages' K and V, for a KV handoff (``jaxserve.disagg``).
+
+        Args:
+          page_ids: n page ids, in the sequence's order.
+
+        Returns:
+          (k, v) ``KVPages`` whose leaves are contiguous buffers over every
+          layer, ``[num_layers, n, L, K, H]`` in the cache dtype (and f32
+          ``[num_layers, n, L, K]`` scales when quantized), each on one device
+          (the mesh's first): the transfer layout, independent of this mesh's
+          tp. One small program per n.
+        """
+        idx = jnp.asarray(np.asarray(page_ids, np.int32), device=self._replicated)
+        out = self._gather_pages(self.k_cache, self.v_cache, idx)
+        return jax.tree.map(lambda a: a.addressable_shards[0].data, out)
+
+    def write_pages(self, page_ids, k: KVPages, v: KVPages) -> None:
+        """Write pages read by ``read_pages`` (possibly by another worker,
+        whose mesh may differ) into ``page_ids`` of this cache.
+
+        Raises:
+          ValueError: buffers whose shapes or dtypes do not match this cache
+            for ``len(page_ids)`` pages (a mismatched model or cache dtype).
+        """
+        want = jax.eval_shape(self._gather_pages, self.k_cache, self.v_cache,
+                              jax.ShapeDtypeStruct((len(page_ids),), jnp.int32))
+        got = (k, v)
+        if jax.tree.structure(want) != jax.tree.structure(got) or any(
+                a.shape != b.shape or a.dtype != b.dtype
+                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))):
+            raise ValueError(f"KV pages of shapes {[(x.shape, str(x.dtype)) for x in jax.tree.leaves(got)]} "
+                             f"do not fit this cache, which needs "
+                             f"{[(x.shape, str(x.dtype)) for x in jax.tree.leaves(want)]}")
+        idx = jnp.asarray(np.asarray(page_ids, np.int32), device=self._replicated)
+        k, v = jax.device_put((k, v), self._replicated)
+        self.k_cache, self.v_cache = self._scatter_pages(self.k_cache, self.v_cache, idx, k, v)
+
+    def page_spec(self, num_pages: int) -> tuple[KVPages, KVPages]:
+        """``jax.ShapeDtypeStruct``s of ``read_pages`` for ``num_pages`` pages
+        (no sharding): what a puller asks for."""
+        return jax.eval_shape(self._gather_pages, self.k_cache, self.v_cache,
+                              jax.ShapeDtypeStruct((num_pages,), jnp.int32))
+
+    @staticmethod
+    def _gather_pages_fn(k_cache, v_cache, idx):
+        def stack(caches):
+            scales = None if caches[0].scales_PLK is None else \
+                jnp.stack([c.scales_PLK[idx] for c in caches])
+            return KVPages(jnp.stack([c.pages_PLKH[idx] for c in caches]), scales)
+        return stack(k_cache), stack(v_cache)
+
+    @staticmethod
+    def _scatter_pages_fn(k_cache, v_cache, idx, k, v):
+        def put(caches, buf):
+            return tuple(KVPages(
+                c.pages_PLKH.at[idx].set(buf.pages_PLKH[i]),
+                None if c.scales_PLK is None else c.scales_PLK.at[idx].set(buf.scales_PLK[i]))
+                for i, c in enumerate(caches))
+        return put(k_cache, k), put(v_cache, v)
 
     # ---- host-side metadata -------------------------------------------------
 

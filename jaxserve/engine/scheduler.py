@@ -93,6 +93,9 @@ class Scheduler:
         # Keep ~1% of pages free when admitting, so decode does not preempt at once.
         self.watermark_pages = max(1, allocator.num_pages // 100)
         self.num_preemptions = 0
+        # Pages of finished ``hold_kv`` requests (a prefill worker's), by
+        # request id, until ``release``: a decode worker pulls them first.
+        self.held: dict[str, list[int]] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -278,16 +281,29 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 
+    def release(self, request_id: str) -> bool:
+        """Free the held pages of a finished ``hold_kv`` request; False when
+        none are held under that id (released already, or never held)."""
+        pages = self.held.pop(request_id, None)
+        if pages is None:
+            return False
+        self.allocator.free(pages)
+        return True
+
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
-        """Retire ``req`` (running or waiting) and free its pages; a token
-        of it still in flight is dropped."""
+        """Retire ``req`` (running or waiting) and free its pages (or, for
+        a ``hold_kv`` request that was not aborted, hold them in ``held``); a
+        token of it still in flight is dropped."""
         req.drop_placeholders()
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.page_ids:
-            self.allocator.free(req.page_ids)
+            if req.hold_kv and reason != "abort":
+                self.held[req.request_id] = req.page_ids
+            else:
+                self.allocator.free(req.page_ids)
             req.page_ids = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
