@@ -465,6 +465,54 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DisaggConfig:
+    """Disaggregated prefill/decode (``jaxserve.disagg``).
+
+    Attributes:
+      role: ``"both"`` (prefill and decode here, the default), ``"prefill"``
+        (serve the ``PrefillWorker`` control service beside ``Generation``
+        and hold finished prompts' pages for a decode worker) or
+        ``"decode"`` (route prompts to ``prefill_workers``).
+      prefill_workers: a decode worker's prefill workers, gRPC ``host:port``s.
+      min_prefill_tokens: shortest uncached prompt a decode worker hands off.
+      max_cached_ratio: a prompt at least this much in the decode worker's
+        prefix cache runs there.
+      kv_lease_s: how long a prefill worker holds a finished prompt's pages
+        (and an offered buffer) for a pull, seconds.
+      prefill_timeout_s: a decode worker's deadline for a ``Prefill`` call.
+      transfer_timeout_s: its deadline for ``Pull`` plus the KV pull.
+    """
+
+    role: str = "both"
+    prefill_workers: tuple[str, ...] = ()
+    min_prefill_tokens: int = 256
+    max_cached_ratio: float = 0.5
+    kv_lease_s: float = 30.0
+    prefill_timeout_s: float = 120.0
+    transfer_timeout_s: float = 20.0
+
+    def __post_init__(self):
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role == "decode" and not self.prefill_workers:
+            raise ValueError("role 'decode' needs prefill_workers (host:port,...)")
+        if self.role != "decode" and self.prefill_workers:
+            raise ValueError(f"prefill_workers are for role 'decode', not {self.role!r}")
+        for w in self.prefill_workers:
+            host, _, port = w.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"prefill worker address must be host:port, got {w!r}")
+        if not isinstance(self.min_prefill_tokens, int) or self.min_prefill_tokens < 0:
+            raise ValueError(f"min_prefill_tokens must be an integer >= 0, "
+                             f"got {self.min_prefill_tokens!r}")
+        if not 0.0 < self.max_cached_ratio <= 1.0:
+            raise ValueError(f"max_cached_ratio must be in (0, 1], got {self.max_cached_ratio!r}")
+        for name in ("kv_lease_s", "prefill_timeout_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """The gRPC server (``jaxserve.server``).
 
@@ -485,6 +533,7 @@ class ServerConfig:
       tls_cert, tls_key: PEM file paths; both or neither (TLS off).
       auth_token: bearer token every call must carry in ``authorization:
         Bearer <token>`` metadata; None turns the check off.
+      disagg: this worker's role in disaggregated prefill/decode.
     """
 
     host: str = "127.0.0.1"
@@ -499,6 +548,7 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | None = None
+    disagg: DisaggConfig = DisaggConfig()
 
     def __post_init__(self):
         for name in ("port", "metrics_port", "http_port"):

@@ -194,6 +194,19 @@ flags.DEFINE_string("tls_cert", None, "serve: PEM certificate chain (TLS with --
 flags.DEFINE_string("tls_key", None, "serve: PEM private key.")
 flags.DEFINE_string("auth_token_file", None, "serve: file holding the bearer token every call "
                     "must carry (or set JAXSERVE_AUTH_TOKEN).")
+flags.DEFINE_enum("role", "both", ["both", "prefill", "decode"], "serve: disaggregated "
+                  "prefill/decode role (jaxserve.disagg); both runs each request here.")
+flags.DEFINE_list("prefill_workers", [], "serve --role decode: prefill workers' gRPC host:port.")
+flags.DEFINE_integer("disagg_min_prefill_tokens", 256, "serve --role decode: shortest uncached "
+                     "prompt handed to a prefill worker, tokens.")
+flags.DEFINE_float("disagg_max_cached_ratio", 0.5, "serve --role decode: a prompt this much in "
+                   "the prefix cache is prefilled here.")
+flags.DEFINE_float("kv_lease_s", 30.0, "serve --role prefill: seconds a finished prompt's KV "
+                   "is held for a decode worker's pull.")
+flags.DEFINE_float("disagg_prefill_timeout_s", 120.0, "serve --role decode: deadline of a "
+                   "prefill worker's Prefill call; past it the prompt is prefilled here.")
+flags.DEFINE_float("disagg_transfer_timeout_s", 20.0, "serve --role decode: deadline of a KV "
+                   "Pull call and pull; past it the prompt is prefilled here.")
 
 _CHAT = "chat"
 # (prompt, chat?, max_tokens): short chats, a long prompt with a short answer,
@@ -463,8 +476,11 @@ def _serving_bench() -> None:
 
 
 def _serve() -> None:
-    from jaxserve.config import ServerConfig
+    from jaxserve.config import DisaggConfig, ServerConfig
     from jaxserve.server.serve import serve
+    if FLAGS.role != "both" and FLAGS.multihost:
+        raise ValueError(f"--role {FLAGS.role} runs in one-process workers (each with its own "
+                         f"mesh); a multi-host prefill or decode slice is not supported yet")
     _speculative_config()  # bad speculation flags fail before the port is bound
     token = os.environ.get("JAXSERVE_AUTH_TOKEN") or None
     if FLAGS.auth_token_file:
@@ -481,7 +497,13 @@ def _serve() -> None:
         max_http_body_bytes=FLAGS.max_message_mib << 20,
         max_waiting_requests=FLAGS.max_waiting_requests, max_prompt_len=FLAGS.max_prompt_len,
         max_message_bytes=FLAGS.max_message_mib << 20, grace_period_s=FLAGS.grace_period_s,
-        tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, auth_token=token)
+        tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, auth_token=token,
+        disagg=DisaggConfig(role=FLAGS.role, prefill_workers=tuple(FLAGS.prefill_workers),
+                            min_prefill_tokens=FLAGS.disagg_min_prefill_tokens,
+                            max_cached_ratio=FLAGS.disagg_max_cached_ratio,
+                            kv_lease_s=FLAGS.kv_lease_s,
+                            prefill_timeout_s=FLAGS.disagg_prefill_timeout_s,
+                            transfer_timeout_s=FLAGS.disagg_transfer_timeout_s))
 
     def load_engine():
         from jaxserve import LLM

@@ -22,6 +22,10 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_spec_decode_num_accepted_tokens_total,
               jaxserve_spec_decode_num_accepted_tokens_per_pos_total{position} (0-based)
     gauge     jaxserve_spec_decode_k (draft tokens per sequence the policy chose last)
+  disaggregated prefill/decode (a decode worker's; ``jaxserve.disagg``):
+    histogram jaxserve_kv_transfer_seconds
+    counters  jaxserve_kv_transfer_bytes_total, jaxserve_disagg_routed_total{route},
+              jaxserve_disagg_fallbacks_total{reason}
 
 Running/waiting count sequences (one per choice), as the scheduler does.
 Each ``ServingMetrics`` owns its ``CollectorRegistry`` so several servers
@@ -111,6 +115,17 @@ class ServingMetrics:
                                        "(0-based).", ("position",))
         self.spec_k = g("jaxserve_spec_decode_k", "Draft tokens per sequence the speculation "
                         "policy chose for the latest step (0: not speculating).")
+        # Disaggregated prefill/decode (``jaxserve.disagg``; zero elsewhere).
+        self.kv_transfer_seconds = h("jaxserve_kv_transfer_seconds",
+                                     "A handed-off request's KV pull: Pull call to pages in "
+                                     "this worker's cache, seconds.")
+        self.kv_transfer_bytes = c("jaxserve_kv_transfer_bytes",
+                                   "KV bytes pulled from prefill workers.")
+        self.disagg_routed = c("jaxserve_disagg_routed", "Routing decisions of a decode worker: "
+                               "handoff, or the reason a request ran locally (short, cached, "
+                               "unsupported, no_worker).", ("route",))
+        self.disagg_fallbacks = c("jaxserve_disagg_fallbacks", "Handoffs that failed and were "
+                                  "prefilled locally, by reason.", ("reason",))
         self._last = None
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:

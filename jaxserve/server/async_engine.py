@@ -156,7 +156,8 @@ class AsyncEngine:
                                  f"(max_waiting_requests={self.max_waiting_requests})")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None) -> "RequestStream":
+                       arrival_time: float | None = None,
+                       hold_kv: bool = False) -> "RequestStream":
         """Queue a request and return a ``RequestStream`` of its outputs; the
         last one has ``finished`` True. The caller must ``aclose()`` it
         (in a ``finally``): closing it before the end aborts the request.
@@ -167,6 +168,9 @@ class AsyncEngine:
           arrival_time: ``time.monotonic()`` when the request arrived (the
             gRPC handler's start), so queue time and TTFT include the wait for
             the engine thread; default now.
+          hold_kv: keep the pages when it finishes (``Engine.add_request``;
+            a prefill worker's requests). The engine id is the stream's
+            ``engine_id``.
 
         Raises (before any output):
           ValueError: from ``check_limits`` and ``Engine.add_request``'s checks.
@@ -174,14 +178,21 @@ class AsyncEngine:
           QueueFullError: too many sequences cannot start (``check_queue``).
           ShuttingDownError: after ``stop_accepting``.
         """
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        return await self._submit(params, lambda engine, engine_id: engine.add_request(
+            engine_id, prompt_ids, params, arrival_time=arrival, hold_kv=hold_kv))
+
+    async def _submit(self, params: SamplingParams, add) -> "RequestStream":
+        """Queue ``add(engine, engine_id)`` (an ``Engine`` method that starts
+        the request; its ``ValueError`` comes back here) for the engine
+        thread; returns the request's stream (see ``generate``)."""
         self.check_limits(params)
         self.check_queue(params)
         engine_id = f"s{next(self._ids)}"
         stream = _Stream(engine_id, asyncio.Queue())
         added = self._loop.create_future()
         self._submitted += params.n
-        self._commands.put(("add", engine_id, prompt_ids, params, stream, added,
-                            arrival_time if arrival_time is not None else time.monotonic()))
+        self._commands.put(("add", engine_id, params.n, add, stream, added))
         self._adding.add(added)
         try:
             await added  # raises ValueError from add_request
@@ -193,6 +204,14 @@ class AsyncEngine:
         self.num_in_flight += 1
         self._open.add(stream)
         return RequestStream(self, stream)
+
+    async def call(self, fn: Callable[[Engine], object]):
+        """``fn(engine)`` run on the engine thread between steps; returns its
+        result or raises its exception. For short engine-state work (the KV
+        handoff's page lookups, exports and releases)."""
+        fut = self._loop.create_future()
+        self._commands.put(("call", fn, fut))
+        return await fut
 
     def abort(self, stream: _Stream) -> None:
         """Abort a stream's request in the engine before its next step
@@ -251,24 +270,35 @@ class AsyncEngine:
         kind = cmd[0]
         engine = self.engine
         if kind == "add":
-            _, engine_id, prompt_ids, params, stream, added, arrival_time = cmd
+            _, engine_id, n, add, stream, added = cmd
             if self.fatal_error is not None:  # the engine thread has stopped for good
-                self._drained += params.n
+                self._drained += n
                 self._loop.call_soon_threadsafe(_set_exception, added, ShuttingDownError(
                     f"the engine stopped: {self.fatal_error}"))
                 return
             try:
-                engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival_time)
+                add(engine, engine_id)
             except ValueError as e:
-                self._drained += params.n
+                self._drained += n
                 self._loop.call_soon_threadsafe(_set_exception, added, e)
                 return
             # Counted as waiting in the engine before it stops counting as
             # submitted, so ``num_waiting`` never misses it between steps.
             self._engine_waiting = len(engine.scheduler.waiting)
-            self._drained += params.n
+            self._engine_running = len(engine.scheduler.running)
+            self._drained += n
             self._streams[engine_id] = stream
             self._loop.call_soon_threadsafe(_set_result, added, None)
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                result = fn(engine)
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                self._loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, fut, result)
+            self._engine_running = len(engine.scheduler.running)
+            self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
         elif kind == "abort":
             stream = cmd[1]
             if stream.engine_id in self._streams:
@@ -365,6 +395,11 @@ class RequestStream:
 
     def __aiter__(self) -> "RequestStream":
         return self
+
+    @property
+    def engine_id(self) -> str:
+        """The request's id inside the engine (``Engine`` methods take it)."""
+        return self._stream.engine_id
 
     async def __anext__(self) -> RequestOutput:
         if self._stream.done or self._closed:

@@ -74,13 +74,15 @@ class Completion:
 
 @dataclasses.dataclass
 class Result:
-    """A whole streamed request: its choices (by index), usage and timing."""
+    """A whole streamed request: its choices (by index), usage and timing
+    (and, from a disaggregated decode worker, how it was served: ``disagg``)."""
 
     request_id: str
     completions: list[Completion]
     usage: pb.Usage | None
     timing: pb.Timing | None
     num_responses: int
+    disagg: pb.Disagg | None = None
 
     @property
     def text(self) -> str:
@@ -113,7 +115,8 @@ class _Gather:
         fin = last is not None and last.finished
         return Result(last.request_id if last else "",
                       [self.choices[i] for i in sorted(self.choices)],
-                      last.usage if fin else None, last.timing if fin else None, self.n)
+                      last.usage if fin else None, last.timing if fin else None, self.n,
+                      last.disagg if fin and last.HasField("disagg") else None)
 
 
 def _channel(target, root_certificates, max_message_bytes, aio):

@@ -225,6 +225,11 @@ class Server:
         self.http = OpenAIServer(self.servicer, self.metrics, config) \
             if config.http_port is not None else None
         self._stopping: asyncio.Event | None = None
+        self.prefill_service = None  # --role prefill: jaxserve.disagg.worker.PrefillService
+        if config.disagg.role == "prefill":
+            from jaxserve.disagg.worker import PrefillService
+            self.prefill_service = PrefillService(lambda: self.async_engine,
+                                                  config.disagg.kv_lease_s, config.host)
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -247,6 +252,8 @@ class Server:
             if cfg.auth_token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
         add_generation_servicer(self.servicer, self.server)
+        if self.prefill_service is not None:
+            self.prefill_service.add_to_server(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -311,10 +318,21 @@ class Server:
                   f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
                   f"XLA programs traced; persistent cache: {cache})", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
-        self.async_engine = AsyncEngine(
-            engine, metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
-            on_fatal=lambda e: loop.call_soon_threadsafe(self._on_fatal, e))
+        kw = dict(metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
+                  on_fatal=lambda e: loop.call_soon_threadsafe(self._on_fatal, e))
+        dc = self.config.disagg
+        if dc.role == "decode":
+            from jaxserve.disagg.router import DecodeEngine
+            self.async_engine = DecodeEngine(
+                engine, prefill_workers=list(dc.prefill_workers),
+                min_prefill_tokens=dc.min_prefill_tokens, max_cached_ratio=dc.max_cached_ratio,
+                prefill_timeout_s=dc.prefill_timeout_s, transfer_timeout_s=dc.transfer_timeout_s,
+                token=self.config.auth_token, transfer_host=self.config.host, **kw)
+        else:
+            self.async_engine = AsyncEngine(engine, **kw)
         self.async_engine.start()
+        if self.prefill_service is not None:
+            self.prefill_service.start()
         self.metrics.observe_stats(engine.stats())
         self.servicer.set_engine(self.async_engine)
         if self.servicer.tokenizer_pool is not None:  # spawn the tokenizer workers now

@@ -329,6 +329,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_accepted_tokens=m.num_accepted_tokens))
             resp.timing.CopyFrom(pb.Timing(queue_ms=m.queue_ms or 0.0, ttft_ms=m.ttft_ms or 0.0,
                                            tpot_ms=m.tpot_ms or 0.0, e2e_ms=m.e2e_ms or 0.0))
+            if m.disagg_route is not None:
+                resp.disagg.CopyFrom(pb.Disagg(route=m.disagg_route,
+                                               kv_transfer_ms=m.kv_transfer_ms or 0.0,
+                                               kv_transfer_bytes=m.kv_transfer_bytes))
         return resp
 
     def _cumulative_response(self, rid: str, out: RequestOutput, first: bool,

@@ -1,0 +1,232 @@
+"""The decode worker (``--role decode``): routes each request to a prefill
+worker or runs it here, and takes handed-off requests into its engine.
+
+Routing (every decision counted in ``jaxserve_disagg_routed_total{route}``):
+  - ``unsupported``: ``n > 1``, logprobs or prompt logprobs (a handoff
+    carries one token's id) run here;
+  - ``cached``: at least ``max_cached_ratio`` of the prompt is in this
+    worker's prefix cache;
+  - ``short``: fewer than ``min_prefill_tokens`` prompt tokens are uncached
+    (the handoff's round trips would cost more than the prefill);
+  - ``no_worker``: no prefill worker answered its last health poll;
+  - ``handoff``: otherwise, to the least-loaded healthy prefill worker.
+
+A handoff that fails (the worker dies, times out, refuses, the pull fails or
+the pages no longer fit) is recomputed here: the client sees a longer TTFT
+and nothing else; ``jaxserve_disagg_fallbacks_total{reason}`` counts it and
+the request's ``metrics.disagg_route`` is ``fallback:<reason>``. A client
+that goes away mid-handoff cancels the prefill call (the prefill worker
+aborts it) or releases the held pages; pages nobody releases are freed by
+the prefill worker's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+import jax
+import numpy as np
+
+from jaxserve.disagg.transfer import KVTransfer, TransferTimeout
+from jaxserve.disagg.worker import PrefillClient, params_to_dict
+from jaxserve.engine.engine import KVHandoffError
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server.async_engine import AsyncEngine, RequestStream
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine(AsyncEngine):
+    """An ``AsyncEngine`` whose ``generate`` may hand a prompt's prefill to a
+    prefill worker (see the module docstring).
+
+    Args:
+      engine, metrics, max_waiting_requests, on_fatal: as ``AsyncEngine``.
+      prefill_workers: the prefill workers' gRPC ``host:port``s.
+      min_prefill_tokens: shortest uncached prompt worth a handoff, tokens.
+      max_cached_ratio: a prompt this much cached (fraction) runs here.
+      prefill_timeout_s: deadline of a ``Prefill`` call (queueing and compute).
+      transfer_timeout_s: deadline of a ``Pull`` call plus the KV pull.
+      poll_s: how often each prefill worker's health and load are polled.
+      token: bearer token for the prefill workers' gRPC ports.
+      transfer_host: the address this worker's transfer server listens on.
+
+    Raises:
+      ValueError: a bad threshold, or no worker address.
+    """
+
+    def __init__(self, engine, *, prefill_workers: list[str], min_prefill_tokens: int = 256,
+                 max_cached_ratio: float = 0.5, prefill_timeout_s: float = 120.0,
+                 transfer_timeout_s: float = 20.0, poll_s: float = 1.0,
+                 token: str | None = None, transfer_host: str = "127.0.0.1", **kw):
+        if not prefill_workers:
+            raise ValueError("a decode worker needs --prefill_workers host:port[,...]")
+        if min_prefill_tokens < 0:
+            raise ValueError(f"min_prefill_tokens must be >= 0, got {min_prefill_tokens}")
+        if not 0.0 < max_cached_ratio <= 1.0:
+            raise ValueError(f"max_cached_ratio must be in (0, 1], got {max_cached_ratio}")
+        super().__init__(engine, **kw)
+        self.worker_addresses = list(prefill_workers)
+        self.token = token
+        self.min_prefill_tokens = min_prefill_tokens
+        self.max_cached_ratio = max_cached_ratio
+        self.prefill_timeout_s = prefill_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.poll_s = poll_s
+        self.transfer = KVTransfer(engine.runner.mesh.devices.flat[0], transfer_host)
+        self.workers: list[PrefillClient] = []
+        self._poller: asyncio.Task | None = None
+
+    def start(self) -> None:
+        super().start()
+        self.workers = [PrefillClient(a, self.token) for a in self.worker_addresses]
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.gather(*(w.poll() for w in self.workers))
+            await asyncio.sleep(self.poll_s)
+
+    async def stop(self, timeout_s: float | None = None) -> bool:
+        if self._poller is not None:
+            self._poller.cancel()
+        await asyncio.gather(*(w.close() for w in self.workers), return_exceptions=True)
+        return await super().stop(timeout_s)
+
+    # ---- routing ------------------------------------------------------------
+
+    async def route(self, prompt_ids: list[int], params: SamplingParams
+                    ) -> tuple[str, PrefillClient | None]:
+        """(route, worker): ``handoff`` with the worker to use, or the reason
+        to run here (see the module docstring)."""
+        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+            return "unsupported", None
+        page_size = self.engine.allocator.page_size
+        cached = page_size * await self.call(lambda e: e.cached_prefix_pages(prompt_ids))
+        if cached >= self.max_cached_ratio * len(prompt_ids):
+            return "cached", None
+        if len(prompt_ids) - cached < self.min_prefill_tokens:
+            return "short", None
+        healthy = [w for w in self.workers if w.healthy]
+        if not healthy:
+            return "no_worker", None
+        return "handoff", min(healthy, key=lambda w: w.load)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       arrival_time: float | None = None,
+                       hold_kv: bool = False) -> RequestStream:
+        """``AsyncEngine.generate``, routed: the prompt is prefilled by a
+        prefill worker when ``route`` says so, here otherwise (or when the
+        handoff fails). Raises as ``AsyncEngine.generate``."""
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self.check_limits(params)
+        self.check_queue(params)
+        route, worker = await self.route(prompt_ids, params)
+        if worker is not None:
+            try:
+                stream = await self._handoff(worker, prompt_ids, params, arrival)
+            except _HandoffFailed as e:
+                log.warning("handoff to %s failed (%s); prefilling here: %s",
+                            worker.target, e.reason, e)
+                self.metrics.disagg_fallbacks.labels(reason=e.reason).inc()
+                route = f"fallback:{e.reason}"
+            else:
+                self.metrics.disagg_routed.labels(route="handoff").inc()
+                return stream
+        else:
+            self.metrics.disagg_routed.labels(route=route).inc()
+        return await self._local(prompt_ids, params, arrival, route)
+
+    async def _local(self, prompt_ids, params, arrival, route) -> RequestStream:
+        def add(engine, engine_id):
+            engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival)
+            engine.get_sequences(engine_id)[0].metrics.disagg_route = route
+        return await self._submit(params, add)
+
+    async def _handoff(self, worker: PrefillClient, prompt_ids, params, arrival
+                       ) -> RequestStream:
+        """Prefill on ``worker``, pull the KV, start decoding here.
+
+        Raises:
+          _HandoffFailed: any failure but a cancellation (the caller then
+            prefills here).
+        """
+        if params.seed is None:  # both sides must sample the first token alike
+            params = _with_seed(params, int(np.random.default_rng().integers(2**32)))
+        key = None
+        worker.in_flight += 1
+        try:
+            try:
+                r = await worker.call("Prefill", dict(prompt_token_ids=list(map(int, prompt_ids)),
+                                                      params=params_to_dict(params)),
+                                      self.prefill_timeout_s)
+                key = r["kv_key"]
+                skip = await self.call(lambda e: e.cached_prefix_pages(prompt_ids))
+                t0 = time.monotonic()
+                p = await worker.call("Pull", dict(kv_key=key, skip_pages=skip),
+                                      self.transfer_timeout_s)
+                key = None  # the prefill worker freed its pages when it exported them
+                spec = jax.tree.leaves(self.engine.runner.page_spec(int(r["num_pages"]) - skip))
+                if [list(s.shape) for s in spec] != p["shapes"] or \
+                        [str(s.dtype) for s in spec] != p["dtypes"]:
+                    raise _HandoffFailed("bad_kv", f"the prefill worker sent {p['shapes']} "
+                                         f"{p['dtypes']}; this cache needs "
+                                         f"{[list(s.shape) for s in spec]}")
+                leaves = await self.transfer.pull_async(
+                    p["address"], int(p["uuid"]), spec,
+                    max(0.1, self.transfer_timeout_s - (time.monotonic() - t0)))
+                ms = (time.monotonic() - t0) * 1e3
+            except grpc.aio.AioRpcError as e:
+                worker.healthy = worker.healthy and e.code() not in (
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise _HandoffFailed(_rpc_reason(e), f"{e.code().name}: {e.details()}") from None
+            except TransferTimeout as e:
+                raise _HandoffFailed("transfer_timeout", str(e)) from None
+            except jax.errors.JaxRuntimeError as e:
+                raise _HandoffFailed("transfer_failed", str(e)) from None
+        except BaseException:
+            if key is not None:  # prefilled, not exported: free its pages there now
+                asyncio.get_running_loop().create_task(_release(worker, key))
+            raise
+        finally:
+            worker.in_flight -= 1
+        nbytes = int(sum(a.nbytes for a in leaves))
+        self.metrics.kv_transfer_seconds.observe(ms / 1e3)
+        self.metrics.kv_transfer_bytes.inc(nbytes)
+        kv = jax.tree.unflatten(jax.tree.structure(self.engine.runner.page_spec(1)), leaves)
+
+        def add(engine, engine_id):
+            engine.add_prefilled(engine_id, prompt_ids, params, int(r["first_token"]), kv, skip,
+                                 arrival_time=arrival, first_logprob=float(r["first_logprob"]),
+                                 transfer_ms=ms, transfer_bytes=nbytes)
+        try:
+            return await self._submit(params, add)
+        except KVHandoffError as e:
+            raise _HandoffFailed(e.reason, str(e)) from None
+
+
+class _HandoffFailed(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _rpc_reason(e: grpc.aio.AioRpcError) -> str:
+    return {grpc.StatusCode.UNAVAILABLE: "worker_unavailable",
+            grpc.StatusCode.DEADLINE_EXCEEDED: "worker_timeout",
+            grpc.StatusCode.NOT_FOUND: "kv_expired"}.get(e.code(), "worker_error")
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
+
+
+async def _release(worker: PrefillClient, key: str) -> None:
+    try:
+        await worker.call("Release", dict(kv_key=key), 5.0)
+    except grpc.aio.AioRpcError:
+        pass  # the lease frees them
