@@ -66,8 +66,11 @@ import time
 from jaxserve.bench.stats import RequestRecord
 from jaxserve.bench.workloads import BenchRequest
 
-PEERS = ("hf", "llama_cpp", "llama_cpp_server")
+PEERS = ("hf", "llama_cpp", "llama_cpp_server", "colocated")
 HOW = {
+    "colocated": "jaxserve itself, prefill and decode in one server (--role both) on every "
+                 "CPU, same engine flags, warmed up and driven by the same gRPC client: the "
+                 "baseline of a disaggregated (--role decode) run",
     "hf": "transformers generate, static batches of `concurrency` requests (no continuous "
           "batching), f32, streamer-stamped steps",
     "llama_cpp": "llama-cpp-python, one request at a time (sequential) whatever the "
@@ -95,7 +98,7 @@ def parse_peers(spec: str | None) -> list[str]:
 
 def available(name: str) -> str | None:
     """None when peer ``name`` can run here, else why not."""
-    mods = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",),
+    mods = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",), "colocated": (),
             # what ``python -m llama_cpp.server`` imports beyond llama_cpp (its [server] extra)
             "llama_cpp_server": ("llama_cpp", "fastapi", "uvicorn", "sse_starlette",
                                  "starlette_context", "pydantic_settings")}[name]
@@ -110,7 +113,7 @@ def available(name: str) -> str | None:
 
 
 def version(name: str) -> str:
-    pkg = {"hf": "transformers", "llama_cpp": "llama_cpp_python",
+    pkg = {"hf": "transformers", "llama_cpp": "llama_cpp_python", "colocated": "jaxserve",
            "llama_cpp_server": "llama_cpp_python"}[name]
     try:
         v = importlib.metadata.version(pkg)

@@ -31,7 +31,8 @@ import os
 import platform
 
 ENGINE_LABEL = {"jaxserve": "jaxserve", "hf": "HF transformers", "llama_cpp": "llama.cpp",
-                "llama_cpp_server": "llama.cpp server (HTTP)"}
+                "llama_cpp_server": "llama.cpp server (HTTP)",
+                "colocated": "jaxserve colocated (--role both)"}
 
 
 def environment(extra: dict | None = None) -> dict:
@@ -75,6 +76,8 @@ def main_label(result: dict) -> str:
     server = result["env"].get("server") or {}
     target = cfg.get("target")
     if cfg["backend"] == "grpc":
+        if cfg.get("role") == "decode":
+            return "jaxserve disaggregated (gRPC" + (f" at {target})" if target else ")")
         return "jaxserve (gRPC" + (f" at {target})" if target else ")")
     if cfg["backend"] == "openai":
         if server.get("owned_by") == "jaxserve":
@@ -121,6 +124,43 @@ def _engine_levels(result: dict) -> dict[str, list[dict]]:
         if p.get("levels"):
             out[name] = p["levels"]
     return out
+
+
+def _disagg_lines(result: dict) -> list[str]:
+    """The routing split and KV transfers of a disaggregated run, and the
+    transfer's cost per prompt token beside the prefill compute it replaced
+    (the colocated peer's prefill ms per prompt token on the same requests)."""
+    levels = [lv for lv in result["levels"] if lv.get("disagg")]
+    if not levels:
+        return []
+    spawned = (result["env"].get("server") or {}).get("disagg") or {}
+    lines = ["", "Disaggregated prefill/decode (`--role decode`"
+             + (f"; spawned: prefill worker on CPUs {spawned.get('prefill_cpus')}, decode "
+                f"worker on CPUs {spawned.get('decode_cpus')}, flags "
+                f"{' '.join(spawned.get('flags', [])) or 'defaults'}" if spawned else "")
+             + "). Transfer: the decode worker's Pull call to the pages in its cache; "
+             "replaced prefill: the colocated peer's server-side prefill (first scheduled -> "
+             "first token) of the same requests, per prompt token.", "",
+             "| C | routes | handoffs | transfer ms p50 | p99 | MB per handoff | "
+             "transfer ms/prompt tok p50 | colocated prefill ms/prompt tok p50 |",
+             "|" + "---:|" * 8]
+    colo = {lv["concurrency"]: lv for lv in
+            (result.get("peers", {}).get("colocated") or {}).get("levels", [])}
+    for lv in levels:
+        d = lv["disagg"]
+        routes = ", ".join(f"{k} {v}" for k, v in sorted(d["routes"].items()))
+        hand = {r["id"] for r in lv["requests"] if r.get("disagg_route") == "handoff"}
+        peer = colo.get(lv["concurrency"])
+        per_tok = sorted(r["prefill_ms"] / max(1, r["prompt_tokens"] - r["cached_tokens"])
+                         for r in (peer or {}).get("requests", [])
+                         if r["id"] in hand and r.get("prefill_ms") is not None)
+        med = per_tok[len(per_tok) // 2] if per_tok else None
+        mb = d["bytes_per_handoff"] / 1e6 if d["bytes_per_handoff"] else None
+        lines.append(f"| {lv['concurrency']} | {routes} | {d['handoffs']} | "
+                     f"{_f(d['transfer_ms']['p50'])} | {_f(d['transfer_ms']['p99'])} | "
+                     f"{_f(mb, '{:.2f}')} | {_f(d['transfer_ms_per_prompt_token']['p50'], '{:.3f}')}"
+                     f" | {_f(med, '{:.3f}')} |")
+    return lines
 
 
 def _weight_note(env: dict) -> str:
@@ -212,6 +252,7 @@ def markdown(result: dict) -> str:
             lines += ["", f"**C={lv['concurrency']}: XLA compiled {lv['compilations']} time(s) "
                       "during the timed level: those steps' compile time is in its latencies "
                       "and goodput. Run again (the executables are cached now).**"]
+    lines += _disagg_lines(result)
     if http := _http_notes(result):
         lines += ["", "Driven over HTTP:", "", *http]
     clients = ("C closed-loop clients (request k is sent when request k - C ends)"

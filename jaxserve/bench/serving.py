@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
 import re
 import signal
 import subprocess
@@ -233,12 +234,13 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
 # ---- gRPC ----------------------------------------------------------------------
 
 def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0,
-                 http: bool = False):
+                 http: bool = False, cpus: list[int] | None = None, tag: str = "server"):
     """Start ``python -m jaxserve.main --mode serve`` on free ports with
     ``engine_flags``; returns (process, "host:port", metrics URL) once it
     prints ``jaxserve: serving``, and with ``http`` (``--http_port 0``: the
     OpenAI API too) a fourth item, its base URL ``http://host:port``. Its
-    stderr is echoed to ours, tagged.
+    stderr is echoed to ours, tagged ``[tag]``. ``cpus``: pin it to these
+    CPUs (``os.sched_setaffinity``; XLA sizes its thread pool by them).
 
     Raises:
       RuntimeError: it exited, or was not ready within ``timeout_s``.
@@ -246,12 +248,13 @@ def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0,
     cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
            "--metrics_port", "0", "--model", model, *engine_flags,
            *(["--http_port", "0"] if http else [])]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, preexec_fn=pin)
     found, ready = {}, threading.Event()
 
     def pump():
         for line in proc.stderr:
-            sys.stderr.write("[server] " + line)
+            sys.stderr.write(f"[{tag}] " + line)
             if m := re.match(r"jaxserve: HTTP on (https?://\S+)", line):
                 found["http"] = m[1]
             if m := re.match(r"jaxserve: gRPC on (\S+):(\d+) ", line):
@@ -351,6 +354,10 @@ async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
                         rec.cached_tokens = r.usage.cached_tokens
                         rec.queue_ms = r.timing.queue_ms
                         rec.prefill_ms = r.timing.ttft_ms - r.timing.queue_ms
+                        if r.HasField("disagg"):
+                            rec.disagg_route = r.disagg.route
+                            rec.kv_transfer_ms = r.disagg.kv_transfer_ms
+                            rec.kv_transfer_bytes = r.disagg.kv_transfer_bytes
             except Exception as e:  # grpc.aio.AioRpcError and friends: a failed request
                 rec.error = f"{type(e).__name__}: {e}"
 

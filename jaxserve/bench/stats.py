@@ -48,6 +48,9 @@ class RequestRecord:
       prefill_ms: engine's first scheduled -> first token, ms (None when unknown).
       error: why it failed, or None.
       token_ids: the output tokens, when the driver kept them.
+      disagg_route: from a disaggregated decode worker: ``"handoff"`` or why
+        it ran there (``RequestMetrics.disagg_route``); None elsewhere.
+      kv_transfer_ms, kv_transfer_bytes: a handoff's KV pull.
     """
 
     request_id: str
@@ -62,6 +65,9 @@ class RequestRecord:
     prefill_ms: float | None = None
     error: str | None = None
     token_ids: list[int] | None = None
+    disagg_route: str | None = None
+    kv_transfer_ms: float | None = None
+    kv_transfer_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -200,3 +206,25 @@ def by_workload(records: list[RequestRecord], slo: dict[str, float] | None = Non
     dur = duration_s(records)
     names = sorted({r.workload for r in records})
     return {w: summarize([r for r in records if r.workload == w], dur, slo) for w in names}
+
+
+def disagg_summary(records: list[RequestRecord]) -> dict | None:
+    """A disaggregated level's routing split and KV transfers: ``routes``
+    {route: requests}, ``handoffs``, ``transfer_ms`` (``describe``),
+    ``transfer_bytes`` (sum), ``bytes_per_handoff`` (mean) and
+    ``transfer_ms_per_prompt_token`` (``describe`` over handoffs), or None
+    when no record carries a route (not a decode worker)."""
+    ok = [r for r in records if r.ok and r.disagg_route is not None]
+    if not ok:
+        return None
+    routes: dict[str, int] = {}
+    for r in ok:
+        routes[r.disagg_route] = routes.get(r.disagg_route, 0) + 1
+    hand = [r for r in ok if r.disagg_route == "handoff"]
+    return {"routes": routes, "handoffs": len(hand),
+            "transfer_ms": describe(r.kv_transfer_ms for r in hand),
+            "transfer_bytes": sum(r.kv_transfer_bytes for r in hand),
+            "bytes_per_handoff": sum(r.kv_transfer_bytes for r in hand) / len(hand)
+            if hand else None,
+            "transfer_ms_per_prompt_token": describe(
+                r.kv_transfer_ms / max(1, r.prompt_tokens - r.cached_tokens) for r in hand)}

@@ -99,6 +99,12 @@ class BenchOptions:
       quantization, kv_cache_dtype: its weight format and KV cache dtype (the
         in-process result takes them from the engine itself).
       engine_flags: ``jaxserve.main`` flags for a spawned server.
+      role: ``"both"``, or ``"decode"``: the grpc backend drives a
+        disaggregated pair (``jaxserve.disagg``): spawned, a prefill worker
+        and a decode worker on half the CPUs each, or ``target`` (a decode
+        worker); the ``colocated`` peer runs the same engine flags with
+        prefill and decode in one server on all the CPUs.
+      disagg_flags: ``jaxserve.main`` flags both spawned workers get.
     """
 
     workload: str = "mixed"
@@ -120,6 +126,8 @@ class BenchOptions:
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
     engine_flags: tuple[str, ...] = ()
+    role: str = "both"
+    disagg_flags: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -141,6 +149,14 @@ class BenchOptions:
                 not self.target.startswith(("http://", "https://")):
             raise ValueError(f"--target for --backend openai is a URL such as "
                              f"http://127.0.0.1:8000, got {self.target!r}")
+        if self.role not in ("both", "decode"):
+            raise ValueError(f"--role for a benchmark must be both or decode (drive a "
+                             f"disaggregated pair), got {self.role!r}")
+        if self.role == "decode" and self.backend != "grpc":
+            raise ValueError("--role decode benchmarks a disaggregated pair over gRPC: "
+                             "add --backend grpc")
+        if "colocated" in self.peers and self.backend != "grpc":
+            raise ValueError("the colocated peer is a spawned gRPC server: add --backend grpc")
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"--scale must be > 0, got {self.scale}")
         for name, v in (("peak_flops", self.peak_flops), ("peak_bytes", self.peak_bytes)):
@@ -162,8 +178,10 @@ SPEC_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min
 OPTIONAL_FLAGS = ("num_pages", "max_model_len", "mesh", "num_devices", "seed", "draft_model")
 BENCH_FLAGS = ("workload", "concurrency", "request_rate", "num_prompts", "slo", "peers",
                "backend", "target", "scale", "seed", "warmup", "peak_tflops", "peak_gbps",
-               "model")
-FLAG_NAMES = tuple(dict.fromkeys(SERVER_FLAGS + SPEC_FLAGS + OPTIONAL_FLAGS + BENCH_FLAGS))
+               "model", "role")
+DISAGG_FLAGS = ("disagg_min_prefill_tokens", "disagg_max_cached_ratio", "kv_lease_s")
+FLAG_NAMES = tuple(dict.fromkeys(SERVER_FLAGS + SPEC_FLAGS + OPTIONAL_FLAGS + BENCH_FLAGS
+                                 + DISAGG_FLAGS))
 
 
 def options_from_flags(values: dict, api_key: str | None = None) -> BenchOptions:
@@ -188,7 +206,8 @@ def options_from_flags(values: dict, api_key: str | None = None) -> BenchOptions
         peak_flops=values["peak_tflops"] * 1e12 if values["peak_tflops"] else None,
         peak_bytes=values["peak_gbps"] * 1e9 if values["peak_gbps"] else None,
         model=values["model"], dtype=values["dtype"], quantization=values["quantization"],
-        kv_cache_dtype=values["kv_cache_dtype"], engine_flags=tuple(flag_args))
+        kv_cache_dtype=values["kv_cache_dtype"], engine_flags=tuple(flag_args),
+        role=values["role"], disagg_flags=tuple(server_args(DISAGG_FLAGS)))
 
 
 def _log(msg: str) -> None:
@@ -211,7 +230,9 @@ def _request_dict(r: stats.RequestRecord, t0: float) -> dict:
             else None, "end_s": rel(r.end_time), "queue_ms": r.queue_ms,
             "prefill_ms": r.prefill_ms, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
             "e2e_ms": r.e2e_ms, "error": r.error,
-            "chunk_times_s": [rel(t) for t in r.chunk_times], "chunk_tokens": r.chunk_tokens}
+            "chunk_times_s": [rel(t) for t in r.chunk_times], "chunk_tokens": r.chunk_tokens,
+            "disagg_route": r.disagg_route, "kv_transfer_ms": r.kv_transfer_ms,
+            "kv_transfer_bytes": r.kv_transfer_bytes}
 
 
 def _level_dict(run: serving.LevelRun, slo: dict, mode: str = "continuous batching") -> dict:
@@ -233,6 +254,7 @@ def _level_dict(run: serving.LevelRun, slo: dict, mode: str = "continuous batchi
         "num_steps": len(run.steps) if run.steps else None,
         "device": run.device_dict(),
         "speculation": run.spec_dict(),
+        "disagg": stats.disagg_summary(run.records),
         "http": run.http,
         "requests": [_request_dict(r, run.t0) for r in run.records],
     }
@@ -267,7 +289,7 @@ def _base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) 
                    "request_rate": None if math.isinf(opts.request_rate) else opts.request_rate,
                    "slo": opts.slo, "peers": list(opts.peers), "scale": scale,
                    "seed": opts.seed, "warmup": opts.warmup,
-                   "engine_flags": list(opts.engine_flags)},
+                   "engine_flags": list(opts.engine_flags), "role": opts.role},
         "env": report.environment(extra_env),
         "workload": {"shapes": _shapes(requests),
                      "nominal": {w: dataclasses.asdict(s) for w, s in SHAPES.items()}},
@@ -365,8 +387,14 @@ def run_grpc(opts: BenchOptions):
     metrics page then), warm it up, run the levels; returns what
     ``run_inprocess`` does."""
     from jaxserve.server.client import AsyncClient, Client
-    proc, target, metrics_url = (None, opts.target, None) if opts.target else \
-        serving.spawn_server(opts.model, list(opts.engine_flags))
+    procs, disagg = [], None
+    if opts.target:
+        target, metrics_url = opts.target, None
+    elif opts.role == "decode":
+        procs, target, metrics_url, disagg = _spawn_pair(opts)
+    else:
+        proc, target, metrics_url = serving.spawn_server(opts.model, list(opts.engine_flags))
+        procs = [proc]
     try:
         with Client(target) as client:
             info = client.model_info()
@@ -387,7 +415,7 @@ def run_grpc(opts: BenchOptions):
         result = _base_result(opts, scale, requests, counts, {
             "server": {"target": target, "model": info.name, "backend": info.backend,
                        "num_devices": info.num_devices, "dtype": info.dtype,
-                       "attention_impl": info.attention_impl}})
+                       "attention_impl": info.attention_impl, "disagg": disagg}})
         records = []
 
         async def go():
@@ -410,11 +438,86 @@ def run_grpc(opts: BenchOptions):
                          f"{s['failed']} failed")
         asyncio.run(go())
     finally:
-        if proc is not None:
+        for proc in procs:
             serving.stop_server(proc)
     result["roofline_note"] = ("the gRPC backend cannot see the server's steps; run "
                                "--backend inprocess for the roofline")
     return result, per_level, records
+
+
+def _cpu_halves() -> tuple[list[int], list[int]]:
+    """This process's CPUs split in two (prefill worker, decode worker)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return [], []
+    return cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]
+
+
+def _spawn_pair(opts: BenchOptions):
+    """A prefill worker and a decode worker (``--role``), each pinned to half
+    the CPUs; returns (processes, decode target, decode metrics URL, what
+    was spawned)."""
+    pcpu, dcpu = _cpu_halves()
+    flags = list(opts.engine_flags) + list(opts.disagg_flags)
+    prefill, ptarget, _ = serving.spawn_server(opts.model, flags + ["--role", "prefill"],
+                                               cpus=pcpu, tag="prefill")
+    try:
+        decode, target, metrics_url = serving.spawn_server(
+            opts.model, flags + ["--role", "decode", "--prefill_workers", ptarget],
+            cpus=dcpu, tag="decode")
+    except BaseException:
+        serving.stop_server(prefill)
+        raise
+    # The decode worker routes locally until its first health poll of the prefill worker.
+    time.sleep(2.0)
+    return [decode, prefill], target, metrics_url, {
+        "prefill_worker": ptarget, "prefill_cpus": pcpu, "decode_cpus": dcpu,
+        "flags": list(opts.disagg_flags)}
+
+
+def _run_colocated(entry: dict, opts: BenchOptions, per_level, jax_records,
+                   scale: float) -> None:
+    """The ``colocated`` peer: the same engine flags in one ``--role both``
+    server on every CPU, warmed up (on other prompts of the same shapes)
+    and driven like the main run; fills ``entry``."""
+    from jaxserve.server.client import AsyncClient, Client
+    t = time.monotonic()
+    proc, target, metrics_url = serving.spawn_server(opts.model, list(opts.engine_flags),
+                                                     tag="colocated")
+    try:
+        entry.update(load_s=time.monotonic() - t, target=target, levels=[])
+        counts = [len(r) for r in per_level]
+        with Client(target) as client:
+            vocab = getattr(client.model_info(), "vocab_size", 0) or 32000
+            tok = _RpcTokenizer(client)
+            try:
+                tok.encode("a")
+            except Exception:  # no tokenizer on the server: random ids
+                tok = None
+            warm = make_requests(tok, vocab, opts.workload, sum(counts), seed=opts.seed + 1000,
+                                 scale=scale) if opts.warmup else []
+
+        async def go():
+            async with AsyncClient(target) as client:
+                if opts.warmup:
+                    for c, reqs in zip(opts.concurrency, _slices(warm, counts)):
+                        await serving.run_grpc(client, reqs, c, opts.request_rate, opts.seed)
+                same = total = 0
+                for j, (c, reqs) in enumerate(zip(opts.concurrency, per_level)):
+                    run = await serving.run_grpc(client, reqs, c, opts.request_rate,
+                                                 opts.seed, metrics_url)
+                    a, b = _agreement(run.records, jax_records[j])
+                    same, total = same + a, total + b
+                    entry["levels"].append({**_level_dict(run, opts.slo),
+                                            "mode": "continuous batching, colocated",
+                                            "token_agreement": a / b if b else None})
+                    s = entry["levels"][-1]["summary"]
+                    _log(f"peer colocated C={c}: {s['completed']} requests in "
+                         f"{s['duration_s']:.1f} s, {s['output_throughput']:.1f} output tok/s")
+                entry["token_agreement"] = same / total if total else None
+        asyncio.run(go())
+    finally:
+        serving.stop_server(proc)
 
 
 def _prompt_as(base: str, model: str, ids: list[int], tok, api_key=None) -> str:
@@ -552,6 +655,9 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
         n_ctx = max(len(r.prompt_ids) + r.output_len for reqs in per_level for r in reqs) + 16
         if name == "llama_cpp_server":
             _run_llama_cpp_server(entry, opts, per_level, jax_records, path, n_ctx)
+            continue
+        if name == "colocated":
+            _run_colocated(entry, opts, per_level, jax_records, result["config"]["scale"])
             continue
         warm = [dataclasses.replace(per_level[0][0], output_len=2)]
         if name == "hf":
