@@ -126,7 +126,7 @@ def resolve_model(model: str, cache_dir: str | None = None) -> pathlib.Path:
         path = pathlib.Path(model).expanduser()
         if path.suffix == ".gguf" and path.is_file():
             return path
-        why = "no such file" if path.suffix == ".gguf" else "not a known alias or a .gguf file"
+        why = "no such file" if path.suffix == ".gguf" else "not a known alias, a .gguf file, or an HF or Orbax folder"
         raise ValueError(
             f"cannot resolve model {model!r}: {why}; known aliases: {sorted(MODEL_ALIASES)}")
 

@@ -285,7 +285,9 @@ def model_config_from_hf(hf: Mapping[str, Any],
         raise ValueError("config.json has no 'architectures' list")
     family = HF_ARCHITECTURES.get(archs[0])
     if family is None:
-        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: "
+        why = " (multimodal checkpoints are not supported; text-only ones are)" \
+            if archs[0].endswith("ForConditionalGeneration") else ""
+        raise ValueError(f"unsupported architecture {archs[0]!r}{why}; supported: "
                          f"{sorted(HF_ARCHITECTURES)}")
     if hf.get("quantization_config"):
         raise ValueError(f"quantized checkpoints are not supported "

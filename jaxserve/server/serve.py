@@ -297,8 +297,8 @@ class Server:
                                  f"--metrics_port {cfg.metrics_port}: cannot serve metrics "
                                  f"on {cfg.host}: {e.strerror or e}") from None
         print(f"jaxserve: gRPC on {cfg.host}:{self.port} ({'TLS' if cfg.tls_cert else 'plaintext'}"
-              f"{', bearer token' if cfg.auth_token else ''}); metrics on "
-              f"{f'http://{cfg.host}:{self.metrics_port}/metrics' if self.metrics_port else 'off'}"
+              f"{', bearer token' if cfg.auth_token else ''}); metrics "
+              f"{f'on http://{cfg.host}:{self.metrics_port}/metrics' if self.metrics_port else 'off'}"
               f"; loading the model", file=sys.stderr, flush=True)
 
     async def load(self) -> None:
