@@ -170,16 +170,21 @@ class DecodeEngine(AsyncEngine):
                 p = await worker.call("Pull", dict(kv_key=key, skip_pages=skip),
                                       self.transfer_timeout_s)
                 key = None  # the prefill worker freed its pages when it exported them
-                spec = jax.tree.leaves(self.engine.runner.page_spec(int(r["num_pages"]) - skip))
+                spec_tree = self.engine.runner.page_spec(int(r["num_pages"]) - skip)
+                spec = jax.tree.leaves(spec_tree)
                 if [list(s.shape) for s in spec] != p["shapes"] or \
                         [str(s.dtype) for s in spec] != p["dtypes"]:
                     raise _HandoffFailed("bad_kv", f"the prefill worker sent {p['shapes']} "
                                          f"{p['dtypes']}; this cache needs "
                                          f"{[list(s.shape) for s in spec]}")
+                t1 = time.monotonic()
                 leaves = await self.transfer.pull_async(
                     p["address"], int(p["uuid"]), spec,
                     max(0.1, self.transfer_timeout_s - (time.monotonic() - t0)))
                 ms = (time.monotonic() - t0) * 1e3
+                log.debug("handoff to %s: prefill %.1f ms, Pull call %.1f ms, pull %.1f ms "
+                          "(%d bytes)", worker.target, r["prefill_ms"], (t1 - t0) * 1e3,
+                          (time.monotonic() - t1) * 1e3, p["bytes"])
             except grpc.aio.AioRpcError as e:
                 worker.healthy = worker.healthy and e.code() not in (
                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -197,7 +202,7 @@ class DecodeEngine(AsyncEngine):
         nbytes = int(sum(a.nbytes for a in leaves))
         self.metrics.kv_transfer_seconds.observe(ms / 1e3)
         self.metrics.kv_transfer_bytes.inc(nbytes)
-        kv = jax.tree.unflatten(jax.tree.structure(self.engine.runner.page_spec(1)), leaves)
+        kv = jax.tree.unflatten(jax.tree.structure(spec_tree), leaves)
 
         def add(engine, engine_id):
             engine.add_prefilled(engine_id, prompt_ids, params, int(r["first_token"]), kv, skip,

@@ -367,10 +367,11 @@ class Engine:
         """Finished ``hold_kv`` requests whose pages are still held."""
         return len(self.scheduler.held)
 
-    def export_kv(self, request_id: str, skip_pages: int = 0) -> tuple[KVPages, KVPages]:
+    def export_kv(self, request_id: str, skip_pages: int = 0
+                  ) -> list[tuple[KVPages, KVPages]]:
         """Copy a finished ``hold_kv`` request's pages from ``skip_pages`` on
-        (``ModelRunner.read_pages``: one buffer per K/V over every layer, on
-        one device) and release them.
+        (``ModelRunner.read_pages``: per power-of-two piece, one buffer per
+        K/V over every layer, on one device) and release them.
 
         Raises:
           KeyError: no pages are held under ``request_id`` (released, leased
@@ -393,7 +394,8 @@ class Engine:
         return self.scheduler.release(str(request_id))
 
     def add_prefilled(self, request_id: str | None, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, first_token: int, kv: tuple[KVPages, KVPages],
+                      params: SamplingParams, first_token: int,
+                      kv: list[tuple[KVPages, KVPages]],
                       skip_pages: int = 0, arrival_time: float | None = None,
                       first_logprob: float = 0.0, transfer_ms: float | None = None,
                       transfer_bytes: int = 0) -> str:
@@ -420,7 +422,7 @@ class Engine:
         group = self._new_group(request_id, list(prompt_token_ids), params, arrival_time)
         r, alloc, L = group.seqs[0], self.allocator, self.allocator.page_size
         ids = r.prompt_token_ids
-        n_kv = jax.tree.leaves(kv)[0].shape[1] if jax.tree.leaves(kv) else 0
+        n_kv = sum(jax.tree.leaves(piece)[0].shape[1] for piece in kv)
         if skip_pages < 0 or skip_pages + n_kv != cdiv(len(ids), L):
             raise KVHandoffError("bad_kv", f"{skip_pages} cached + {n_kv} sent pages do not "
                                  f"cover a {len(ids)}-token prompt in pages of {L}")
@@ -441,7 +443,7 @@ class Engine:
         alloc.share(hits)
         new = alloc.allocate(n_kv)
         try:
-            self.runner.write_pages(new, *kv)
+            self.runner.write_pages(new, kv)
         except ValueError as e:
             alloc.free(hits + new)
             raise KVHandoffError("bad_kv", str(e)) from None

@@ -67,7 +67,7 @@ from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
                                       sample)
-from jaxserve.engine.scheduler import ScheduledBatch
+from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
 from jaxserve.engine.shapes import bucket
 from jaxserve.models.llama import AttentionMetadata
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
@@ -329,49 +329,81 @@ class ModelRunner:
 
     # ---- KV pages in and out (disaggregated prefill/decode) -----------------
 
-    def read_pages(self, page_ids) -> tuple[KVPages, KVPages]:
+    @staticmethod
+    def page_pieces(n: int) -> list[int]:
+        """How ``read_pages`` splits n pages: the powers of two of n's binary
+        form, largest first (57 -> [32, 16, 8, 1]); each piece's gather and
+        scatter is compiled once (``warmup_pages``) and the bytes moved are
+        exactly the pages'."""
+        return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
+
+    def read_pages(self, page_ids) -> list[tuple[KVPages, KVPages]]:
         """A copy of some pages' K and V, for a KV handoff (``jaxserve.disagg``).
 
         Args:
           page_ids: n page ids, in the sequence's order.
 
         Returns:
-          (k, v) ``KVPages`` whose leaves are contiguous buffers over every
-          layer, ``[num_layers, n, L, K, H]`` in the cache dtype (and f32
-          ``[num_layers, n, L, K]`` scales when quantized), each on one device
-          (the mesh's first): the transfer layout, independent of this mesh's
-          tp. One small program per n.
+          one (k, v) pair of ``KVPages`` per piece of ``page_pieces(n)``, in
+          order; their leaves are contiguous buffers over every layer,
+          ``[num_layers, m, L, K, H]`` in the cache dtype (and f32
+          ``[num_layers, m, L, K]`` scales when quantized) for a piece of m
+          pages, each on one device (the mesh's first): the transfer layout,
+          independent of this mesh's tp.
         """
-        idx = jnp.asarray(np.asarray(page_ids, np.int32), device=self._replicated)
-        out = self._gather_pages(self.k_cache, self.v_cache, idx)
-        return jax.tree.map(lambda a: a.addressable_shards[0].data, out)
+        out, lo = [], 0
+        for m in self.page_pieces(len(page_ids)):
+            idx = jnp.asarray(np.asarray(page_ids[lo:lo + m], np.int32), device=self._replicated)
+            out.append(jax.tree.map(lambda a: a.addressable_shards[0].data,
+                                    self._gather_pages(self.k_cache, self.v_cache, idx)))
+            lo += m
+        return out
 
-    def write_pages(self, page_ids, k: KVPages, v: KVPages) -> None:
+    def write_pages(self, page_ids, pieces: list[tuple[KVPages, KVPages]]) -> None:
         """Write pages read by ``read_pages`` (possibly by another worker,
         whose mesh may differ) into ``page_ids`` of this cache.
 
         Raises:
-          ValueError: buffers whose shapes or dtypes do not match this cache
+          ValueError: pieces whose shapes or dtypes do not match this cache
             for ``len(page_ids)`` pages (a mismatched model or cache dtype).
         """
-        want = jax.eval_shape(self._gather_pages, self.k_cache, self.v_cache,
-                              jax.ShapeDtypeStruct((len(page_ids),), jnp.int32))
-        got = (k, v)
-        if jax.tree.structure(want) != jax.tree.structure(got) or any(
+        want = self.page_spec(len(page_ids))
+        if jax.tree.structure(want) != jax.tree.structure(pieces) or any(
                 a.shape != b.shape or a.dtype != b.dtype
-                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))):
-            raise ValueError(f"KV pages of shapes {[(x.shape, str(x.dtype)) for x in jax.tree.leaves(got)]} "
+                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(pieces))):
+            raise ValueError(f"KV pages of shapes {[(x.shape, str(x.dtype)) for x in jax.tree.leaves(pieces)]} "
                              f"do not fit this cache, which needs "
                              f"{[(x.shape, str(x.dtype)) for x in jax.tree.leaves(want)]}")
-        idx = jnp.asarray(np.asarray(page_ids, np.int32), device=self._replicated)
-        k, v = jax.device_put((k, v), self._replicated)
-        self.k_cache, self.v_cache = self._scatter_pages(self.k_cache, self.v_cache, idx, k, v)
+        lo = 0
+        for k, v in pieces:
+            m = jax.tree.leaves(k)[0].shape[1]
+            idx = jnp.asarray(np.asarray(page_ids[lo:lo + m], np.int32), device=self._replicated)
+            k, v = jax.device_put((k, v), self._replicated)
+            self.k_cache, self.v_cache = self._scatter_pages(self.k_cache, self.v_cache, idx,
+                                                             k, v)
+            lo += m
 
-    def page_spec(self, num_pages: int) -> tuple[KVPages, KVPages]:
+    def warmup_pages(self) -> int:
+        """Compile ``read_pages``' gather and ``write_pages``' scatter for
+        every power-of-two piece up to a whole sequence's pages, so a KV
+        handoff meets no compilation (the scatter writes nothing: every
+        index is out of range). Returns the piece sizes compiled."""
+        sizes = self.page_pieces(2 * next_pow2(self.max_pages_per_seq) - 1)
+        for m in sizes:
+            idx = jnp.asarray(np.zeros(m, np.int32), device=self._replicated)
+            k, v = self._gather_pages(self.k_cache, self.v_cache, idx)
+            drop = jnp.asarray(np.full(m, self.num_pages, np.int32), device=self._replicated)
+            self.k_cache, self.v_cache = self._scatter_pages(self.k_cache, self.v_cache, drop,
+                                                             k, v)
+        jax.block_until_ready(self.k_cache)
+        return len(sizes)
+
+    def page_spec(self, num_pages: int) -> list[tuple[KVPages, KVPages]]:
         """``jax.ShapeDtypeStruct``s of ``read_pages`` for ``num_pages`` pages
         (no sharding): what a puller asks for."""
-        return jax.eval_shape(self._gather_pages, self.k_cache, self.v_cache,
-                              jax.ShapeDtypeStruct((num_pages,), jnp.int32))
+        return [jax.eval_shape(self._gather_pages_fn, self.k_cache, self.v_cache,
+                               jax.ShapeDtypeStruct((m,), jnp.int32))
+                for m in self.page_pieces(num_pages)]
 
     @staticmethod
     def _gather_pages_fn(k_cache, v_cache, idx):
@@ -385,8 +417,9 @@ class ModelRunner:
     def _scatter_pages_fn(k_cache, v_cache, idx, k, v):
         def put(caches, buf):
             return tuple(KVPages(
-                c.pages_PLKH.at[idx].set(buf.pages_PLKH[i]),
-                None if c.scales_PLK is None else c.scales_PLK.at[idx].set(buf.scales_PLK[i]))
+                c.pages_PLKH.at[idx].set(buf.pages_PLKH[i], mode="drop"),
+                None if c.scales_PLK is None else
+                c.scales_PLK.at[idx].set(buf.scales_PLK[i], mode="drop"))
                 for i, c in enumerate(caches))
         return put(k_cache, k), put(v_cache, v)
 

@@ -317,6 +317,11 @@ class Server:
             print(f"jaxserve: compiled {len(counts)} step shapes in "
                   f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
                   f"XLA programs traced; persistent cache: {cache})", file=sys.stderr, flush=True)
+        if self.config.disagg.role != "both":  # the KV handoff's gathers and scatters
+            t1 = time.monotonic()
+            n = await _in_daemon_thread(engine.runner.warmup_pages)
+            print(f"jaxserve: compiled the KV handoff for {n} page counts in "
+                  f"{time.monotonic() - t1:.1f} s", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         kw = dict(metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
                   on_fatal=lambda e: loop.call_soon_threadsafe(self._on_fatal, e))
