@@ -179,7 +179,7 @@ class DecodeEngine(AsyncEngine):
                                          f"{[list(s.shape) for s in spec]}")
                 t1 = time.monotonic()
                 leaves = await self.transfer.pull_async(
-                    p["address"], int(p["uuid"]), spec,
+                    _reachable(p["address"], worker.target), int(p["uuid"]), spec,
                     max(0.1, self.transfer_timeout_s - (time.monotonic() - t0)))
                 ms = (time.monotonic() - t0) * 1e3
                 log.debug("handoff to %s: prefill %.1f ms, Pull call %.1f ms, pull %.1f ms "
@@ -224,6 +224,16 @@ def _rpc_reason(e: grpc.aio.AioRpcError) -> str:
     return {grpc.StatusCode.UNAVAILABLE: "worker_unavailable",
             grpc.StatusCode.DEADLINE_EXCEEDED: "worker_timeout",
             grpc.StatusCode.NOT_FOUND: "kv_expired"}.get(e.code(), "worker_error")
+
+
+def _reachable(address: str, target: str) -> str:
+    """A transfer server's ``host:port`` as this worker can reach it: an
+    unspecified host (the prefill worker bound ``--host 0.0.0.0``) is
+    replaced by the host its gRPC ``target`` was reached at."""
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        return f"{target.rpartition(':')[0]}:{port}"
+    return address
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
