@@ -251,3 +251,41 @@ def test_prefill_worker_that_hangs_then_dies_loses_nothing(tiny2k, reference):
     finally:
         assert decode.terminate() == 0
         prefill.kill()
+
+
+def test_prefill_worker_killed_mid_flight_loses_nothing(tiny2k, reference):
+    """SIGKILL the prefill worker as soon as its first KV pull has landed,
+    with the other handoffs in prefill, Pull or transfer: every request
+    completes with the colocated engine's tokens (local recompute) within a
+    bounded time, and the failed handoffs are counted by reason."""
+    prefill, decode = _pair(tiny2k[0])
+    try:
+        _wait_healthy_worker(decode)
+        before = decode.metrics().get("jaxserve_kv_transfer_seconds_count", 0.0)
+        rng = np.random.default_rng(6)
+        prompts = [_ids(rng, n) for n in (1000, 950, 900, 1100, 850, 1050, 800, 1000)]
+
+        async def run():
+            task = asyncio.ensure_future(_complete(decode.target, prompts, timeout=120))
+            t_end = time.monotonic() + 60
+            while decode.metrics().get("jaxserve_kv_transfer_seconds_count", 0.0) <= before:
+                assert time.monotonic() < t_end, "no handoff finished"
+                await asyncio.sleep(0.02)
+            prefill.proc.kill()
+            t0 = time.monotonic()
+            res = await task
+            return res, time.monotonic() - t0
+
+        got, waited = asyncio.run(run())
+        assert [r.token_ids for r in got] == _greedy(reference, prompts)
+        assert waited < 60, waited
+        routes = [r.disagg.route for r in got]
+        print("routes after the kill:", routes)
+        assert "handoff" in routes and any(r.startswith("fallback:") for r in routes), routes
+        m = decode.metrics()
+        for reason in {r.split(":", 1)[1] for r in routes if r.startswith("fallback:")}:
+            assert _counter(m, "jaxserve_disagg_fallbacks_total", f'reason="{reason}"') >= 1
+        assert _wait_pages_free(decode)["jaxserve_kv_cache_pages_free"] == PAGES
+    finally:
+        assert decode.terminate() == 0
+        prefill.kill()
