@@ -224,13 +224,17 @@ def test_prefill_worker_that_hangs_then_dies_loses_nothing(tiny2k, reference):
                                                     "--disagg_transfer_timeout_s", "4"])
     try:
         _wait_healthy_worker(decode)
+        before = decode.metrics().get("jaxserve_kv_transfer_seconds_count", 0.0)
         rng = np.random.default_rng(5)
-        prompts = [_ids(rng, n) for n in (1000, 900, 800, 1100, 700, 600)]
+        prompts = [_ids(rng, n) for n in (1000, 900, 800, 1100, 700, 600, 1000, 950)]
 
         async def run():
             task = asyncio.ensure_future(_complete(decode.target, prompts, timeout=120))
-            await asyncio.sleep(1.0)  # some prefilled, some in transfer, some queued
-            os.kill(prefill.proc.pid, signal.SIGSTOP)
+            t_end = time.monotonic() + 60
+            while decode.metrics().get("jaxserve_kv_transfer_seconds_count", 0.0) <= before:
+                assert time.monotonic() < t_end, "no handoff finished"
+                await asyncio.sleep(0.02)
+            os.kill(prefill.proc.pid, signal.SIGSTOP)  # the rest in prefill, Pull or transfer
             t0 = time.monotonic()
             res = await task
             return res, time.monotonic() - t0
@@ -241,8 +245,10 @@ def test_prefill_worker_that_hangs_then_dies_loses_nothing(tiny2k, reference):
         m = decode.metrics()
         fallbacks = sum(v for k, v in m.items()
                         if k.startswith("jaxserve_disagg_fallbacks_total"))
+        routes = [r.disagg.route for r in got]
+        print("routes after the freeze:", routes)
         assert fallbacks >= 1
-        assert fallbacks == sum(r.disagg.route.startswith("fallback:") for r in got)
+        assert fallbacks == sum(r.startswith("fallback:") for r in routes)
         os.kill(prefill.proc.pid, signal.SIGKILL)
         time.sleep(3.0)  # the next health poll finds it gone
         later = asyncio.run(_complete(decode.target, [_ids(rng, 900)], timeout=60))

@@ -100,21 +100,26 @@ class DecodeEngine(AsyncEngine):
     # ---- routing ------------------------------------------------------------
 
     async def route(self, prompt_ids: list[int], params: SamplingParams
-                    ) -> tuple[str, PrefillClient | None]:
-        """(route, worker): ``handoff`` with the worker to use, or the reason
-        to run here (see the module docstring)."""
+                    ) -> tuple[str, PrefillClient | None, int]:
+        """(route, worker, cached pages): ``handoff`` with the worker to use,
+        or the reason to run here (see the module docstring); the prompt's
+        full pages in this worker's prefix cache (0 when not looked up: a
+        prompt shorter than ``min_prefill_tokens`` is short without asking
+        the engine thread)."""
         if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
-            return "unsupported", None
-        page_size = self.engine.allocator.page_size
-        cached = page_size * await self.call(lambda e: e.cached_prefix_pages(prompt_ids))
+            return "unsupported", None, 0
+        if len(prompt_ids) < self.min_prefill_tokens:
+            return "short", None, 0
+        pages = await self.call(lambda e: e.cached_prefix_pages(prompt_ids))
+        cached = pages * self.engine.allocator.page_size
         if cached >= self.max_cached_ratio * len(prompt_ids):
-            return "cached", None
+            return "cached", None, pages
         if len(prompt_ids) - cached < self.min_prefill_tokens:
-            return "short", None
+            return "short", None, pages
         healthy = [w for w in self.workers if w.healthy]
         if not healthy:
-            return "no_worker", None
-        return "handoff", min(healthy, key=lambda w: w.load)
+            return "no_worker", None, pages
+        return "handoff", min(healthy, key=lambda w: w.load), pages
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None,
@@ -125,10 +130,10 @@ class DecodeEngine(AsyncEngine):
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self.check_limits(params)
         self.check_queue(params)
-        route, worker = await self.route(prompt_ids, params)
+        route, worker, skip = await self.route(prompt_ids, params)
         if worker is not None:
             try:
-                stream = await self._handoff(worker, prompt_ids, params, arrival)
+                stream = await self._handoff(worker, prompt_ids, params, arrival, skip)
             except _HandoffFailed as e:
                 log.warning("handoff to %s failed (%s); prefilling here: %s",
                             worker.target, e.reason, e)
@@ -147,9 +152,11 @@ class DecodeEngine(AsyncEngine):
             engine.get_sequences(engine_id)[0].metrics.disagg_route = route
         return await self._submit(params, add)
 
-    async def _handoff(self, worker: PrefillClient, prompt_ids, params, arrival
+    async def _handoff(self, worker: PrefillClient, prompt_ids, params, arrival, skip: int
                        ) -> RequestStream:
-        """Prefill on ``worker``, pull the KV, start decoding here.
+        """Prefill on ``worker``, pull the KV of the pages after this
+        worker's ``skip`` cached ones, start decoding here (if those pages
+        are evicted meanwhile, ``add_prefilled`` refuses: ``evicted``).
 
         Raises:
           _HandoffFailed: any failure but a cancellation (the caller then
@@ -165,7 +172,6 @@ class DecodeEngine(AsyncEngine):
                                                       params=params_to_dict(params)),
                                       self.prefill_timeout_s)
                 key = r["kv_key"]
-                skip = await self.call(lambda e: e.cached_prefix_pages(prompt_ids))
                 t0 = time.monotonic()
                 p = await worker.call("Pull", dict(kv_key=key, skip_pages=skip),
                                       self.transfer_timeout_s)

@@ -113,7 +113,10 @@ class PrefillService:
             for key in [k for k, t in self.leases.items() if t <= now]:
                 self.leases.pop(key, None)
                 self.num_expired += 1
-                await self._release(key)
+                try:
+                    await self._release(key)
+                except Exception:  # noqa: BLE001 - the sweeper must go on
+                    log.exception("releasing the expired KV of %s failed", key)
 
     async def _release(self, key: str) -> bool:
         ae = self.get_engine()
