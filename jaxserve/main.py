@@ -195,7 +195,8 @@ flags.DEFINE_string("tls_key", None, "serve: PEM private key.")
 flags.DEFINE_string("auth_token_file", None, "serve: file holding the bearer token every call "
                     "must carry (or set JAXSERVE_AUTH_TOKEN).")
 flags.DEFINE_enum("role", "both", ["both", "prefill", "decode"], "serve: disaggregated "
-                  "prefill/decode role (jaxserve.disagg); both runs each request here.")
+                  "prefill/decode role (jaxserve.disagg); both runs each request here. "
+                  "bench --backend grpc: decode drives a spawned prefill/decode pair.")
 flags.DEFINE_list("prefill_workers", [], "serve --role decode: prefill workers' gRPC host:port.")
 flags.DEFINE_integer("disagg_min_prefill_tokens", 256, "serve --role decode: shortest uncached "
                      "prompt handed to a prefill worker, tokens.")
@@ -478,9 +479,6 @@ def _serving_bench() -> None:
 def _serve() -> None:
     from jaxserve.config import DisaggConfig, ServerConfig
     from jaxserve.server.serve import serve
-    if FLAGS.role != "both" and FLAGS.multihost:
-        raise ValueError(f"--role {FLAGS.role} runs in one-process workers (each with its own "
-                         f"mesh); a multi-host prefill or decode slice is not supported yet")
     _speculative_config()  # bad speculation flags fail before the port is bound
     token = os.environ.get("JAXSERVE_AUTH_TOKEN") or None
     if FLAGS.auth_token_file:
@@ -593,6 +591,10 @@ def main(argv) -> None:
         return
     if FLAGS.mode != "convert":
         try:
+            if FLAGS.mode == "serve" and FLAGS.role != "both" and FLAGS.multihost:
+                raise ValueError(f"--role {FLAGS.role} runs in one-process workers (each with "
+                                 f"its own mesh); a multi-host prefill or decode slice is not "
+                                 f"supported yet")
             _init_multihost()
         except ValueError as e:
             _usage_error(e)

@@ -25,7 +25,8 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
   disaggregated prefill/decode (a decode worker's; ``jaxserve.disagg``):
     histogram jaxserve_kv_transfer_seconds
     counters  jaxserve_kv_transfer_bytes_total, jaxserve_disagg_routed_total{route},
-              jaxserve_disagg_fallbacks_total{reason}
+              jaxserve_disagg_fallbacks_total{reason}, jaxserve_kv_lease_expired_total
+              (a prefill worker's)
 
 Running/waiting count sequences (one per choice), as the scheduler does.
 Each ``ServingMetrics`` owns its ``CollectorRegistry`` so several servers
@@ -123,9 +124,12 @@ class ServingMetrics:
                                    "KV bytes pulled from prefill workers.")
         self.disagg_routed = c("jaxserve_disagg_routed", "Routing decisions of a decode worker: "
                                "handoff, or the reason a request ran locally (short, cached, "
-                               "unsupported, no_worker).", ("route",))
+                               "unsupported, no_worker); one per request.", ("route",))
         self.disagg_fallbacks = c("jaxserve_disagg_fallbacks", "Handoffs that failed and were "
-                                  "prefilled locally, by reason.", ("reason",))
+                                  "prefilled locally, by reason (each also counted as routed "
+                                  "handoff).", ("reason",))
+        self.kv_lease_expired = c("jaxserve_kv_lease_expired", "A prefill worker's held "
+                                  "prompts freed because nobody pulled them within the lease.")
         self._last = None
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:

@@ -138,6 +138,7 @@ def test_mixed_batch_matches_colocated_and_routes_by_shape(pair, reference, tiny
         if r.disagg.route == "handoff":
             assert r.disagg.kv_transfer_bytes == -(-len(p) // PAGE) * page_bytes
             assert r.disagg.kv_transfer_ms > 0
+            assert r.timing.queue_ms < r.timing.ttft_ms  # the handoff counts as prefill
             assert r.usage.cached_tokens == 0
         else:
             assert r.disagg.kv_transfer_bytes == 0
@@ -295,3 +296,40 @@ def test_prefill_worker_killed_mid_flight_loses_nothing(tiny2k, reference):
     finally:
         assert decode.terminate() == 0
         prefill.kill()
+
+
+def test_prefill_worker_with_other_weights_is_never_used(tiny2k, reference, tmp_path):
+    """A prefill worker serving a model of the same shapes but other weights
+    fails the decode worker's fingerprint check: it is logged, long prompts
+    run locally (``no_worker``) with the right tokens, none is handed off."""
+    from checkpoints.tiny_gguf import write_tiny_gguf
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, tiny2k[1], seed=1)
+    prefill = ServerProcess(["--model", str(other), *ENGINE, "--role", "prefill"])
+    try:
+        decode = ServerProcess(["--model", tiny2k[0], *ENGINE, "--role", "decode",
+                                "--prefill_workers", prefill.target])
+        try:
+            time.sleep(2.5)  # a couple of health polls
+            rng = np.random.default_rng(7)
+            prompts = [_ids(rng, 900)]
+            got = asyncio.run(_complete(decode.target, prompts))
+            assert [r.token_ids for r in got] == _greedy(reference, prompts)
+            assert got[0].disagg.route == "no_worker"
+            assert "Engine.kv_fingerprint differs" in "".join(decode.lines)
+        finally:
+            assert decode.terminate() == 0
+    finally:
+        assert prefill.terminate() == 0
+
+
+def test_role_with_multihost_is_refused_before_joining_a_job(tiny2k):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--model",
+                        tiny2k[0], "--role", "decode", "--prefill_workers", "127.0.0.1:1",
+                        "--multihost", "--coordinator_address", "127.0.0.1:1",
+                        "--num_processes", "2", "--process_id", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--role decode runs in one-process workers" in r.stderr

@@ -83,7 +83,8 @@ class DecodeEngine(AsyncEngine):
 
     def start(self) -> None:
         super().start()
-        self.workers = [PrefillClient(a, self.token) for a in self.worker_addresses]
+        fingerprint = self.engine.kv_fingerprint()
+        self.workers = [PrefillClient(a, self.token, fingerprint) for a in self.worker_addresses]
         self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def _poll(self) -> None:
@@ -131,19 +132,15 @@ class DecodeEngine(AsyncEngine):
         self.check_limits(params)
         self.check_queue(params)
         route, worker, skip = await self.route(prompt_ids, params)
+        self.metrics.disagg_routed.labels(route=route).inc()
         if worker is not None:
             try:
-                stream = await self._handoff(worker, prompt_ids, params, arrival, skip)
+                return await self._handoff(worker, prompt_ids, params, arrival, skip)
             except _HandoffFailed as e:
                 log.warning("handoff to %s failed (%s); prefilling here: %s",
-                            worker.target, e.reason, e)
+                            worker.target, e.reason, str(e)[:300])
                 self.metrics.disagg_fallbacks.labels(reason=e.reason).inc()
                 route = f"fallback:{e.reason}"
-            else:
-                self.metrics.disagg_routed.labels(route="handoff").inc()
-                return stream
-        else:
-            self.metrics.disagg_routed.labels(route=route).inc()
         return await self._local(prompt_ids, params, arrival, route)
 
     async def _local(self, prompt_ids, params, arrival, route) -> RequestStream:
@@ -166,6 +163,7 @@ class DecodeEngine(AsyncEngine):
             params = _with_seed(params, int(np.random.default_rng().integers(2**32)))
         key = None
         worker.in_flight += 1
+        started = time.monotonic()  # the request's prefill phase starts here
         try:
             try:
                 r = await worker.call("Prefill", dict(prompt_token_ids=list(map(int, prompt_ids)),
@@ -192,8 +190,9 @@ class DecodeEngine(AsyncEngine):
                           "(%d bytes)", worker.target, r["prefill_ms"], (t1 - t0) * 1e3,
                           (time.monotonic() - t1) * 1e3, p["bytes"])
             except grpc.aio.AioRpcError as e:
-                worker.healthy = worker.healthy and e.code() not in (
-                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.UNAUTHENTICATED):
+                    worker.mark(f"{e.code().name}: {e.details()}")  # until the next poll
                 raise _HandoffFailed(_rpc_reason(e), f"{e.code().name}: {e.details()}") from None
             except TransferTimeout as e:
                 raise _HandoffFailed("transfer_timeout", str(e)) from None
@@ -213,7 +212,7 @@ class DecodeEngine(AsyncEngine):
         def add(engine, engine_id):
             engine.add_prefilled(engine_id, prompt_ids, params, int(r["first_token"]), kv, skip,
                                  arrival_time=arrival, first_logprob=float(r["first_logprob"]),
-                                 transfer_ms=ms, transfer_bytes=nbytes)
+                                 transfer_ms=ms, transfer_bytes=nbytes, scheduled_time=started)
         try:
             return await self._submit(params, add)
         except KVHandoffError as e:

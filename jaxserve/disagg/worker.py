@@ -16,7 +16,10 @@ handoff is a few ids and numbers; the KV itself goes by
       offers the buffers for one pull by ``uuid`` at ``address``.
   Release {kv_key}                                    -> {released}
       Frees held pages at once (the decode side gave up).
-  Load {}                                             -> {running, waiting, held}
+  Load {}                                             -> {running, waiting, held,
+          fingerprint}
+      Health and load; ``fingerprint`` is ``Engine.kv_fingerprint`` (a decode
+      worker only hands off to prefill workers whose fingerprint is its own).
 
 Errors are gRPC statuses: UNAVAILABLE while loading or draining,
 INVALID_ARGUMENT for a bad message, NOT_FOUND for an unknown or expired
@@ -96,15 +99,16 @@ class PrefillService:
         self.transfer: KVTransfer | None = None  # started with the engine
         self.leases: dict[str, float] = {}  # kv_key -> monotonic deadline
         self.num_expired = 0
+        self.fingerprint: str | None = None  # Engine.kv_fingerprint, set by start
         self._sweeper: asyncio.Task | None = None
 
     def start(self) -> None:
         """Start the transfer server and the lease sweeper (the engine is up;
         call from the event loop)."""
         ae = self.get_engine()
+        self.fingerprint = ae.engine.kv_fingerprint()
         self.transfer = KVTransfer(ae.engine.runner.mesh.devices.flat[0], self.host)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        log.info("KV transfer server on %s", self.transfer.address)
 
     async def _sweep(self) -> None:
         while True:
@@ -113,6 +117,9 @@ class PrefillService:
             for key in [k for k, t in self.leases.items() if t <= now]:
                 self.leases.pop(key, None)
                 self.num_expired += 1
+                ae = self.get_engine()
+                if ae is not None:
+                    ae.metrics.kv_lease_expired.inc()
                 try:
                     await self._release(key)
                 except Exception:  # noqa: BLE001 - the sweeper must go on
@@ -201,7 +208,7 @@ class PrefillService:
         if ae is None or not ae._accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is not serving")
         return dict(running=ae._engine_running, waiting=ae.num_waiting, held=len(self.leases),
-                    in_flight=ae.num_in_flight)
+                    in_flight=ae.num_in_flight, fingerprint=self.fingerprint)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the service (JSON in, JSON out) on a ``grpc.aio`` server."""
@@ -232,8 +239,10 @@ class PrefillClient:
         the handoffs this client has in flight to it.
     """
 
-    def __init__(self, target: str, token: str | None = None):
+    def __init__(self, target: str, token: str | None = None, fingerprint: str | None = None):
         self.target = target
+        self.fingerprint = fingerprint
+        self.problem: str | None = "not polled yet"  # why it is not healthy (logged on change)
         self.channel = grpc.aio.insecure_channel(target)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._calls = {m: self.channel.unary_unary(f"/{SERVICE}/{m}", request_serializer=_dumps,
@@ -256,14 +265,32 @@ class PrefillClient:
         return await self._calls[method](req, timeout=timeout_s, metadata=self.metadata)
 
     async def poll(self, timeout_s: float = 2.0) -> None:
-        """Refresh ``healthy`` and ``reported_load`` from ``Load``."""
+        """Refresh ``healthy`` and ``reported_load`` from ``Load``; a worker
+        whose ``fingerprint`` differs from ours (another model, page size or
+        KV dtype) is never healthy. Changes of health are logged."""
+        problem = None
         try:
             r = await self.call("Load", {}, timeout_s)
-        except grpc.aio.AioRpcError:
-            self.healthy = False
-            return
-        self.healthy = True
-        self.reported_load = int(r["running"]) + int(r["waiting"])
+        except grpc.aio.AioRpcError as e:
+            problem = f"{e.code().name}: {e.details()}"
+        else:
+            if self.fingerprint is not None and r.get("fingerprint") != self.fingerprint:
+                problem = ("it serves another model, page size or KV cache dtype than this "
+                           "decode worker (Engine.kv_fingerprint differs); start both with "
+                           "the same --model, --page_size, --dtype and --kv_cache_dtype")
+            else:
+                self.reported_load = int(r["running"]) + int(r["waiting"])
+        self.mark(problem)
+
+    def mark(self, problem: str | None) -> None:
+        """Set health from a problem (None: healthy), logging a change."""
+        if problem != self.problem:
+            if problem is None:
+                log.info("prefill worker %s is healthy", self.target)
+            else:
+                log.warning("prefill worker %s is not usable: %s", self.target, problem)
+        self.problem = problem
+        self.healthy = problem is None
 
     async def close(self) -> None:
         await self.channel.close()

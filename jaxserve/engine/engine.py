@@ -362,6 +362,23 @@ class Engine:
         return len(self.allocator.lookup(page_hashes(list(token_ids[:max_pages * L]), L),
                                          max_pages))
 
+    def kv_fingerprint(self) -> str:
+        """What two engines must share for KV pages to move between them: a
+        SHA-256 (hex) over the model config, the page size, the KV cache
+        dtype and a sample of the weights (the first 64 values of the first
+        16 parameter arrays), so a prefill worker serving another model, or
+        the same shapes with other weights, is told apart. Computed once."""
+        if getattr(self, "_kv_fingerprint", None) is None:
+            import hashlib
+            import json
+            h = hashlib.sha256(json.dumps(
+                [dataclasses.asdict(self.model_config), self.allocator.page_size,
+                 str(self.runner.kv_dtype)], sort_keys=True, default=str).encode())
+            for leaf in jax.tree.leaves(self.runner.state)[:16]:
+                h.update(np.asarray(jnp.ravel(leaf)[:64]).tobytes())
+            self._kv_fingerprint = h.hexdigest()
+        return self._kv_fingerprint
+
     @property
     def num_held_kv(self) -> int:
         """Finished ``hold_kv`` requests whose pages are still held."""
@@ -398,13 +415,15 @@ class Engine:
                       kv: list[tuple[KVPages, KVPages]],
                       skip_pages: int = 0, arrival_time: float | None = None,
                       first_logprob: float = 0.0, transfer_ms: float | None = None,
-                      transfer_bytes: int = 0) -> str:
+                      transfer_bytes: int = 0, scheduled_time: float | None = None) -> str:
         """Start a request whose prompt another engine prefilled: its first
         ``skip_pages`` pages come from this engine's prefix cache, the rest
         from ``kv`` (``export_kv``'s buffers, written into fresh pages), its
         first output token is ``first_token``; it joins the running batch as
         a decoding sequence, and its first output comes from the next
-        ``step``. Returns its id.
+        ``step``. ``scheduled_time`` (monotonic s, default now): when its
+        prefill began elsewhere, so ``queue_ms`` ends and ``prefill_ms``
+        (prefill, handoff and transfer) starts there. Returns its id.
 
         Raises:
           ValueError: as ``add_request``; ``n > 1``, ``logprobs`` or
@@ -456,7 +475,7 @@ class Engine:
         alloc.prefix_queries += len(ids)
         alloc.prefix_hits += skip_pages * L
         m = group.metrics
-        m.first_scheduled_time = now
+        m.first_scheduled_time = now if scheduled_time is None else scheduled_time
         m.num_cached_tokens = skip_pages * L
         m.disagg_route, m.kv_transfer_ms, m.kv_transfer_bytes = \
             "handoff", transfer_ms, transfer_bytes

@@ -331,7 +331,11 @@ def main(argv=None) -> int:
               f"{u.cached_tokens} tokens; queue {t.queue_ms:.0f} ms, TTFT {t.ttft_ms:.0f} ms, "
               f"TPOT {t.tpot_ms:.1f} ms, E2E {t.e2e_ms:.0f} ms" + (
                   f"; drafts {u.num_accepted_tokens}/{u.num_draft_tokens} accepted"
-                  if u.num_draft_tokens else ""), file=sys.stderr)
+                  if u.num_draft_tokens else "") + (
+                  f"; route {last.disagg.route}" + (
+                      f" ({last.disagg.kv_transfer_bytes / 1e6:.1f} MB of KV in "
+                      f"{last.disagg.kv_transfer_ms:.0f} ms)" if last.disagg.kv_transfer_bytes
+                      else "") if last.HasField("disagg") else ""), file=sys.stderr)
     return 0
 
 

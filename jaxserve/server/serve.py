@@ -317,7 +317,7 @@ class Server:
             print(f"jaxserve: compiled {len(counts)} step shapes in "
                   f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
                   f"XLA programs traced; persistent cache: {cache})", file=sys.stderr, flush=True)
-        if self.config.disagg.role != "both":  # the KV handoff's gathers and scatters
+        if self.config.disagg.role != "both" and self.warmup:  # the handoff's gathers/scatters
             t1 = time.monotonic()
             n = await _in_daemon_thread(engine.runner.warmup_pages)
             print(f"jaxserve: compiled the KV handoff for {n} page counts in "
@@ -338,6 +338,12 @@ class Server:
         self.async_engine.start()
         if self.prefill_service is not None:
             self.prefill_service.start()
+        if dc.role != "both":
+            transfer = (self.prefill_service or self.async_engine).transfer
+            print(f"jaxserve: role {dc.role}; KV transfer server on {transfer.address}"
+                  + (f"; prefill workers {', '.join(dc.prefill_workers)}"
+                     if dc.role == "decode" else f"; lease {dc.kv_lease_s:g} s"),
+                  file=sys.stderr, flush=True)
         self.metrics.observe_stats(engine.stats())
         self.servicer.set_engine(self.async_engine)
         if self.servicer.tokenizer_pool is not None:  # spawn the tokenizer workers now
