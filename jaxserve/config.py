@@ -495,21 +495,26 @@ class DisaggConfig:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.role == "decode" and not self.prefill_workers:
-            raise ValueError("role 'decode' needs prefill_workers (host:port,...)")
+            raise ValueError("role 'decode' needs prefill_workers (--prefill_workers host:port,...)")
         if self.role != "decode" and self.prefill_workers:
-            raise ValueError(f"prefill_workers are for role 'decode', not {self.role!r}")
+            raise ValueError(f"prefill_workers (--prefill_workers) are for role 'decode', "
+                             f"not {self.role!r}")
         for w in self.prefill_workers:
             host, _, port = w.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"prefill worker address must be host:port, got {w!r}")
+                raise ValueError(f"prefill worker address (--prefill_workers) must be host:port, "
+                                 f"got {w!r}")
         if not isinstance(self.min_prefill_tokens, int) or self.min_prefill_tokens < 0:
-            raise ValueError(f"min_prefill_tokens must be an integer >= 0, "
-                             f"got {self.min_prefill_tokens!r}")
+            raise ValueError(f"min_prefill_tokens (--disagg_min_prefill_tokens) must be an "
+                             f"integer >= 0, got {self.min_prefill_tokens!r}")
         if not 0.0 < self.max_cached_ratio <= 1.0:
-            raise ValueError(f"max_cached_ratio must be in (0, 1], got {self.max_cached_ratio!r}")
-        for name in ("kv_lease_s", "prefill_timeout_s", "transfer_timeout_s"):
+            raise ValueError(f"max_cached_ratio (--disagg_max_cached_ratio) must be in (0, 1], "
+                             f"got {self.max_cached_ratio!r}")
+        for name, flag in (("kv_lease_s", "kv_lease_s"),
+                           ("prefill_timeout_s", "disagg_prefill_timeout_s"),
+                           ("transfer_timeout_s", "disagg_transfer_timeout_s")):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} (--{flag}) must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
