@@ -160,7 +160,7 @@ def test_paging_and_small_kv_budget_exact(llm, smollm2_ckpt, prompts, hf_refs):
             assert out.outputs[0].finish_reason == expected_finish(ref, n)
 
     check(llm.generate(five, greedy(n)))  # page size 16, ample pages
-    for page_size in (8, 64):
+    for page_size in (8,):  # other page sizes: test_attention_xla (1, 4, 8) and the kernels
         other = LLM(page_size=page_size, num_pages=2048 // page_size,
                     compilation_cache_dir=XLA_CACHE, **parts)
         check(other.generate(five, greedy(n)))

@@ -256,7 +256,10 @@ def test_smollm2_tp_matches_one_device(smollm2_ckpt):
     parts = dict(model_config=ck.config, params=ck.params, tokenizer=ck.tokenizer,
                  chat_template=ck.chat_template)
     ref_logits = ref_tokens = None
-    for tp in (1, 2, 3, 4, 8):
+    # tp=3 splits the 9 query and 3 kv heads; tp=4 does not divide them, so
+    # attention stays whole while the MLP splits (tp=2 and 8 are the same
+    # case as 4 and cost a minute each; the tiny-model tests cover them).
+    for tp in (1, 3, 4):
         llm = LLM(mesh=f"tp={tp}", devices=devices(tp), num_pages=32, page_size=16,
                   max_model_len=256, compilation_cache_dir=XLA_CACHE, **parts)
         engine = llm.engine
