@@ -68,8 +68,10 @@ from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
                                       sample)
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
+from jaxserve.engine import shapes
 from jaxserve.engine.shapes import bucket
 from jaxserve.models.llama import AttentionMetadata
+from jaxserve.models.stack import stack_layers
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 from pallas_kernels.ragged_paged_attention.quant import KVPages, is_quantized
 from sharding.mesh import make_mesh, validate_mesh_for_model
@@ -133,8 +135,8 @@ class StepPlan:
     ``statics()`` and ``leaves()``; the others rebuild it with ``from_wire``.
 
     Attributes:
-      decode: every row has one new token (kept for step statistics; the
-        program is the same).
+      decode: every row has one new token: the step runs ``decode_step``
+        (``md.decode_only``), else ``prefill_step``.
       rows: S, padded rows (each samples one token).
       num_top: top-N logprobs to compute (0 or ``MAX_LOGPROBS``).
       md: ``AttentionMetadata`` of numpy i32 arrays (shapes in its docstring).
@@ -178,6 +180,7 @@ class StepPlan:
     def from_wire(cls, statics, leaves, treedef) -> "StepPlan":
         md, st, targets, prev_rows = jax.tree.unflatten(treedef, leaves)
         decode, rows, num_top, uses_prev = statics[:4]
+        md = dataclasses.replace(md, decode_only=bool(decode))
         return cls(bool(decode), rows, num_top, md, st, targets, prev_rows, bool(uses_prev))
 
 
@@ -194,6 +197,11 @@ class ModelRunner:
         None means the first device alone.
       rules: sharding rules of this model on ``mesh``; None means
         ``validate_mesh_for_model(mesh.shape, model.cfg)``.
+      scan_layers: run the decoder layers as one scanned body per run of
+        identical layers (``models.stack``; stacks ``model``'s layers in
+        place); False unrolls them (one copy of the body per layer).
+      max_num_tokens: the most tokens of one step (the top prefill bucket);
+        None means ``max(max_model_len, max_num_seqs)``.
 
     Raises:
       ValueError: the mesh cannot run the model (see ``ShardingRules.for_model``).
@@ -201,49 +209,67 @@ class ModelRunner:
 
     def __init__(self, model: nnx.Module, *, num_pages: int, page_size: int,
                  max_model_len: int, kv_dtype, max_num_seqs: int = 64,
-                 mesh: jax.sharding.Mesh | None = None, rules: ShardingRules | None = None):
+                 mesh: jax.sharding.Mesh | None = None, rules: ShardingRules | None = None,
+                 scan_layers: bool = True, max_num_tokens: int | None = None):
         cfg = model.cfg
         self.model_config = cfg
         self.mesh = mesh if mesh is not None else make_mesh("tp=1", jax.devices()[:1])
         self.rules = rules if rules is not None else validate_mesh_for_model(self.mesh.shape, cfg)
+        # One layer body per run of identical layers (jaxserve.models.stack).
+        self.layer_segments = stack_layers(
+            model, dynamic_window=model.layers[0].self_attn.attention_impl != "pallas") \
+            if scan_layers else None
+        has_expert_load = getattr(model, "has_expert_load", False)
         self.graphdef, state = nnx.split(model)
         self.param_shardings = param_shardings(state, self.mesh, self.rules)
         self.state = place(state, self.param_shardings)
+        del state, model
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         # Whole page blocks of the XLA attention, so it never pads the table.
         ppb = rpa_xla.DEFAULT_PAGES_PER_BLOCK
         self.pages_per_row = cdiv(self.max_pages_per_seq, ppb) * ppb
-        self.max_rows = bucket(max_num_seqs)
-        # One KVPages of [P, L, K, H] pages (and f32[P, L, K] scales when
-        # quantized) per layer, a tuple donated as a pytree: a kernel then
-        # reads its layer's pages without a slice copy.
+        self.max_rows = shapes.coarse_bucket(max_num_seqs)
+        # The most tokens of one step (a scheduler's budget: shapes.max_step_tokens).
+        self.max_tokens = max_num_tokens or max(max_model_len, self.max_rows)
+        # One KVPages per K and V for every layer: [layers, P, L, K, H] pages
+        # (and f32 [layers, P, L, K] scales when quantized), donated into
+        # every step and updated in place (models.stack.layer_kv).
         self.kv_dtype = jnp.dtype(kv_dtype)
         quantized = is_quantized(kv_dtype)
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_sharding = named_sharding(self.mesh, self.rules, (None, None, "kv_heads", None))
-        self.scale_sharding = named_sharding(self.mesh, self.rules, (None, None, "kv_heads")) \
-            if quantized else None
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_sharding = named_sharding(self.mesh, self.rules,
+                                          (None, None, None, "kv_heads", None))
+        self.scale_sharding = named_sharding(self.mesh, self.rules,
+                                             (None, None, None, "kv_heads")) if quantized else None
 
-        def layer_cache():
+        def stacked_cache():
             return KVPages(jnp.zeros(shape, kv_dtype, device=self.kv_sharding),
-                           jnp.zeros(shape[:3], jnp.float32, device=self.scale_sharding)
+                           jnp.zeros(shape[:4], jnp.float32, device=self.scale_sharding)
                            if quantized else None)
-        self.k_cache = tuple(layer_cache() for _ in range(cfg.num_layers))
-        self.v_cache = tuple(layer_cache() for _ in range(cfg.num_layers))
-        caches = (KVPages(self.kv_sharding, self.scale_sharding),) * cfg.num_layers
+        self.k_stack, self.v_stack = stacked_cache(), stacked_cache()
+        caches = KVPages(self.kv_sharding, self.scale_sharding)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # An MoE model also returns its expert load (jaxserve.models.moe).
-        self.has_expert_load = getattr(model, "has_expert_load", False)
+        self.has_expert_load = has_expert_load
         self.last_expert_load: np.ndarray | None = None  # i32[num_layers, E], last step
         outs = (replicated, caches, caches) + ((replicated,) if self.has_expert_load else ()) \
             + (replicated,)  # the last layer's output x_DT, for prompt logprobs
         step_shardings = dict(in_shardings=(self.param_shardings, caches, caches, replicated,
                                             replicated, replicated),
                               out_shardings=outs, donate_argnums=(1, 2))
+        # Two step programs (the design card's separate prefill and decode
+        # steps) over the same scanned layer body: ``decode_step`` for steps
+        # whose rows are all one-token decodes (T = S, bucketed by rows; the
+        # attention compiles no prefill path), ``prefill_step`` for steps
+        # with prompt chunks or verified drafts (bucketed by tokens; decode
+        # rows ride along). ``StepPlan.md.decode_only`` picks one.
+        self.num_decode_compilations = 0
+        self.num_prefill_compilations = 0
+        self.decode_step = jax.jit(self._decode_step, **step_shardings)
+        self.prefill_step = jax.jit(self._prefill_step, **step_shardings)
         self.num_compilations = 0
-        self.step_fn = jax.jit(self._step, **step_shardings)
         # Sampling is its own jit: its compilations depend only on the row
         # buckets, so they are shared by every prefill/decode shape.
         self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(2, 3),
@@ -282,6 +308,21 @@ class ModelRunner:
         per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized(dtype) else 0)
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * per_head
 
+    @property
+    def k_cache(self) -> tuple[KVPages, ...]:
+        """Each layer's K ``KVPages`` ([P, L, K, H], scales [P, L, K]): copies
+        sliced out of the stacked cache, for inspection (tests)."""
+        return self._layer_views(self.k_stack)
+
+    @property
+    def v_cache(self) -> tuple[KVPages, ...]:
+        """Each layer's V ``KVPages`` (as ``k_cache``)."""
+        return self._layer_views(self.v_stack)
+
+    def _layer_views(self, c: KVPages) -> tuple[KVPages, ...]:
+        return tuple(KVPages(c.pages_PLKH[i], None if c.scales_PLK is None else c.scales_PLK[i])
+                     for i in range(self.model_config.num_layers))
+
     def _step(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):
         self.num_compilations += 1  # runs once per trace, i.e. per compilation
         md = dataclasses.replace(md, input_ids=merge_input_ids(md.input_ids, prev_rows_T,
@@ -289,6 +330,24 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # MoE's shard_map reads it
             return model(k_cache, v_cache, md, return_hidden=True)
+
+    def _decode_step(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):
+        if not md.decode_only:
+            raise ValueError("decode_step runs decode-only plans (md.decode_only)")
+        self.num_decode_compilations += 1
+        return self._step(state, k_cache, v_cache, md, prev_rows_T, prev_ids_R)
+
+    def _prefill_step(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):
+        if md.decode_only:
+            raise ValueError("prefill_step runs plans with prompt chunks (not md.decode_only)")
+        self.num_prefill_compilations += 1
+        return self._step(state, k_cache, v_cache, md, prev_rows_T, prev_ids_R)
+
+    def step_fn(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):
+        """The step program for ``md``: ``decode_step`` when
+        ``md.decode_only``, else ``prefill_step`` (same arguments and results)."""
+        fn = self.decode_step if md.decode_only else self.prefill_step
+        return fn(state, k_cache, v_cache, md, prev_rows_T, prev_ids_R)
 
     def _postprocess_fn(self, logits_RV, st, rows, num_top):
         self.num_compilations += 1
@@ -321,9 +380,9 @@ class ModelRunner:
         if self.channel is not None:
             raise ValueError("token_logits runs in a single-process job only")
         plan = self.prepare(batch)
-        out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md, plan.prev_rows,
+        out = self.step_fn(self.state, self.k_stack, self.v_stack, plan.md, plan.prev_rows,
                            self._no_prev)
-        _, self.k_cache, self.v_cache, *_, x_DT = out
+        _, self.k_stack, self.v_stack, *_, x_DT = out
         self.num_launched += 1
         return np.asarray(self._all_logits(self.state, x_DT))[:sum(batch.q_lens)]
 
@@ -355,7 +414,7 @@ class ModelRunner:
         for m in self.page_pieces(len(page_ids)):
             idx = jnp.asarray(np.asarray(page_ids[lo:lo + m], np.int32), device=self._replicated)
             out.append(jax.tree.map(lambda a: a.addressable_shards[0].data,
-                                    self._gather_pages(self.k_cache, self.v_cache, idx)))
+                                    self._gather_pages(self.k_stack, self.v_stack, idx)))
             lo += m
         return out
 
@@ -379,7 +438,7 @@ class ModelRunner:
             m = jax.tree.leaves(k)[0].shape[1]
             idx = jnp.asarray(np.asarray(page_ids[lo:lo + m], np.int32), device=self._replicated)
             k, v = jax.device_put((k, v), self._replicated)
-            self.k_cache, self.v_cache = self._scatter_pages(self.k_cache, self.v_cache, idx,
+            self.k_stack, self.v_stack = self._scatter_pages(self.k_stack, self.v_stack, idx,
                                                              k, v)
             lo += m
 
@@ -391,36 +450,34 @@ class ModelRunner:
         sizes = self.page_pieces(2 * next_pow2(self.max_pages_per_seq) - 1)
         for m in sizes:
             idx = jnp.asarray(np.zeros(m, np.int32), device=self._replicated)
-            k, v = self._gather_pages(self.k_cache, self.v_cache, idx)
+            k, v = self._gather_pages(self.k_stack, self.v_stack, idx)
             drop = jnp.asarray(np.full(m, self.num_pages, np.int32), device=self._replicated)
-            self.k_cache, self.v_cache = self._scatter_pages(self.k_cache, self.v_cache, drop,
+            self.k_stack, self.v_stack = self._scatter_pages(self.k_stack, self.v_stack, drop,
                                                              k, v)
-        jax.block_until_ready(self.k_cache)
+        jax.block_until_ready(self.k_stack)
         return len(sizes)
 
     def page_spec(self, num_pages: int) -> list[tuple[KVPages, KVPages]]:
         """``jax.ShapeDtypeStruct``s of ``read_pages`` for ``num_pages`` pages
         (no sharding): what a puller asks for."""
-        return [jax.eval_shape(self._gather_pages_fn, self.k_cache, self.v_cache,
+        return [jax.eval_shape(self._gather_pages_fn, self.k_stack, self.v_stack,
                                jax.ShapeDtypeStruct((m,), jnp.int32))
                 for m in self.page_pieces(num_pages)]
 
     @staticmethod
     def _gather_pages_fn(k_cache, v_cache, idx):
-        def stack(caches):
-            scales = None if caches[0].scales_PLK is None else \
-                jnp.stack([c.scales_PLK[idx] for c in caches])
-            return KVPages(jnp.stack([c.pages_PLKH[idx] for c in caches]), scales)
-        return stack(k_cache), stack(v_cache)
+        """Pages ``idx`` of every layer: [layers, m, L, K, H] (scales [layers, m, L, K])."""
+        def take(c: KVPages) -> KVPages:
+            return KVPages(c.pages_PLKH[:, idx],
+                           None if c.scales_PLK is None else c.scales_PLK[:, idx])
+        return take(k_cache), take(v_cache)
 
     @staticmethod
     def _scatter_pages_fn(k_cache, v_cache, idx, k, v):
-        def put(caches, buf):
-            return tuple(KVPages(
-                c.pages_PLKH.at[idx].set(buf.pages_PLKH[i], mode="drop"),
-                None if c.scales_PLK is None else
-                c.scales_PLK.at[idx].set(buf.scales_PLK[i], mode="drop"))
-                for i, c in enumerate(caches))
+        def put(c: KVPages, buf: KVPages) -> KVPages:
+            return KVPages(c.pages_PLKH.at[:, idx].set(buf.pages_PLKH, mode="drop"),
+                           None if c.scales_PLK is None else
+                           c.scales_PLK.at[:, idx].set(buf.scales_PLK, mode="drop"))
         return put(k_cache, k), put(v_cache, v)
 
     # ---- host-side metadata -------------------------------------------------
@@ -476,32 +533,41 @@ class ModelRunner:
         except Exception as e:  # the processes are out of step: fatal
             raise self.channel.fail(e) from e
 
-    def empty_plan(self, num_tokens: int, num_top: int = 0) -> "StepPlan":
-        """A plan of ``num_tokens`` (a ladder value) padding tokens and no
-        real row, in the shape a real step of that many tokens gets: running
-        it compiles that shape and changes nothing (its K/V writes are
+    def empty_plan(self, num_tokens: int, num_top: int = 0, decode: bool = False) -> "StepPlan":
+        """A plan of ``num_tokens`` (a bucket value of ``decode_step`` when
+        ``decode``, else of ``prefill_step``) padding tokens and no real
+        row, in the shape a real step of that many tokens gets: running it
+        compiles that program and changes nothing (its K/V writes are
         dropped)."""
         T = num_tokens
         S = min(T, self.max_rows)
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         md = AttentionMetadata(z(T), z(T), np.full(T, self.num_pages, np.int32), z(T), z(S),
-                               z(S, self.pages_per_row), z(S + 1), z(1), z(S), z(1))
-        return StepPlan(decode=False, rows=S, num_top=num_top, md=md,
+                               z(S, self.pages_per_row), z(S + 1), z(1), z(S), z(1), decode)
+        return StepPlan(decode=decode, rows=S, num_top=num_top, md=md,
                         sampling=make_sampling_tensors([], S), targets=z(0),
                         prev_rows=np.full(T, -1, np.int32))
 
-    def warmup(self, token_counts, on_compiled=None) -> int:
-        """Compile the step for every token count T in ``token_counts`` (and
-        sampling for its S rows, with and without top-N logprobs), by running
-        empty plans; in a multi-host job the other processes run them too.
-        ``on_compiled(i, T, seconds)`` is called after each. Returns the
-        number of XLA compilations it caused (0 when everything was cached in
-        this process; the persistent cache only shortens each)."""
+    def step_buckets(self) -> list[tuple[bool, int]]:
+        """Every step program this runner can reach, as (decode, T):
+        ``decode_step`` for each row bucket up to ``max_rows``, then
+        ``prefill_step`` for each token bucket up to ``max_tokens``
+        (``shapes``)."""
+        return ([(True, t) for t in shapes.decode_buckets(self.max_rows)]
+                + [(False, t) for t in shapes.prefill_buckets(self.max_tokens)])
+
+    def warmup(self, buckets=None, on_compiled=None) -> int:
+        """Compile every step program in ``buckets`` (default
+        ``step_buckets()``), with sampling for its S rows with and without
+        top-N logprobs, by running empty plans; in a multi-host job the
+        other processes run them too. ``on_compiled(i, T, seconds)`` is
+        called after each. Returns the number of programs traced (each
+        compiled, or loaded from the persistent cache)."""
         before = self.num_compilations
-        for i, T in enumerate(token_counts):
+        for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
             t0 = time.monotonic()
             for num_top in (0, MAX_LOGPROBS):
-                self._execute_plan(self.empty_plan(T, num_top))
+                self._execute_plan(self.empty_plan(T, num_top, decode))
             if on_compiled is not None:
                 on_compiled(i, T, time.monotonic() - t0)
         return self.num_compilations - before
@@ -539,9 +605,9 @@ class ModelRunner:
         plans in the same order, so each one's previous sampled ids (what
         ``plan.prev_rows`` index) are the same."""
         prev_ids = self._prev_ids if plan.uses_prev else self._no_prev
-        out = self.step_fn(self.state, self.k_cache, self.v_cache, plan.md, plan.prev_rows,
+        out = self.step_fn(self.state, self.k_stack, self.v_stack, plan.md, plan.prev_rows,
                            prev_ids)
-        logits, self.k_cache, self.v_cache, *load, x_DT = out
+        logits, self.k_stack, self.v_stack, *load, x_DT = out
         so, self._prev_ids = self._postprocess(logits, plan.sampling, plan.rows, plan.num_top)
         plp = self._prompt_logprobs(self.state, x_DT, plan.targets, plan.num_top) \
             if plan.targets.shape[0] else None
@@ -579,7 +645,9 @@ class ModelRunner:
                        for r, q in zip(reqs, q_lens) if r.wants_prompt_logprobs)
         top = MAX_LOGPROBS if any(r.params.logprobs or r.params.prompt_logprobs
                                   for r in reqs) else 0
-        T = bucket(sum(q_lens))
+        decode_only = batch.decode  # every row one token: decode_step, bucketed by rows
+        T = shapes.decode_bucket(n, self.max_rows) if decode_only else \
+            shapes.prefill_bucket(sum(q_lens), self.max_tokens)
         rows = S = min(T, self.max_rows)
         # Prompt logprobs: every token's target (the prompt token after it), 0 elsewhere.
         targets = np.zeros(T if plp_need else 0, np.int32)
@@ -636,7 +704,7 @@ class ModelRunner:
         logits_indices[:len(sample_rows)] = sample_rows
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                                page_indices, cu_q_lens, np.array([n], np.int32),
-                               logits_indices, np.array([nd], np.int32))
+                               logits_indices, np.array([nd], np.int32), decode_only)
         st = make_sampling_tensors(slot_views, rows)
         return StepPlan(decode=batch.decode, rows=rows, num_top=top, md=md, sampling=st,
                         targets=targets, prev_rows=prev_rows,

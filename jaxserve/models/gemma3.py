@@ -41,11 +41,13 @@ windows).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import quant
+from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params, layer_rope_tables, put_param)
 
@@ -66,6 +68,17 @@ class Gemma3DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = RMSNorm(D, eps, dtype, offset=NORM_OFFSET)
         self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt)
         self.post_feedforward_layernorm = RMSNorm(D, eps, dtype, offset=NORM_OFFSET)
+
+
+def gemma3_layer(layer: Gemma3DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2, window,
+                 index, *, md: AttentionMetadata):
+    """One sandwich-norm block (``stack.run_layers``' body, ``md`` bound):
+    returns (x_DT [D, T], k_cache, v_cache, None)."""
+    h_DT, k_cache, v_cache = layer.self_attn(layer.input_layernorm(x_DT), cos_TH2, sin_TH2,
+                                             k_cache, v_cache, md, index, window)
+    x_DT = x_DT + layer.post_attention_layernorm(h_DT)
+    h_DT = layer.mlp(layer.pre_feedforward_layernorm(x_DT))
+    return x_DT + layer.post_feedforward_layernorm(h_DT), k_cache, v_cache, None
 
 
 class Gemma3ForCausalLM(nnx.Module):
@@ -94,6 +107,8 @@ class Gemma3ForCausalLM(nnx.Module):
             Gemma3DecoderLayer(cfg, dtype, rngs, qfmt, adopt, attention_impl=attention_impl,
                                interpret=interpret, sliding_window=cfg.layer_window(i))
             for i in range(cfg.num_layers)])
+        self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
+        self.layer_segments = None  # set by stack.stack_layers
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype, offset=NORM_OFFSET)
         self.lm_head = None
 
@@ -102,15 +117,10 @@ class Gemma3ForCausalLM(nnx.Module):
         cfg = self.cfg
         embed_VD = self.embed_tokens.value
         x_DT = embed_VD[md.input_ids].T * jnp.asarray(cfg.hidden_size ** 0.5, embed_VD.dtype)
-        ropes = layer_rope_tables(cfg, md.positions)
-        k_caches, v_caches = list(k_cache), list(v_cache)
-        for i, layer in enumerate(self.layers):
-            h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), *ropes[i], k_caches[i], v_caches[i], md)
-            x_DT = x_DT + layer.post_attention_layernorm(h_DT)
-            h_DT = layer.mlp(layer.pre_feedforward_layernorm(x_DT))
-            x_DT = x_DT + layer.post_feedforward_layernorm(h_DT)
-        out = (self.logits_of(x_DT[:, md.logits_indices]), tuple(k_caches), tuple(v_caches))
+        x_DT, k_cache, v_cache, _ = stack.run_layers(
+            self, functools.partial(gemma3_layer, md=md), x_DT, k_cache, v_cache,
+            layer_rope_tables(cfg, md.positions))
+        out = (self.logits_of(x_DT[:, md.logits_indices]), k_cache, v_cache)
         return out + (x_DT,) if return_hidden else out
 
     logits_of = LlamaForCausalLM.logits_of

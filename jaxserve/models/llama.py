@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.models import quant
+from jaxserve.models import quant, stack
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 
@@ -68,6 +68,8 @@ class AttentionMetadata:
         prompt-logprob rows.
       num_decode: i32[1] leading rows of S (and tokens of T) that are decode
         rows: row i is sequence i's single new token, at token i.
+      decode_only: static: every real row is a decode row (a ``decode_step``
+        program, T = S); the attention then compiles no prefill path.
 
     The rest of the rows are prefill sequences (or chunks) packed ragged after
     the decode tokens. Row and token counts are device values: one compiled
@@ -84,6 +86,7 @@ class AttentionMetadata:
     num_seqs: jax.Array
     logits_indices: jax.Array
     num_decode: jax.Array
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 class RMSNorm(nnx.Module):
@@ -153,17 +156,18 @@ def rope_cos_sin(positions_T, head_dim: int, theta: float, scaling: RopeScaling 
     return jnp.cos(freqs_TH2), jnp.sin(freqs_TH2)
 
 
-def layer_rope_tables(cfg: ModelConfig, positions_T) -> list[tuple[jax.Array, jax.Array]]:
-    """Each layer's RoPE (cos, sin) [T, H/2] (``ModelConfig.layer_rope``); a
-    table is computed once for all the layers that share it."""
-    tables: dict = {}
-    out = []
+def layer_rope_tables(cfg: ModelConfig, positions_T):
+    """The distinct RoPE (cos, sin) [T, H/2] tables of a model's layers and
+    the index of each layer's table (``ModelConfig.layer_rope``): one table
+    for most models, two for Gemma 3 (local and global bases). Returns
+    ``(tables, index)``, a list and a tuple of ints of length num_layers."""
+    keys: dict = {}
+    index = []
     for i in range(cfg.num_layers):
-        key = cfg.layer_rope(i)
-        if key not in tables:
-            tables[key] = rope_cos_sin(positions_T, cfg.head_dim, *key, cfg.rope_freq_factors)
-        out.append(tables[key])
-    return out
+        index.append(keys.setdefault(cfg.layer_rope(i), len(keys)))
+    tables = [rope_cos_sin(positions_T, cfg.head_dim, *key, cfg.rope_freq_factors)
+              for key in keys]
+    return tables, tuple(index)
 
 
 def apply_rope(x_TNH, cos_TH2, sin_TH2):
@@ -173,6 +177,8 @@ def apply_rope(x_TNH, cos_TH2, sin_TH2):
     c, s = cos_TH2[:, None, :], sin_TH2[:, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNH.dtype)
 
+
+_OWN = object()  # Attention's window argument: the module's own ``sliding_window``
 
 _linear = quant.linear  # W x (+ b) for a Param or a QuantizedWeight: [F, D] @ [D, T] -> [F, T]
 
@@ -224,10 +230,26 @@ class Attention(nnx.Module):
         self.sliding_window = sliding_window
         self.norm_offset = norm_offset
 
-    def __call__(self, x_DT, cos_TH2, sin_TH2, k_cache, v_cache, md: AttentionMetadata):
-        """k_cache, v_cache: this layer's ``KVPages`` ([P, L, K, H] pages, f32
-        [P, L, K] scales when int8/fp8); returns (out [D, T], k_cache, v_cache)."""
+    def __call__(self, x_DT, cos_TH2, sin_TH2, k_cache, v_cache, md: AttentionMetadata,
+                 layer=0, window=_OWN):
+        """Attend, writing this step's K/V into layer ``layer`` of the caches.
+
+        Args:
+          x_DT: [D, T] normalised activations.
+          cos_TH2, sin_TH2: f32[T, H/2] this layer's RoPE tables.
+          k_cache, v_cache: the stacked ``KVPages`` of every layer
+            ([layers, P, L, K, H] pages, f32 [layers, P, L, K] scales when
+            int8/fp8); this layer's pages are slice ``layer`` (``stack.layer_kv``).
+          md: the step's metadata.
+          layer: this layer's index (int, or i32 scalar in a scan).
+          window: the sliding window (None, int, or an i32 scalar where
+            ``stack.NO_WINDOW`` means none); default this module's own.
+
+        Returns:
+          (out [D, T], k_cache, v_cache).
+        """
         cfg = self.cfg
+        window = self.sliding_window if window is _OWN else window
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_TNH = _linear(self.q_proj, x_DT, _value(self.q_bias)).T.reshape(T, N, H)
@@ -240,21 +262,24 @@ class Attention(nnx.Module):
         k_TKH = apply_rope(k_TKH, cos_TH2, sin_TH2)
         # Write this step's K/V first; padding tokens target page P (dropped).
         # int8/fp8 caches quantize here and dequantize inside the attention.
-        k_cache, v_cache = rpa_kernel.write_kv(k_cache, v_cache, k_TKH, v_TKH,
-                                               md.slot_pages, md.slot_offsets)
-        k_pages, v_pages = k_cache.pages_PLKH, v_cache.pages_PLKH
-        kw = dict(sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
-                  soft_cap=cfg.attn_logit_softcapping, k_scales_PLK=k_cache.scales_PLK, v_scales_PLK=v_cache.scales_PLK)
+        k_flat, v_flat, slot_pages_T, page_indices_SP = stack.layer_kv(k_cache, v_cache, layer,
+                                                                       md)
+        k_flat, v_flat = rpa_kernel.write_kv(k_flat, v_flat, k_TKH, v_TKH, slot_pages_T,
+                                             md.slot_offsets)
+        kw = dict(sm_scale=cfg.sm_scale, sliding_window=window,
+                  soft_cap=cfg.attn_logit_softcapping, k_scales_PLK=k_flat.scales_PLK,
+                  v_scales_PLK=v_flat.scales_PLK)
         if self.attention_impl == "pallas":
             o_TNH = rpa_kernel.ragged_paged_attention(
-                q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices,
+                q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,
                 md.cu_q_lens, md.num_seqs, interpret=self.interpret, **kw)
         else:
             o_TNH = rpa_xla.ragged_paged_attention(
-                q_TNH, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens,
-                md.num_seqs, md.num_decode, **kw)
+                q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,
+                md.cu_q_lens, md.num_seqs, md.num_decode,
+                decode_only=md.decode_only, **kw)
         return (_linear(self.o_proj, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
-                k_cache, v_cache)
+                stack.unflat_kv(k_flat, k_cache), stack.unflat_kv(v_flat, v_cache))
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu,
@@ -288,6 +313,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt)
 
 
+def decoder_layer(layer: DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2, window, index,
+                  *, md: AttentionMetadata):
+    """One pre-norm Llama block (``stack.run_layers``' body, with ``md``
+    bound): returns (x_DT [D, T], k_cache, v_cache, None)."""
+    h_DT, k_cache, v_cache = layer.self_attn(layer.input_layernorm(x_DT), cos_TH2, sin_TH2,
+                                             k_cache, v_cache, md, index, window)
+    x_DT = x_DT + h_DT
+    return x_DT + layer.mlp(layer.post_attention_layernorm(x_DT)), k_cache, v_cache, None
+
+
 class LlamaForCausalLM(nnx.Module):
     """Llama decoder with an LM head.
 
@@ -315,6 +350,8 @@ class LlamaForCausalLM(nnx.Module):
                                              attention_impl=attention_impl, interpret=interpret,
                                              sliding_window=cfg.layer_window(i))
                                 for i in range(cfg.num_layers)])
+        self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
+        self.layer_segments = None  # set by stack.stack_layers: the scanned runs
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
 
@@ -322,28 +359,22 @@ class LlamaForCausalLM(nnx.Module):
         """Forward one step.
 
         Args:
-          k_cache, v_cache: tuples of one ``KVPages`` per layer: [P, L, K, H]
-            pages, plus f32[P, L, K] scales for an int8/fp8 cache (separate
-            buffers, so a kernel gets its layer without a copy).
-          md: the step's ``AttentionMetadata`` (its shapes are the only
-            static part of a step).
+          k_cache, v_cache: ``KVPages`` of every layer, stacked: pages
+            [layers, P, L, K, H], plus f32 [layers, P, L, K] scales for an
+            int8/fp8 cache; updated in place when donated.
+          md: the step's ``AttentionMetadata`` (its shapes, and
+            ``decode_only``, are the only static part of a step).
           return_hidden: also return the last layer's output x [D, T] (before
             the final norm), for ``logits_of`` (prompt logprobs).
 
         Returns:
-          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as
-          tuples[, x_DT]).
+          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache[, x_DT]).
         """
-        cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
-        ropes = layer_rope_tables(cfg, md.positions)
-        k_caches, v_caches = list(k_cache), list(v_cache)
-        for i, layer in enumerate(self.layers):
-            h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), *ropes[i], k_caches[i], v_caches[i], md)
-            x_DT = x_DT + h_DT
-            x_DT = x_DT + layer.mlp(layer.post_attention_layernorm(x_DT))
-        out = (self.logits_of(x_DT[:, md.logits_indices]), tuple(k_caches), tuple(v_caches))
+        x_DT, k_cache, v_cache, _ = stack.run_layers(
+            self, functools.partial(decoder_layer, md=md), x_DT, k_cache, v_cache,
+            layer_rope_tables(self.cfg, md.positions))
+        out = (self.logits_of(x_DT[:, md.logits_indices]), k_cache, v_cache)
         return out + (x_DT,) if return_hidden else out
 
     def logits_of(self, x_DR):

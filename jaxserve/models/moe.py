@@ -59,6 +59,8 @@ matmuls over sorted tokens).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,7 +68,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import quant
+from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params, layer_rope_tables, put_param)
 from sharding.rules import ShardingRules
@@ -229,7 +231,9 @@ def _expert_parallel_ffn(mesh, cfg: ModelConfig, x_TD, ids_TX, weights_TX, exper
             kinds.append((None, False, 1))
         for p in parts:
             arrays.append(p.value)
-            specs.append(rules.spec(logical_axes(p)))
+            # Inside a scanned layer the names still carry the stacked layer axis.
+            axes = logical_axes(p)
+            specs.append(rules.spec(axes[len(axes) - p.value.ndim:]))
     dtype = x_TD.dtype
 
     def local(x_TD, ids_TX, weights_TX, *flat):
@@ -265,6 +269,22 @@ class MoEDecoderLayer(nnx.Module):
             else MLP(cfg, dtype, rngs, qfmt, adopt)
 
 
+def moe_layer(layer: MoEDecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2, window, index,
+              *, md: AttentionMetadata, valid_T, num_experts: int):
+    """One MoE (or dense, ``mlp_only_layers``) block, ``stack.run_layers``'
+    body with the step bound: returns (x_DT, k_cache, v_cache, load_E i32[E]:
+    real tokens routed to each expert, zeros for a dense layer)."""
+    h_DT, k_cache, v_cache = layer.self_attn(layer.input_layernorm(x_DT), cos_TH2, sin_TH2,
+                                             k_cache, v_cache, md, index, window)
+    x_DT = x_DT + h_DT
+    h_DT = layer.post_attention_layernorm(x_DT)
+    if isinstance(layer.mlp, MoEBlock):
+        h_DT, load_E = layer.mlp(h_DT, valid_T)
+    else:
+        h_DT, load_E = layer.mlp(h_DT), jnp.zeros(num_experts, jnp.int32)
+    return x_DT + h_DT, k_cache, v_cache, load_E
+
+
 class MoEForCausalLM(nnx.Module):
     """Mixtral / Qwen3-MoE decoder with an LM head.
 
@@ -293,6 +313,8 @@ class MoEForCausalLM(nnx.Module):
                             attention_impl=attention_impl, interpret=interpret,
                             sliding_window=cfg.layer_window(i))
             for i in range(cfg.num_layers)])
+        self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
+        self.layer_segments = None  # set by stack.stack_layers
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"),
                                                                    dtype, rngs)
@@ -301,29 +323,17 @@ class MoEForCausalLM(nnx.Module):
         """Forward one step (arguments as ``LlamaForCausalLM.__call__``).
 
         Returns:
-          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache as
-          tuples, expert_load i32[num_layers, E]: real tokens routed to each
+          (logits [R, V] f32 for ``md.logits_indices``, k_cache, v_cache
+          (stacked), expert_load i32[num_layers, E]: real tokens routed to each
           expert per layer, zeros for dense layers[, x_DT with return_hidden]).
         """
         cfg = self.cfg
         x_DT = self.embed_tokens.value[md.input_ids].T
-        ropes = layer_rope_tables(cfg, md.positions)
-        valid_T = md.slot_pages < k_cache[0].shape[0]  # padding writes to page P
-        k_caches, v_caches = list(k_cache), list(v_cache)
-        loads = []
-        for i, layer in enumerate(self.layers):
-            h_DT, k_caches[i], v_caches[i] = layer.self_attn(
-                layer.input_layernorm(x_DT), *ropes[i], k_caches[i], v_caches[i], md)
-            x_DT = x_DT + h_DT
-            h_DT = layer.post_attention_layernorm(x_DT)
-            if isinstance(layer.mlp, MoEBlock):
-                h_DT, load_E = layer.mlp(h_DT, valid_T)
-            else:
-                h_DT, load_E = layer.mlp(h_DT), jnp.zeros(cfg.num_experts, jnp.int32)
-            x_DT = x_DT + h_DT
-            loads.append(load_E)
-        out = (self.logits_of(x_DT[:, md.logits_indices]), tuple(k_caches), tuple(v_caches),
-               jnp.stack(loads))
+        valid_T = md.slot_pages < k_cache.pages_PLKH.shape[1]  # padding writes to page P
+        body = functools.partial(moe_layer, md=md, valid_T=valid_T, num_experts=cfg.num_experts)
+        x_DT, k_cache, v_cache, load_LE = stack.run_layers(
+            self, body, x_DT, k_cache, v_cache, layer_rope_tables(cfg, md.positions))
+        out = (self.logits_of(x_DT[:, md.logits_indices]), k_cache, v_cache, load_LE)
         return out + (x_DT,) if return_hidden else out
 
     logits_of = LlamaForCausalLM.logits_of

@@ -255,7 +255,7 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
                            pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
                            q_block: int = DEFAULT_Q_BLOCK,
                            rows_per_block: int = DECODE_ROWS_PER_BLOCK,
-                           k_scales_PLK=None, v_scales_PLK=None):
+                           k_scales_PLK=None, v_scales_PLK=None, decode_only: bool = False):
     """Ragged paged attention of a step's packed batch on XLA (the module
     docstring has the algorithm).
 
@@ -272,12 +272,16 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
         0 sends every row through the prefill path (always correct, slower
         for one-token rows).
       sm_scale: softmax scale, usually H ** -0.5.
-      sliding_window, soft_cap: as in ``reference``.
+      sliding_window, soft_cap: as in ``reference``; the window may also be
+        an i32 scalar (a scanned layer's), a huge value meaning none.
       pages_per_block: pages per kv block (static).
       q_block: query tokens per prefill block (static).
       rows_per_block: decode rows per block (static).
       k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages
         (``quant``), or None for unquantized pages.
+      decode_only: static; every real row is a decode row (the caller
+        guarantees ``num_decode == num_seqs``), so the prefill path is not
+        compiled at all (a ``decode_step`` program).
 
     Returns:
       o_TNH: [T, N, H] in q's dtype; rows owned by no sequence are 0.
@@ -308,6 +312,7 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     kv = (k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK)
     out = _decode_rows(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, nd,
                        rows_per_block=rows_per_block, **kw)
-    out = _prefill_seqs(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, cu_q_lens_S1, nd, n,
-                        q_block=q_block, **kw)
+    if not decode_only:
+        out = _prefill_seqs(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, cu_q_lens_S1, nd, n,
+                            q_block=q_block, **kw)
     return out.reshape(T, N, H).astype(q_TNH.dtype)

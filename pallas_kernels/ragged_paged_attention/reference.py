@@ -136,7 +136,10 @@ def validate_inputs(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_S
                     ("cu_q_lens", cu_q_lens_S1), ("num_seqs", num_seqs)):
         if not jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer):
             bad(f"{name} must be int32, got {jnp.asarray(a).dtype}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if isinstance(sliding_window, jax.Array) and sliding_window.ndim == 0 \
+            and jnp.issubdtype(sliding_window.dtype, jnp.integer):
+        pass  # a traced window (a scanned layer's): checked where it is built
+    elif sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         bad(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     if soft_cap is not None and not soft_cap > 0:
         bad(f"soft_cap must be None or > 0, got {soft_cap!r}")
