@@ -272,7 +272,7 @@ class ModelRunner:
         self.num_compilations = 0
         # Sampling is its own jit: its compilations depend only on the row
         # buckets, so they are shared by every prefill/decode shape.
-        self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(2, 3),
+        self._postprocess = jax.jit(self._postprocess_fn, static_argnums=(2,),
                                     in_shardings=replicated, out_shardings=replicated)
         # Prompt logprobs: every token's logits from the step's x_DT, a small
         # program per token count (not a second copy of the model's step).
@@ -349,9 +349,12 @@ class ModelRunner:
         fn = self.decode_step if md.decode_only else self.prefill_step
         return fn(state, k_cache, v_cache, md, prev_rows_T, prev_ids_R)
 
-    def _postprocess_fn(self, logits_RV, st, rows, num_top):
+    def _postprocess_fn(self, logits_RV, st, rows, want_top):
+        """Sampling of a step's ``rows`` rows; the top ``MAX_LOGPROBS``
+        logprobs only when ``want_top`` (a device bool), so one program per
+        row count serves steps with and without logprobs."""
         self.num_compilations += 1
-        out = sample(logits_RV[:rows], st, num_top)
+        out = sample(logits_RV[:rows], st, MAX_LOGPROBS, want_top)
         ids_R = jnp.pad(out.token_ids, (0, self.max_rows - rows))  # the next step's prev ids
         return out, ids_R
 
@@ -558,16 +561,15 @@ class ModelRunner:
 
     def warmup(self, buckets=None, on_compiled=None) -> int:
         """Compile every step program in ``buckets`` (default
-        ``step_buckets()``), with sampling for its S rows with and without
-        top-N logprobs, by running empty plans; in a multi-host job the
+        ``step_buckets()``), with sampling for its S rows (one program with
+        and without top-N logprobs), by running empty plans; in a multi-host job the
         other processes run them too. ``on_compiled(i, T, seconds)`` is
         called after each. Returns the number of programs traced (each
         compiled, or loaded from the persistent cache)."""
         before = self.num_compilations
         for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
             t0 = time.monotonic()
-            for num_top in (0, MAX_LOGPROBS):
-                self._execute_plan(self.empty_plan(T, num_top, decode))
+            self._execute_plan(self.empty_plan(T, 0, decode))
             if on_compiled is not None:
                 on_compiled(i, T, time.monotonic() - t0)
         return self.num_compilations - before
@@ -608,7 +610,8 @@ class ModelRunner:
         out = self.step_fn(self.state, self.k_stack, self.v_stack, plan.md, plan.prev_rows,
                            prev_ids)
         logits, self.k_stack, self.v_stack, *load, x_DT = out
-        so, self._prev_ids = self._postprocess(logits, plan.sampling, plan.rows, plan.num_top)
+        so, self._prev_ids = self._postprocess(logits, plan.sampling, plan.rows,
+                                               np.bool_(plan.num_top > 0))
         plp = self._prompt_logprobs(self.state, x_DT, plan.targets, plan.num_top) \
             if plan.targets.shape[0] else None
         self.num_launched += 1
@@ -621,8 +624,8 @@ class ModelRunner:
         so = jax.tree.map(lambda a: np.asarray(a)[:n], so)
         plp = None if plp is None else [np.asarray(a) for a in plp]
         return StepResult(
-            token_ids=so.token_ids, logprobs=so.logprobs, ranks=so.ranks, top_ids=so.top_ids,
-            top_logprobs=so.top_logprobs,
+            token_ids=so.token_ids, logprobs=so.logprobs, ranks=so.ranks,
+            top_ids=so.top_ids[:, :plan.num_top], top_logprobs=so.top_logprobs[:, :plan.num_top],
             prompt_logprobs={k: (lo, hi, [a[i:i + hi - lo] for a in plp])
                              for k, (i, lo, hi) in plan.plp_spans.items()},
             logits=np.asarray(logits)[:n] if return_logits else None,

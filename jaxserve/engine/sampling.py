@@ -226,7 +226,7 @@ def _gather_logprobs(logprobs_RV, ids_R, num_top: int):
     return lp_R, ranks_R, top_ids_RN.astype(jnp.int32), top_lp_RN
 
 
-def sample(logits_SV, t: SamplingTensors, num_top: int = 0) -> SampleOutput:
+def sample(logits_SV, t: SamplingTensors, num_top: int = 0, want_top=None) -> SampleOutput:
     """Pick one token per row.
 
     Args:
@@ -234,6 +234,9 @@ def sample(logits_SV, t: SamplingTensors, num_top: int = 0) -> SampleOutput:
       t: the step's ``SamplingTensors``.
       num_top: N, how many top log-probs to return per row (0 to
         ``MAX_LOGPROBS``); a Python int, static under ``jit``.
+      want_top: None, or a bool scalar (a device value): the top N are
+        computed only when it is true and are zeros otherwise, so one
+        program serves steps with and without logprobs.
 
     Returns:
       ``SampleOutput``: the chosen ids, and their log probs, ranks and the
@@ -263,7 +266,13 @@ def sample(logits_SV, t: SamplingTensors, num_top: int = 0) -> SampleOutput:
         return jnp.where(t.temperature > 0, drawn, greedy_S)
 
     token_ids = jax.lax.cond(jnp.any(t.temperature > 0), sampled, lambda: greedy_S)
-    return SampleOutput(token_ids, *_gather_logprobs(logprobs_SV, token_ids, num_top))
+    if want_top is None:
+        return SampleOutput(token_ids, *_gather_logprobs(logprobs_SV, token_ids, num_top))
+    lp_S, ranks_S, _, _ = _gather_logprobs(logprobs_SV, token_ids, 0)
+    top_ids_SN, top_lp_SN = jax.lax.cond(
+        want_top, lambda: _gather_logprobs(logprobs_SV, token_ids, num_top)[2:],
+        lambda: (jnp.zeros((S, num_top), jnp.int32), jnp.zeros((S, num_top), jnp.float32)))
+    return SampleOutput(token_ids, lp_S, ranks_S, top_ids_SN, top_lp_SN)
 
 
 def prompt_logprobs(logits_RV, target_ids_R, num_top: int):

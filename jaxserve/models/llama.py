@@ -237,9 +237,10 @@ class Attention(nnx.Module):
         Args:
           x_DT: [D, T] normalised activations.
           cos_TH2, sin_TH2: f32[T, H/2] this layer's RoPE tables.
-          k_cache, v_cache: the stacked ``KVPages`` of every layer
-            ([layers, P, L, K, H] pages, f32 [layers, P, L, K] scales when
-            int8/fp8); this layer's pages are slice ``layer`` (``stack.layer_kv``).
+          k_cache, v_cache: the ``KVPages`` of every layer, flat: pages
+            [layers * P, L, K, H] (f32 [layers * P, L, K] scales when
+            int8/fp8); this layer's are pages ``layer * P ..``
+            (``stack.layer_pages``).
           md: the step's metadata.
           layer: this layer's index (int, or i32 scalar in a scan).
           window: the sliding window (None, int, or an i32 scalar where
@@ -262,9 +263,9 @@ class Attention(nnx.Module):
         k_TKH = apply_rope(k_TKH, cos_TH2, sin_TH2)
         # Write this step's K/V first; padding tokens target page P (dropped).
         # int8/fp8 caches quantize here and dequantize inside the attention.
-        k_flat, v_flat, slot_pages_T, page_indices_SP = stack.layer_kv(k_cache, v_cache, layer,
-                                                                       md)
-        k_flat, v_flat = rpa_kernel.write_kv(k_flat, v_flat, k_TKH, v_TKH, slot_pages_T,
+        P = k_cache.pages_PLKH.shape[0] // cfg.num_layers
+        slot_pages_T, page_indices_SP = stack.layer_pages(md, layer, P, cfg.num_layers)
+        k_flat, v_flat = rpa_kernel.write_kv(k_cache, v_cache, k_TKH, v_TKH, slot_pages_T,
                                              md.slot_offsets)
         kw = dict(sm_scale=cfg.sm_scale, sliding_window=window,
                   soft_cap=cfg.attn_logit_softcapping, k_scales_PLK=k_flat.scales_PLK,
@@ -279,7 +280,7 @@ class Attention(nnx.Module):
                 md.cu_q_lens, md.num_seqs, md.num_decode,
                 decode_only=md.decode_only, **kw)
         return (_linear(self.o_proj, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
-                stack.unflat_kv(k_flat, k_cache), stack.unflat_kv(v_flat, v_cache))
+                k_flat, v_flat)
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu,

@@ -23,8 +23,8 @@ The KV cache is one stacked buffer per K and V: ``KVPages`` with pages
 ``[layers, P, L, K, H]`` (and f32 ``[layers, P, L, K]`` scales when
 quantized). It travels through the scan as part of the carry, and each layer
 reads and writes its own slice by page offset: the attention sees the
-buffer as ``[layers * P, L, K, H]`` (a free reshape) with this layer's page
-ids shifted by ``layer * P`` (``layer_kv``). So the cache is updated in
+buffer as ``[layers * P, L, K, H]`` (a free reshape, done once per step)
+with this layer's page ids shifted by ``layer * P`` (``layer_pages``). So the cache is updated in
 place inside the loop (a scatter into the carried, donated buffer); no
 layer's pages are sliced out or copied.
 
@@ -110,32 +110,12 @@ def stack_layers(model: nnx.Module, dynamic_window: bool) -> tuple[tuple[int, in
     return model.layer_segments
 
 
-def layer_kv(k_cache: KVPages, v_cache: KVPages, layer, md):
-    """One layer's view of the stacked caches, for ``Attention``.
-
-    Args:
-      k_cache, v_cache: ``KVPages`` of pages [layers, P, L, K, H] (scales
-        f32[layers, P, L, K] or None).
-      layer: the layer index (a Python int, or an i32 scalar inside a scan).
-      md: the step's ``AttentionMetadata``.
-
-    Returns:
-      (k_flat, v_flat, slot_pages_T, page_indices_SP): the caches reshaped to
-      [layers * P, L, K, H] (no copy), the step's write slots and page table
-      shifted to this layer's pages (padding slots stay out of range, so
-      their writes are still dropped).
-    """
-    num_layers, P = k_cache.pages_PLKH.shape[:2]
-
-    def flat(c: KVPages) -> KVPages:
-        pages = c.pages_PLKH.reshape(num_layers * P, *c.pages_PLKH.shape[2:])
-        scales = None if c.scales_PLK is None else \
-            c.scales_PLK.reshape(num_layers * P, *c.scales_PLK.shape[2:])
-        return KVPages(pages, scales)
-
-    offset = layer * P
-    slot_pages_T = jnp.where(md.slot_pages < P, md.slot_pages + offset, num_layers * P)
-    return flat(k_cache), flat(v_cache), slot_pages_T, md.page_indices + offset
+def flat_kv(cache: KVPages) -> KVPages:
+    """A stacked cache [layers, P, ...] as [layers * P, ...] (a free reshape)."""
+    pages = cache.pages_PLKH.reshape(-1, *cache.pages_PLKH.shape[2:])
+    scales = None if cache.scales_PLK is None else \
+        cache.scales_PLK.reshape(-1, *cache.scales_PLK.shape[2:])
+    return KVPages(pages, scales)
 
 
 def unflat_kv(flat: KVPages, like: KVPages) -> KVPages:
@@ -144,11 +124,23 @@ def unflat_kv(flat: KVPages, like: KVPages) -> KVPages:
     return KVPages(flat.pages_PLKH.reshape(like.pages_PLKH.shape), scales)
 
 
+def layer_pages(md, layer, num_pages: int, num_layers: int):
+    """The step's write slots and page table shifted to layer ``layer``'s
+    pages of a flat [layers * P, ...] cache: (slot_pages_T, page_indices_SP).
+    Padding slots (page P) stay out of range, so their writes are dropped.
+    ``layer`` is a Python int, or an i32 scalar inside a scan."""
+    offset = layer * num_pages
+    slot_pages_T = jnp.where(md.slot_pages < num_pages, md.slot_pages + offset,
+                             num_layers * num_pages)
+    return slot_pages_T, md.page_indices + offset
+
+
 def run_layers(model: nnx.Module, body, x_DT, k_cache: KVPages, v_cache: KVPages, ropes):
     """Run every decoder layer of ``model`` over ``x_DT``.
 
     ``body(layer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2, window, index)
-    -> (x_DT, k_cache, v_cache, aux)`` is the family's layer: ``layer`` a
+    -> (x_DT, k_cache, v_cache, aux)`` is the family's layer (its caches are
+    the flat [layers * P, ...] ``KVPages``: ``flat_kv``): ``layer`` a
     per-layer module (inside a scan: merged from one slice of the stacked
     parameters), ``window`` the layer's sliding window (None, a Python int,
     or an i32 scalar with ``NO_WINDOW`` for none), ``index`` the layer index
@@ -163,6 +155,11 @@ def run_layers(model: nnx.Module, body, x_DT, k_cache: KVPages, v_cache: KVPages
     tables, rope_index = ropes
     windows = model.layer_windows
     auxes = []
+    # The carry holds the flat [layers * P, ...] caches: one shape for every
+    # write and read inside the loop, so XLA updates the one buffer in place
+    # (a reshape per layer made it keep two versions, and copy).
+    k_stacked, v_stacked = k_cache, v_cache
+    k_cache, v_cache = flat_kv(k_cache), flat_kv(v_cache)
     if model.layer_segments is None:  # unrolled: one call per layer
         for i, layer in enumerate(model.layers):
             x_DT, k_cache, v_cache, aux = body(layer, x_DT, k_cache, v_cache,
@@ -194,4 +191,4 @@ def run_layers(model: nnx.Module, body, x_DT, k_cache: KVPages, v_cache: KVPages
             (x_DT, k_cache, v_cache), aux = jax.lax.scan(step, (x_DT, k_cache, v_cache), xs)
             auxes.append(aux)
     aux = None if auxes[0] is None else jnp.concatenate(auxes)
-    return x_DT, k_cache, v_cache, aux
+    return x_DT, unflat_kv(k_cache, k_stacked), unflat_kv(v_cache, v_stacked), aux

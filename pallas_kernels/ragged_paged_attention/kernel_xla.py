@@ -179,7 +179,10 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
         return jax.lax.dynamic_update_slice(out_TKGH, new_RKGH, (start, 0, 0, 0))
 
     if min(S, T) <= R:  # one block holds every row: no loop over row blocks
-        return jax.lax.cond(num_decode > 0, lambda o: row_block(0, o), lambda o: o, out_TKGH)
+        # Not a lax.cond on num_decode > 0: a conditional's operands (the
+        # whole cache, stacked over layers) are copied on XLA:CPU. With no
+        # decode row the block owns nothing and reads no page.
+        return row_block(0, out_TKGH)
     return jax.lax.fori_loop(0, _cdiv(num_decode, R), row_block, out_TKGH)
 
 
