@@ -414,7 +414,11 @@ class EngineConfig:
       dtype: parameter and activation dtype name (``"float32"`` on CPU,
         ``"bfloat16"`` on GPU/TPU).
       seed: seed for requests that give none.
-      compilation_cache_dir: persistent XLA compilation cache folder, or None.
+      compilation_cache_dir: persistent XLA compilation cache folder, or None
+        (none set up by this engine). None here, where tests build engines
+        directly; ``LLM`` and the CLI default to ``$JAXSERVE_CACHE/xla``
+        (``jaxserve.engine.compile_cache.default_dir``). Process-wide: the
+        first folder set in a process is the one used.
       attention_impl: "auto" (Pallas on GPU/TPU, XLA on CPU), "pallas" or "xla".
       attention_interpret: run the Pallas kernel in the Pallas interpreter
         (lets ``attention_impl="pallas"`` run on CPU; slow, for tests).

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig)
-from jaxserve.engine import multihost, shapes
+from jaxserve.engine import compile_cache, multihost, shapes
 from jaxserve.engine.build import build_model, load_draft
 from jaxserve.engine.async_step import InFlightStep, StepInfo, StepPipeline, sync_reason
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -149,9 +149,8 @@ class Engine:
                  devices: Sequence[jax.Device] | None = None, draft_parts: dict | None = None,
                  spec_policy=None):
         self.config = config
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if config.compilation_cache_dir:  # process-wide, first folder wins: see compile_cache
+            compile_cache.enable(config.compilation_cache_dir)
         if devices is None and config.parallel.num_devices == 1:
             devices = jax.devices()[:1]
         self.mesh = make_mesh(config.parallel.mesh_shape, devices)
@@ -847,9 +846,16 @@ class LLM:
         params' shardings on the mesh).
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
-      enable_chunked_prefill, compilation_cache_dir, attention_impl,
-      attention_interpret, async_scheduling: engine args (see
-      ``jaxserve.config``).
+      enable_chunked_prefill, attention_impl, attention_interpret,
+      async_scheduling: engine args (see ``jaxserve.config``).
+      compilation_cache_dir: the persistent XLA compilation cache folder.
+        ``"auto"`` (the default) is the CLI's, ``$JAXSERVE_CACHE/xla``
+        (``~/.cache/jaxserve/xla``), so a second run (a notebook restarted)
+        loads its programs instead of compiling them; None or ``""``: no
+        persistent cache (nothing read or written, unless an earlier engine
+        or the user set one up in this process: JAX keeps one cache folder
+        per process, the first one set, see ``jaxserve.engine.compile_cache``);
+        any other string is a folder (``./auto`` for one named auto).
       mesh: device mesh spec such as ``"tp=2"`` or ``"dp=1,tp=4,ep=2"``
         (``sharding.mesh.parse_mesh_spec``); None means one device.
       quantization, quantization_group_size: the weight format
@@ -871,7 +877,8 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 compilation_cache_dir: str | None = None, attention_impl: str = "auto",
+                 compilation_cache_dir: str | None = compile_cache.AUTO,
+                 attention_impl: str = "auto",
                  attention_interpret: bool = False, async_scheduling: bool = True,
                  mesh: str | None = None, quantization: str = "none",
                  quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
@@ -888,7 +895,8 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
-            compilation_cache_dir=compilation_cache_dir, attention_impl=attention_impl,
+            compilation_cache_dir=compile_cache.resolve_dir(compilation_cache_dir),
+            attention_impl=attention_impl,
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,
             parallel=parallel, quantization=quantization,
             quantization_group_size=quantization_group_size,
