@@ -22,6 +22,14 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_spec_decode_num_accepted_tokens_total,
               jaxserve_spec_decode_num_accepted_tokens_per_pos_total{position} (0-based)
     gauge     jaxserve_spec_decode_k (draft tokens per sequence the policy chose last)
+  start-up (set once, at health SERVING; ``jaxserve.engine.compile_cache.StartupReport``):
+    gauges    jaxserve_startup_seconds, jaxserve_startup_xla_programs_compiled,
+              jaxserve_startup_xla_programs_loaded (from the persistent cache)
+  the process (prometheus-client's ``ProcessCollector``, read at each scrape; Linux):
+    gauges    jaxserve_process_resident_memory_bytes, jaxserve_process_virtual_memory_bytes,
+              jaxserve_process_start_time_seconds, jaxserve_process_open_fds,
+              jaxserve_process_max_fds
+    counter   jaxserve_process_cpu_seconds_total
   disaggregated prefill/decode (a decode worker's; ``jaxserve.disagg``):
     histogram jaxserve_kv_transfer_seconds
     counters  jaxserve_kv_transfer_bytes_total, jaxserve_disagg_routed_total{route},
@@ -116,6 +124,16 @@ class ServingMetrics:
                                        "(0-based).", ("position",))
         self.spec_k = g("jaxserve_spec_decode_k", "Draft tokens per sequence the speculation "
                         "policy chose for the latest step (0: not speculating).")
+        self.startup_seconds = g("jaxserve_startup_seconds",
+                                 "Process start to health SERVING, seconds (0 until then).")
+        self.startup_compiled = g("jaxserve_startup_xla_programs_compiled",
+                                  "XLA programs compiled before health SERVING (model load "
+                                  "and warm-up), not found in the persistent cache.")
+        self.startup_loaded = g("jaxserve_startup_xla_programs_loaded",
+                                "XLA programs read from the persistent compilation cache "
+                                "before health SERVING.")
+        # RSS, CPU seconds, fds: jaxserve_process_* (standard names, read at each scrape).
+        prom.ProcessCollector(namespace="jaxserve", registry=r)
         # Disaggregated prefill/decode (``jaxserve.disagg``; zero elsewhere).
         self.kv_transfer_seconds = h("jaxserve_kv_transfer_seconds",
                                      "A handed-off request's KV pull: Pull call to pages in "
@@ -162,6 +180,15 @@ class ServingMetrics:
                 self.spec_accepted_per_pos.labels(str(pos)).inc(delta)
         self.spec_k.set(stats.spec_k)
         self._last = stats
+
+    def observe_startup(self, ready_s: float, programs_compiled: int,
+                        programs_loaded: int) -> None:
+        """Record how the start went: seconds from process start to SERVING,
+        and the XLA programs compiled and loaded from the persistent cache
+        by then."""
+        self.startup_seconds.set(ready_s)
+        self.startup_compiled.set(programs_compiled)
+        self.startup_loaded.set(programs_loaded)
 
     def observe_finished(self, out) -> None:
         """Record a finished ``RequestOutput``: latencies and lengths, and the
