@@ -3,6 +3,10 @@
 Modes:
   generate (default): with no ``--prompt``, a demo batch of prompts of several
     shapes on the default model, streamed, then one table row per request.
+    The step programs the batch can reach are compiled (or loaded from the
+    persistent cache) before it starts, so the table shows serving times, and
+    a start-up line says how (``--nowarmup``: each shape compiles on its first
+    step instead).
   bench: ``--bench_workload=throughput`` (default) is the offline throughput
     benchmark (``jaxserve.bench.throughput``); ``prefix_cache`` times TTFT
     with a cached 1,000-token system prompt against cold
@@ -14,6 +18,11 @@ Modes:
     written to ``--output`` as JSON, Markdown and PNG plots. ``--backend
     grpc|openai`` drives a spawned server (or ``--target``, a running one;
     openai: any OpenAI-compatible server) instead of the engine in-process.
+    ``--workload startup`` is the start-up benchmark instead
+    (``jaxserve.bench.startup``): ``--mode serve`` started twice on an empty
+    compilation cache folder (cold, then warm), time to SERVING, programs
+    compiled and loaded, RSS, first request; llama.cpp's server and HF
+    transformers' load beside it.
 
   serve: the gRPC server (``jaxserve.server``) and, with ``--http_port``, the
     OpenAI HTTP API on the same engine: ``--host``, ``--port``,
@@ -61,6 +70,7 @@ import time
 from absl import app, flags
 
 from jaxserve.bench.workloads import WORKLOADS
+from jaxserve.engine import compile_cache
 from jaxserve.engine.request import check_text
 
 FLAGS = flags.FLAGS
@@ -140,9 +150,10 @@ flags.DEFINE_enum("bench_workload", "throughput", ["throughput", "prefix_cache"]
 flags.DEFINE_integer("bench_num_requests", 32, "bench: concurrent requests.")
 flags.DEFINE_integer("bench_input_len", 120, "bench: prompt tokens (+-10%).")
 flags.DEFINE_integer("bench_output_len", 128, "bench: output tokens (EOS ignored).")
-flags.DEFINE_enum("workload", None, list(WORKLOADS),
+flags.DEFINE_enum("workload", None, [*WORKLOADS, "startup"],
                   "bench: the serving benchmark on requests of this shape (see "
-                  "jaxserve/bench/workloads.py); unset runs --bench_workload.")
+                  "jaxserve/bench/workloads.py), or startup: the start-up benchmark "
+                  "(jaxserve/bench/startup.py); unset runs --bench_workload.")
 flags.DEFINE_string("concurrency", "1,8,32", "bench --workload: concurrency levels (most "
                     "requests in flight), comma-separated.")
 flags.DEFINE_float("request_rate", float("inf"), "bench --workload: open-loop Poisson arrival "
@@ -165,8 +176,12 @@ flags.DEFINE_float("scale", None, "bench --workload: multiply prompt and output 
                    "(default 1, or 0.2 on CPU).")
 flags.DEFINE_bool("warmup", True, "--mode serve: compile every step shape the engine can reach "
                   "before health turns SERVING (the persistent cache makes a second start "
-                  "fast); bench --workload: that, then the sweep once untimed. The generate "
-                  "demo always compiles lazily.")
+                  "fast); generate: the step shapes the batch can reach, before its first "
+                  "request (--nowarmup: each compiles on its first step); bench --workload: "
+                  "every shape, then the sweep once untimed.")
+flags.DEFINE_string("compilation_cache_dir", "auto", "Persistent XLA compilation cache folder: "
+                    "compiled programs are written there and a later start loads them. auto: "
+                    "$JAXSERVE_CACHE/xla (~/.cache/jaxserve/xla); '' turns it off.")
 flags.DEFINE_float("peak_tflops", None, "bench --workload: the device's peak TFLOP/s for "
                    "MFU (default: measured with a large matmul).")
 flags.DEFINE_float("peak_gbps", None, "bench --workload: the device's peak GB/s for MBU "
@@ -272,9 +287,7 @@ def _engine_args() -> dict:
                 enable_chunked_prefill=FLAGS.enable_chunked_prefill,
                 async_scheduling=FLAGS.async_scheduling,
                 speculative_config=_speculative_config(),
-                compilation_cache_dir=os.path.join(
-                    os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
-                    "xla"))
+                compilation_cache_dir=compile_cache.resolve_dir(FLAGS.compilation_cache_dir))
 
 
 def _requests(llm, SamplingParams):
@@ -299,9 +312,34 @@ def _requests(llm, SamplingParams):
     return out
 
 
+def _warmup(engine, reqs) -> None:
+    """Compile (or load from the persistent cache) the step programs the
+    batch ``reqs`` can reach before its first request, then print the
+    start-up line on stderr (stdout may be ``--json``). A step holds at most
+    every prompt token plus one token per sequence (k + 1 with speculation);
+    only a preemption's recomputation goes past that, and compiles then.
+
+    Raises:
+      ValueError: a prompt the tokenizer refuses (before anything compiles;
+        a prompt too long for ``max_model_len`` is refused after, by
+        ``add_request``).
+    """
+    per_seq = 1 + (FLAGS.num_speculative_tokens if FLAGS.speculative_method != "none" else 0)
+    tokens = sum(len(engine.encode(prompt)) + p.n * per_seq for _, prompt, p in reqs)
+    print(f"jaxserve: compiling the step programs of steps up to {tokens} tokens before the "
+          f"first request (--nowarmup: each on its first step)", file=sys.stderr, flush=True)
+    before = compile_cache.counts()
+    engine.warmup(max_tokens=tokens)
+    report = compile_cache.StartupReport.now(compile_cache.counts() - before)
+    print(f"jaxserve: {report.line()}", file=sys.stderr, flush=True)
+
+
 def _generate(llm, SamplingParams) -> None:
     engine = llm.engine
     reqs = _requests(llm, SamplingParams)
+    if FLAGS.warmup:
+        _warmup(engine, reqs)
+    compilations = engine.stats().num_compilations
     ids = [engine.add_request(None, prompt, p) for _, prompt, p in reqs]
     single = len(ids) == 1
     finals = {}
@@ -333,7 +371,7 @@ def _generate(llm, SamplingParams) -> None:
                               "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
                               **_spec_json(engine, m)}))
         return
-    _print_table([finals[r] for r in ids], wall, engine.runner.num_compilations,
+    _print_table([finals[r] for r in ids], wall, engine.stats().num_compilations - compilations,
                  engine.stats() if engine.speculator is not None else None)
 
 
@@ -372,8 +410,9 @@ def _spec_json(engine, m) -> dict:
 
 
 def _print_table(outs, wall: float, compilations: int, spec_stats=None) -> None:
-    """One row per request; ``spec_stats`` (an ``EngineStats``, speculation
-    on) adds each request's acceptance rate and a line of engine totals."""
+    """One row per request; ``compilations``: XLA compilations during the
+    batch; ``spec_stats`` (an ``EngineStats``, speculation on) adds each
+    request's acceptance rate and a line of engine totals."""
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     spec = spec_stats is not None
@@ -389,11 +428,14 @@ def _print_table(outs, wall: float, compilations: int, spec_stats=None) -> None:
               + f"  {o.outputs[0].finish_reason}")
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    if FLAGS.warmup:
+        how = (f"serving times: the batch's step shapes were compiled before its first "
+               f"request; {compilations} XLA compilations during the batch")
+    else:
+        how = (f"includes compilation: --nowarmup compiles lazily, {compilations} XLA "
+               f"compilations, each step shape's first step waits for its own")
     print(f"total: {len(outs)} requests, {n_in} prompt + {n_out} output tokens in {wall:.2f} s "
-          f"(includes compilation: the demo compiles lazily, {compilations} XLA "
-          f"compilations, each step shape's first step waits for its own; --mode serve "
-          f"compiles all of them first); "
-          f"{n_out / wall:.1f} output tokens/s")
+          f"({how}); {n_out / wall:.1f} output tokens/s")
     if spec:
         print(_spec_summary(spec_stats))
 
@@ -476,6 +518,19 @@ def _serving_bench() -> None:
     print("wrote " + ", ".join(paths))
 
 
+def _startup_bench() -> None:
+    """``--mode bench --workload startup``: options checked before any server starts."""
+    from jaxserve.bench import startup
+    opts = startup.options_from_flags({n: getattr(FLAGS, n) for n in startup.FLAG_NAMES})
+    out = FLAGS.output or os.path.join("bench-results",
+                                       f"startup-{time.strftime('%Y%m%d-%H%M%S')}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ValueError(f"--output {out!r} exists and is not an empty folder")
+    result, paths = startup.run(opts, out)
+    print(startup.markdown(result))
+    print("wrote " + ", ".join(paths))
+
+
 def _serve() -> None:
     from jaxserve.config import DisaggConfig, ServerConfig
     from jaxserve.server.serve import serve
@@ -505,6 +560,7 @@ def _serve() -> None:
 
     def load_engine():
         from jaxserve import LLM
+        compile_cache.install()  # count every program of the start, the cache's or not
         return LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args()).engine
     if not _is_leader():
         _follow(load_engine())  # does not return
@@ -616,12 +672,16 @@ def main(argv) -> None:
             raise ValueError(f"prompt is empty: {FLAGS.prompt!r}")
         for i, p in enumerate(FLAGS.prompt or ()):
             check_text(p, "--prompt" if len(FLAGS.prompt) == 1 else f"--prompt #{i + 1}")
+        if FLAGS.mode == "bench" and FLAGS.workload == "startup":
+            _startup_bench()
+            return
         if FLAGS.mode == "bench" and FLAGS.workload is not None:
             _serving_bench()
             return
         if FLAGS.mode == "eval":
             _eval()
             return
+        compile_cache.install()  # count every program of the start, the cache's or not
         llm = LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args())
         if not _is_leader():
             _follow(llm.engine)  # does not return

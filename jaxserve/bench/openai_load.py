@@ -484,7 +484,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn_llama_cpp_server(gguf_path: str | os.PathLike, n_ctx: int, port: int = 0,
-                           timeout_s: float = 300.0, n_threads: int | None = None):
+                           timeout_s: float = 300.0, n_threads: int | None = None,
+                           poll_s: float = 0.5):
     """Start ``python -m llama_cpp.server`` on ``gguf_path`` and wait until
     ``GET /v1/models`` answers; returns (process, base URL ``http://127.0.0.1:P``).
 
@@ -494,8 +495,10 @@ def spawn_llama_cpp_server(gguf_path: str | os.PathLike, n_ctx: int, port: int =
     another request arrives, which would cut every stream short at
     concurrency > 1), ``--logits_all false`` (the server's default keeps
     every prompt position's logits; the in-process peer does not). ``port``
-    0 picks a free one. Its output is kept (the last 40 lines) and shown
-    only if it fails; stop it with ``serving.stop_server``.
+    0 picks a free one. ``poll_s``: seconds between two ``GET /v1/models``
+    (the start-up benchmark's time to ready is good to this). Its output is
+    kept (the last 40 lines) and shown only if it fails; stop it with
+    ``serving.stop_server``.
 
     Raises:
       RuntimeError: it exited, or did not answer within ``timeout_s``.
@@ -528,4 +531,4 @@ def spawn_llama_cpp_server(gguf_path: str | os.PathLike, n_ctx: int, port: int =
             serving.stop_server(proc)
             raise RuntimeError(f"llama_cpp.server on {gguf_path} {why}; its last output:\n"
                                + "".join(tail))
-        time.sleep(0.5)
+        time.sleep(poll_s)

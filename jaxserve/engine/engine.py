@@ -540,21 +540,35 @@ class Engine:
         return shapes.step_token_counts(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         self.max_model_len, sc.enable_chunked_prefill)
 
-    def warmup(self, on_compiled=None) -> int:
-        """Compile every step shape this engine can reach (``step_token_counts``)
-        before serving, so no request waits on XLA; with
-        ``compilation_cache_dir`` set, a second start loads them from disk.
-        Prompt-logprob steps and penalty tensor widths still compile on first
-        use. ``on_compiled(i, T, seconds)`` reports progress. Returns the
-        compilations it caused.
+    def warmup(self, on_compiled=None, max_tokens: int | None = None) -> int:
+        """Compile every step program this engine can reach
+        (``ModelRunner.step_buckets``) before serving, so no request waits
+        on XLA; with ``compilation_cache_dir`` set, a second start loads
+        them from disk (``compile_cache`` counts which). Prompt-logprob
+        steps and penalty tensor widths still compile on first use.
+        ``on_compiled(i, T, seconds)`` reports progress. ``max_tokens``:
+        only the programs of steps of at most this many tokens (every bucket
+        below it and the one holding it), for a known batch (the CLI demo:
+        its prompt tokens plus one per sequence; a step past it, after a
+        preemption, compiles on first use). Returns the compilations it caused.
 
         Raises:
           MultihostError: a multi-host step failed.
         """
-        n = self.runner.warmup(self.step_token_counts(), on_compiled)
+        def wanted(runner):  # (decode, T) buckets, ascending T within each kind
+            buckets = runner.step_buckets()
+            if max_tokens is None:
+                return buckets
+            out = []
+            for kind in (True, False):
+                ts = [T for d, T in buckets if d == kind]
+                cap = next((T for T in ts if T >= max_tokens), ts[-1] if ts else 0)
+                out += [(kind, T) for T in ts if T <= cap]
+            return out
+        n = self.runner.warmup(wanted(self.runner), on_compiled=on_compiled)
         draft = self.speculator.draft if self.speculator is not None else None
-        if draft is not None:  # the draft model's steps have the same token counts
-            n += draft.runner.warmup(self.step_token_counts())
+        if draft is not None:  # the draft model's steps have the same buckets
+            n += draft.runner.warmup(wanted(draft.runner))
         return n
 
     # ---- multi-host ---------------------------------------------------------
