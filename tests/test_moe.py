@@ -168,7 +168,7 @@ def test_expert_parallel_matches_hf(folders, hf_refs, hf_tokenizer, name, mesh):
     check_against_hf(llm, hf_refs[name], hf_tokenizer, f"{name} {mesh}")
     shape = parse_mesh_spec(mesh)
     ep, tp = shape["ep"], shape["tp"]
-    block = llm.engine.runner.state["layers"][0]["mlp"]
+    block = llm.engine.runner.layer_params(0)["mlp"]
     gate, down = block["gate_proj"][...], block["down_proj"][...]
     assert gate.sharding.spec == P("ep", "tp", None) and _shard_shape(gate) == (8 // ep, 32 // tp, 64)
     assert down.sharding.spec == P("ep", None, "tp") and _shard_shape(down) == (8 // ep, 64, 32 // tp)

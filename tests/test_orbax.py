@@ -150,7 +150,7 @@ def test_mixtral_logits_match_hf_folder(mixtral_folders, restored, mesh):
     if mesh is not None:  # one expert's tensor: split over tp, replicated over ep
         assert want["model.layers.0.block_sparse_moe.experts.3.w1.weight"].spec == P("tp", None)
         assert want["model.layers.0.block_sparse_moe.experts.3.w2.weight"].spec == P(None, "tp")
-        stacked = llm.engine.runner.state["layers"][0]["mlp"]["gate_proj"].value
+        stacked = llm.engine.runner.layer_params(0)["mlp"]["gate_proj"].value
         assert stacked.sharding.spec == P("ep", "tp", None)
 
 

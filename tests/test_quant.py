@@ -178,8 +178,8 @@ def test_tensor_parallel_quantized_matches_one_device(tiny_params, method):
     one = _llm(tiny_params, quantization=method)
     tp = _llm(tiny_params, quantization=method, mesh="tp=2", devices=jax.devices()[:2])
     assert _greedy(tp, 6, PROMPTS[::2]) == _greedy(one, 6, PROMPTS[::2])
-    model = nnx.merge(tp.engine.runner.graphdef, tp.engine.runner.state)
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    layer = tp.engine.runner.layer_params(0)  # layer 0's slice of the stacked layers
+    attn, mlp = layer.self_attn, layer.mlp
     spec = lambda p: tuple(p[...].sharding.spec) + (None,) * (p[...].ndim  # noqa: E731
                                                              - len(p[...].sharding.spec))
     assert spec(attn.q_proj.q) == ("tp", None)  # column-parallel: output rows split
@@ -200,8 +200,8 @@ def test_expert_parallel_quantized_matches_one_device(method):
     ep = _llm(cfg=TINY_MOE, quantization=method, mesh="tp=2,ep=2", devices=jax.devices()[:4])
     assert _greedy(ep, 6, PROMPTS[::2]) == _greedy(one, 6, PROMPTS[::2])
     model = nnx.merge(ep.engine.runner.graphdef, ep.engine.runner.state)
-    gate = model.layers[0].mlp.gate_proj
-    assert isinstance(gate, quant.QuantizedWeight)
+    assert isinstance(model.layers[0].mlp.gate_proj, quant.QuantizedWeight)
+    gate = ep.engine.runner.layer_params(0).mlp.gate_proj  # layer 0's slice
     assert tuple(gate.q[...].sharding.spec)[:2] == ("ep", "tp")
     assert tuple(gate.scale[...].sharding.spec)[:2] == ("ep", "tp")
     assert gate.q[...].addressable_shards[0].data.shape[:2] == (2, 32)

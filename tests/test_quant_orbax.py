@@ -131,7 +131,7 @@ def test_engine_tokens_match_direct_quantization(source, converted, restored, me
     assert len(restored) == 1
     qt = restored[0][Q]
     assert isinstance(qt, quant.QuantizedTensor) and isinstance(qt.q, jax.Array)
-    q_state = llm.engine.runner.state["layers"][0]["self_attn"]["q_proj"]["q"].value
+    q_state = llm.engine.runner.layer_params(0)["self_attn"]["q_proj"]["q"].value
     assert q_state.dtype == qt.q.dtype
     assert greedy(make_llm(converted[method], quantization=method)) == want  # equal is fine
 
@@ -149,7 +149,7 @@ def test_tp2_restores_parts_split(source, converted, restored, method):
     if method == "int4":
         assert down.zero.sharding.spec == P(None, "tp")
         assert down.q.addressable_shards[0].data.shape == (64, 32)  # 128 / 2 / 2 bytes
-    placed = llm.engine.runner.state["layers"][1]["mlp"]["down_proj"]["q"].value
+    placed = llm.engine.runner.layer_params(1)["mlp"]["down_proj"]["q"].value
     assert placed.sharding.spec == P(None, "tp")
     assert greedy(llm) == greedy(make_llm(source, quantization=method))
 

@@ -62,14 +62,12 @@ def _agreement(llm, prompts, ref_tokens):
 def test_gguf_blocks_give_the_f32_tokens(f32_run, smollm2_llm):
     prompts, ref = f32_run
     llm = LLM("smollm2-135m", quantization="gguf", compilation_cache_dir=XLA_CACHE)
-    model_state = llm.engine.runner.state
     # The blocks are the file's (Q4_1 projections; the Q8_0 embedding stays dense f32).
-    q = model_state["layers"][0]["self_attn"]["q_proj"]
+    q = llm.engine.runner.layer_params(0)["self_attn"]["q_proj"]
     assert q["q"][...].dtype == np.uint8 and q["zero"] is not None
-    ref_state = smollm2_llm.engine.runner.state
     w = quant.dequantize(quant.Q4, q["q"][...], q["scale"][...], q["zero"][...])
     np.testing.assert_array_equal(np.asarray(w),
-                                  np.asarray(ref_state["layers"][0]["self_attn"]["q_proj"][...]))
+                                  np.asarray(smollm2_llm.engine.runner.layer_params(0)["self_attn"]["q_proj"][...]))
     got = _greedy(llm, prompts)
     same = [a == b for a, b in zip(got, ref)]
     print(f"gguf: {sum(same)}/6 prompts give the f32 run's 32 greedy tokens")
@@ -106,7 +104,7 @@ def test_int8_on_tp2_gives_the_one_device_int8_tokens(f32_run, int8_llm):
     tp = LLM("smollm2-135m", quantization="int8", mesh="tp=2", devices=jax.devices()[:2],
              compilation_cache_dir=XLA_CACHE)
     assert _greedy(tp, prompts) == _greedy(int8_llm, prompts)
-    up = tp.engine.runner.state["layers"][0]["mlp"]["up_proj"]
+    up = tp.engine.runner.layer_params(0)["mlp"]["up_proj"]
     assert tuple(up["q"][...].sharding.spec)[:1] == ("tp",)
     assert tuple(up["scale"][...].sharding.spec)[:1] == ("tp",)
     assert up["q"][...].addressable_shards[0].data.shape == (768, 576)

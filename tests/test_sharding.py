@@ -185,7 +185,7 @@ def test_tiny_tp_matches_one_device(tiny_parts, tiny_ref, tp):
     # The params really are split (tiny: N=4, K=2, F=160, V=256, D=64, H=16).
     runner = llm.engine.runner
     assert runner.mesh.devices.size == tp
-    layer = runner.state["layers"][0]
+    layer = runner.layer_params(0)
     gate = layer["mlp"]["gate_proj"][...]
     assert gate.sharding.spec == P("tp", None) and _shard_shape(gate) == (160 // tp, 64)
     down = layer["mlp"]["down_proj"][...]
@@ -266,9 +266,9 @@ def test_smollm2_tp_matches_one_device(smollm2_ckpt):
         ids = [engine.encode(p) for p in SMOL_PROMPTS]
         logits = engine.last_token_logits(ids)
         tokens = [o.outputs[0].token_ids for o in llm.generate(ids, greedy(4))]
-        gate = engine.runner.state["layers"][0]["mlp"]["gate_proj"][...]
+        gate = engine.runner.layer_params(0)["mlp"]["gate_proj"][...]
         assert gate.sharding.spec == P("tp", None) and _shard_shape(gate) == (1536 // tp, 576)
-        q = engine.runner.state["layers"][0]["self_attn"]["q_proj"][...]
+        q = engine.runner.layer_params(0)["self_attn"]["q_proj"][...]
         assert _shard_shape(q)[0] == (576 // tp if 9 % tp == 0 else 576)
         if ref_logits is None:
             ref_logits, ref_tokens = logits, tokens

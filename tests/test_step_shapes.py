@@ -1,14 +1,17 @@
-"""Step shapes: the bucket ladder pads by less than 25%, every step a config
-can schedule lands on one of ``step_token_counts``, ``Engine.warmup``
-compiles them all so later traffic compiles nothing, and ``--mode serve``
-reports ready only after that."""
+"""Step shapes: the fine ladder pads by less than 25% and the two step
+programs' ladders by less than 50%, every step a config can schedule lands
+on one of the runner's ``step_buckets``, ``Engine.warmup`` compiles them all
+so later traffic compiles nothing, and ``--mode serve`` reports ready only
+after that."""
 
 import re
 
 import numpy as np
 import pytest
 
-from jaxserve.engine.shapes import bucket, ladder, step_token_counts
+from jaxserve.engine.shapes import (bucket, coarse_bucket, coarse_ladder, decode_bucket,
+                                    decode_buckets, ladder, prefill_bucket, prefill_buckets,
+                                    step_token_counts)
 
 
 def test_bucket_ladder():
@@ -32,6 +35,25 @@ def test_step_token_counts_cover_every_step():
     assert bucket(4096 + 15) in unchunked and unchunked[-1] == bucket(4096 + 16)
 
 
+def test_decode_and_prefill_ladders():
+    assert decode_buckets(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert prefill_buckets(2048) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
+                                     1024, 1536, 2048]
+    for n in range(1, 20000):
+        b = coarse_bucket(n)
+        assert n <= b < 1.5 * n or n <= 4 == b, n
+        assert coarse_bucket(b) == b
+    assert all(decode_bucket(n, 64) in decode_buckets(64) for n in range(1, 65))
+    assert all(prefill_bucket(n, 2048) in prefill_buckets(2048) for n in range(1, 2049))
+    assert prefill_bucket(3, 2048) == 16 and prefill_bucket(940, 2048) == 1024
+    assert coarse_ladder(10) == [1, 2, 3, 4, 6, 8, 12]
+    with pytest.raises(ValueError, match="decode step of 65 rows"):
+        decode_bucket(65, 64)
+    assert prefill_bucket(2049, 2048) == 3072  # a scoring batch past the budget
+    with pytest.raises(ValueError, match="prefill step of 0 tokens"):
+        prefill_bucket(0, 2048)
+
+
 def _mixed_traffic(llm):
     """Prompts of many lengths, n > 1, logprobs and seeded sampling, all at
     once, so steps mix decode rows and prefill chunks of every size."""
@@ -48,11 +70,13 @@ def _mixed_traffic(llm):
 def test_warmup_compiles_every_shape_once(make_tiny_llm):
     llm = make_tiny_llm(max_num_seqs=8, max_num_batched_tokens=32)
     engine = llm.engine
-    counts = engine.step_token_counts()
-    assert counts == ladder(32)
+    buckets = engine.runner.step_buckets()
+    assert buckets == [(True, t) for t in (1, 2, 3, 4, 6, 8)] + \
+        [(False, t) for t in (16, 24, 32)]
+    assert engine.step_token_counts() == [1, 2, 3, 4, 6, 8, 16, 24, 32]
     first = engine.warmup()
-    # One step program per token count, sampling per row count, with and without top-N.
-    assert first >= len(counts)
+    # One program per step bucket, and sampling per row count (with or without top-N).
+    assert first >= len(buckets)
     assert engine.warmup() == 0  # all in this process's cache now
     before = engine.runner.num_compilations
     outs = _mixed_traffic(llm)
@@ -71,7 +95,7 @@ def test_serve_compiles_before_serving(tiny_gguf):
     try:
         log = "".join(s.lines)
         compiled = re.search(r"compiled (\d+) step shapes in [\d.]+ s", log)
-        assert compiled and int(compiled.group(1)) == len(ladder(32))
+        assert compiled and int(compiled.group(1)) == len(decode_buckets(8) + prefill_buckets(32))
         assert log.index("compiling") < log.index("jaxserve: serving")
         before = s.metrics()["jaxserve_xla_compilations_total"]
         with Client(s.target) as c:

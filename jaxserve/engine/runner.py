@@ -308,6 +308,29 @@ class ModelRunner:
         per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized(dtype) else 0)
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * per_head
 
+    def layer_params(self, i: int):
+        """Layer ``i``'s parameters as a per-layer NNX state (arrays sliced
+        out of the stacked ones: copies, for inspection and tests), whether
+        the layers are scanned or unrolled.
+
+        Raises:
+          IndexError: no layer ``i``.
+        """
+        if not 0 <= i < self.model_config.num_layers:
+            raise IndexError(f"layer {i} of a {self.model_config.num_layers}-layer model")
+        if self.layer_segments is None:
+            return self.state["layers"][i]
+        for seg, (a, b) in enumerate(self.layer_segments):
+            if a <= i < b:
+                return jax.tree.map(lambda x: self._slice_layer(x, i - a),
+                                    self.state["layers"][seg])
+
+    def _slice_layer(self, x, j: int):
+        """``x[j]`` of a stacked [layers, ...] array, keeping the stacked
+        layout's split of the other dims (a copy)."""
+        spec = PartitionSpec(*tuple(x.sharding.spec)[1:])
+        return jax.jit(lambda x: x[j], out_shardings=NamedSharding(self.mesh, spec))(x)
+
     @property
     def k_cache(self) -> tuple[KVPages, ...]:
         """Each layer's K ``KVPages`` ([P, L, K, H], scales [P, L, K]): copies
@@ -320,7 +343,8 @@ class ModelRunner:
         return self._layer_views(self.v_stack)
 
     def _layer_views(self, c: KVPages) -> tuple[KVPages, ...]:
-        return tuple(KVPages(c.pages_PLKH[i], None if c.scales_PLK is None else c.scales_PLK[i])
+        return tuple(KVPages(self._slice_layer(c.pages_PLKH, i), None if c.scales_PLK is None
+                             else self._slice_layer(c.scales_PLK, i))
                      for i in range(self.model_config.num_layers))
 
     def _step(self, state, k_cache, v_cache, md, prev_rows_T, prev_ids_R):

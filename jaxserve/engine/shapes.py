@@ -121,13 +121,16 @@ def decode_buckets(max_rows: int) -> list[int]:
 
 def prefill_bucket(tokens: int, max_tokens: int) -> int:
     """T of a prefill step of ``tokens`` tokens (``coarse_bucket``, at least
-    ``MIN_PREFILL_TOKENS``).
+    ``MIN_PREFILL_TOKENS``). A scheduler never exceeds ``max_tokens``; the
+    scoring paths that build their own batches (``Engine.last_token_logits``,
+    eval's ``prompt_logits``) may, and get a bucket past the warmed-up set
+    (compiled on first use).
 
     Raises:
-      ValueError: tokens below 1 or above ``max_tokens``.
+      ValueError: tokens below 1.
     """
-    if not 1 <= tokens <= max_tokens:
-        raise ValueError(f"prefill step of {tokens} tokens; the runner holds 1..{max_tokens}")
+    if tokens < 1:
+        raise ValueError(f"prefill step of {tokens} tokens; a step has at least 1")
     return coarse_bucket(tokens, MIN_PREFILL_TOKENS)
 
 
