@@ -420,6 +420,11 @@ class EngineConfig:
         (``jaxserve.engine.compile_cache.default_dir``). Process-wide: the
         first folder set in a process is the one used.
       attention_impl: "auto" (Pallas on GPU/TPU, XLA on CPU), "pallas" or "xla".
+      scan_layers: run the decoder layers as one scanned layer body
+        (``jax.lax.scan`` over stacked layer parameters; one body per run of
+        layers of the same structure: ``jaxserve.models.stack``), so a step
+        program's size and compile time do not grow with depth. False
+        unrolls every layer into the step program (to compare, or debug).
       attention_interpret: run the Pallas kernel in the Pallas interpreter
         (lets ``attention_impl="pallas"`` run on CPU; slow, for tests).
       parallel: the device mesh (``ParallelConfig``); default one device.
@@ -450,6 +455,7 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compilation_cache_dir: str | None = None
     attention_impl: str = "auto"
+    scan_layers: bool = True
     attention_interpret: bool = False
     async_scheduling: bool = True
     quantization: str = "none"

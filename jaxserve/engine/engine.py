@@ -212,9 +212,13 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.max_model_len)
         # Speculation: a full batch still has max_num_seqs sampling rows for drafts.
         rows = config.scheduler.max_num_seqs * (2 if config.speculative.method else 1)
+        sc = config.scheduler
+        max_tokens = shapes.max_step_tokens(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                            self.max_model_len, sc.enable_chunked_prefill)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
                                   max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-                                  max_num_seqs=rows, mesh=self.mesh, rules=sharding_rules)
+                                  max_num_seqs=rows, mesh=self.mesh, rules=sharding_rules,
+                                  scan_layers=config.scan_layers, max_num_tokens=max_tokens)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset([tokenizer.eos_token_id]) if tokenizer is not None
             and tokenizer.eos_token_id is not None else frozenset())
@@ -229,7 +233,8 @@ class Engine:
                 proposer = DraftModelProposer(ModelRunner(
                     draft[0], num_pages=num_pages, page_size=cache.page_size,
                     max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-                    max_num_seqs=config.scheduler.max_num_seqs, mesh=self.mesh, rules=draft[1]),
+                    max_num_seqs=config.scheduler.max_num_seqs, mesh=self.mesh, rules=draft[1],
+                    scan_layers=config.scan_layers, max_num_tokens=max_tokens),
                     config.scheduler.max_num_batched_tokens)
             self.speculator = Speculator(config.speculative, self.runner.max_rows, proposer,
                                          spec_policy)
@@ -533,12 +538,18 @@ class Engine:
                     spec_mean_acceptance_length=float(st.mean_acceptance_length),
                     spec_k=self.speculator.k)
 
+    def step_buckets(self) -> list[tuple[bool, int]]:
+        """Every step program this engine compiles, as (decode, T):
+        ``decode_step`` per row bucket, then ``prefill_step`` per token
+        bucket (``ModelRunner.step_buckets``)."""
+        return self.runner.step_buckets()
+
     def step_token_counts(self) -> list[int]:
-        """Every step token count (one compiled program each) this engine's
-        limits can reach (``jaxserve.engine.shapes``)."""
-        sc = self.config.scheduler
-        return shapes.step_token_counts(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                        self.max_model_len, sc.enable_chunked_prefill)
+        """The token count T of every step program (``decode_step`` and
+        ``prefill_step``, one compiled program each) this engine's limits
+        can reach (``jaxserve.engine.shapes``), ascending, a T that both
+        steps reach listed once."""
+        return sorted({T for _, T in self.runner.step_buckets()})
 
     def warmup(self, on_compiled=None, max_tokens: int | None = None) -> int:
         """Compile every step program this engine can reach
@@ -860,7 +871,7 @@ class LLM:
         params' shardings on the mesh).
       dtype, seed, page_size, num_pages, kv_cache_memory_bytes, max_num_seqs,
       max_num_batched_tokens, max_model_len, enable_prefix_caching,
-      enable_chunked_prefill, attention_impl, attention_interpret,
+      enable_chunked_prefill, attention_impl, scan_layers, attention_interpret,
       async_scheduling: engine args (see ``jaxserve.config``).
       compilation_cache_dir: the persistent XLA compilation cache folder.
         ``"auto"`` (the default) is the CLI's, ``$JAXSERVE_CACHE/xla``
@@ -892,7 +903,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = compile_cache.AUTO,
-                 attention_impl: str = "auto",
+                 attention_impl: str = "auto", scan_layers: bool = True,
                  attention_interpret: bool = False, async_scheduling: bool = True,
                  mesh: str | None = None, quantization: str = "none",
                  quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
@@ -910,7 +921,7 @@ class LLM:
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill),
             compilation_cache_dir=compile_cache.resolve_dir(compilation_cache_dir),
-            attention_impl=attention_impl,
+            attention_impl=attention_impl, scan_layers=scan_layers,
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,
             parallel=parallel, quantization=quantization,
             quantization_group_size=quantization_group_size,
