@@ -22,7 +22,9 @@ imports included, as a user sees it):
 * programs compiled and loaded from the persistent cache, all of the start
   and the warm-up's alone: the server's start-up line
   (``compile_cache.StartupReport``, read back with ``parse_line``) and its
-  warm-up line; ``/metrics`` is scraped as well (``jaxserve_startup_*``).
+  warm-up line, which also splits the warm-up's seconds into tracing,
+  lowering, compiling and loading (the rest ran the warm-up steps);
+  ``/metrics`` is scraped as well (``jaxserve_startup_*``).
 * RSS at ready: ``VmRSS`` of ``/proc/<pid>/status`` of the server process the
   moment it is ready, and of it and its child processes (jaxserve's
   tokenizer workers) together.
@@ -227,11 +229,15 @@ def run_jaxserve(model: str, engine_flags, cache_dir: str, tag: str,
     finally:
         serving.stop_server(proc)
     text = "".join(lines)
-    warm = re.search(r"XLA programs traced: (\d+) loaded from cache, (\d+) compiled", text)
+    warm = re.search(r"compiled \d+ step shapes in ([\d.]+) s \(\d+ XLA programs traced: "
+                     r"(\d+) loaded from cache, (\d+) compiled; seconds tracing ([\d.]+), "
+                     r"lowering ([\d.]+), compiling ([\d.]+), loading ([\d.]+)", text)
     return {"ready_s": ready_s, "rss_bytes": rss, "rss_with_children_bytes": rss_tree,
             "startup_line": parse_line(text),
             "warmup_programs": None if warm is None else
-            {"loaded": int(warm[1]), "compiled": int(warm[2])},
+            {"seconds": float(warm[1]), "loaded": int(warm[2]), "compiled": int(warm[3]),
+             "trace_s": float(warm[4]), "lower_s": float(warm[5]),
+             "compile_s": float(warm[6]), "load_s": float(warm[7])},
             "metrics": {k: v for k, v in metrics.items()
                         if k.startswith(("jaxserve_startup_", "jaxserve_process_resident"))},
             "first_request_ttft_ms": None if first is None else (first - t1) * 1e3,
@@ -420,6 +426,14 @@ def markdown(result: dict) -> str:
     if c := result.get("cache_after_cold"):
         out.append(f"The cold start wrote {c['files']} files, {c['bytes'] / 1e6:.1f} MB, to the "
                    f"compilation cache.")
+    for name in ("jaxserve_cold", "jaxserve_warm"):
+        w = result["engines"].get(name, {}).get("warmup_programs")
+        if w:
+            rest = w["seconds"] - w["trace_s"] - w["lower_s"] - w["compile_s"] - w["load_s"]
+            out.append(f"{_LABELS[name]}: warm-up {w['seconds']:.1f} s: tracing "
+                       f"{w['trace_s']:.1f}, lowering {w['lower_s']:.1f}, compiling "
+                       f"{w['compile_s']:.1f}, loading {w['load_s']:.1f}, running the "
+                       f"warm-up steps and the rest {rest:.1f}.")
     if hf := result["engines"].get("hf"):
         out.append(f"HF: {hf['import_s']:.1f} s importing torch and transformers, "
                    f"{hf['load_s']:.1f} s in from_pretrained.")

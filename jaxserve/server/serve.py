@@ -322,11 +322,13 @@ class Server:
             self.startup["warmup_compilations"] = await _in_daemon_thread(engine.warmup)
             self.startup["warmup_s"] = time.monotonic() - t1
             warm = compile_cache.counts() - before
+            # The seconds not in trace/lower/compile/load ran the warm-up steps.
             print(f"jaxserve: compiled {len(counts)} step shapes in "
                   f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
                   f"XLA programs traced: {warm.loaded} loaded from cache, {warm.compiled} "
-                  f"compiled; persistent cache: {compile_cache.active_dir() or 'off'})",
-                  file=sys.stderr, flush=True)
+                  f"compiled; seconds tracing {warm.trace_s:.1f}, lowering {warm.lower_s:.1f}, "
+                  f"compiling {warm.compile_s:.1f}, loading {warm.load_s:.1f}; persistent "
+                  f"cache: {compile_cache.active_dir() or 'off'})", file=sys.stderr, flush=True)
         if self.config.disagg.role != "both" and self.warmup:  # the handoff's gathers/scatters
             t1 = time.monotonic()
             n = await _in_daemon_thread(engine.runner.warmup_pages)
