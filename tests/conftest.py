@@ -13,6 +13,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
+import time
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,29 @@ def mixtral_folders(tmp_path_factory):
     out = tmp_path_factory.mktemp("mixtral-orbax") / "ckpt"
     convert_to_orbax(hf, out, show_progress=False)
     return hf, out
+
+
+# ---- the suite's compile bill ------------------------------------------------
+
+def pytest_sessionstart(session):
+    """Count this process's XLA programs from the start (``compile_cache``)."""
+    from jaxserve.engine import compile_cache
+    compile_cache.install()
+    session.config._jaxserve_start = (time.monotonic(), compile_cache.counts())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The suite's wall time and the XLA programs its in-process engines built
+    (compiled, or loaded from the persistent cache; subprocess servers are
+    not counted), with the seconds XLA spent compiling them."""
+    start = getattr(config, "_jaxserve_start", None)
+    if start is None:
+        return
+    from jaxserve.engine import compile_cache
+    t0, c0 = start
+    c = compile_cache.counts() - c0
+    terminalreporter.write_line(
+        f"jaxserve suite: {time.monotonic() - t0:.0f} s wall; XLA programs built in this "
+        f"process: {c.programs} ({c.loaded} loaded from the persistent cache, {c.compiled} "
+        f"compiled in {c.compile_s:.0f} s; tracing {c.trace_s:.0f} s, lowering "
+        f"{c.lower_s:.0f} s)")
