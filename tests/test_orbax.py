@@ -33,7 +33,7 @@ from checkpoints.loader import convert_to_orbax, load_checkpoint, load_model_con
 from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve import LLM
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama, moe
+from jaxserve.models import MODEL_CLASSES, llama, moe
 from sharding.mesh import parse_mesh_spec
 from sharding.rules import hf_shardings
 
@@ -107,8 +107,9 @@ def _check_shardings(llm, params, family):
     """Every restored array is a jax.Array already in the sharding its param's
     logical axes give it on the engine's mesh."""
     engine = llm.engine
-    want = hf_shardings(family.hf_params(nnx.merge(engine.runner.graphdef, engine.runner.state)),
-                        engine.mesh, engine.runner.rules)
+    cfg = engine.runner.model_config  # the engine's layers are stacked: name an unstacked twin's
+    unstacked = nnx.eval_shape(lambda: MODEL_CLASSES[cfg.architecture](cfg, rngs=nnx.Rngs(0)))
+    want = hf_shardings(family.hf_params(unstacked), engine.mesh, engine.runner.rules)
     assert sorted(params) == sorted(want)
     for name, arr in params.items():
         assert isinstance(arr, jax.Array), name

@@ -363,9 +363,7 @@ def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, d
               speculative_config=dict(method="draft", model="tiny-noisy",
                                       num_speculative_tokens=3), **tiny_parts)
     e = llm.engine
-    for runner in (e.runner, e.speculator.draft.runner):  # every step shape, no logprobs
-        for T in e.step_token_counts():
-            runner._execute_plan(runner.empty_plan(T))
+    e.warmup()  # every step program of both models
     llm.generate(PROMPTS[:2], greedy(8))  # first use of anything else (e.g. fresh host state)
     compiled = (e.runner.num_compilations, e.speculator.draft.runner.num_compilations)
 

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     kw = dict(param_bytes=np.dtype(jax.numpy.dtype(dtype)).itemsize,
-              kv_bytes=engine.runner.k_cache[0].dtype.itemsize)
+              kv_bytes=engine.runner.kv_dtype.itemsize)
     out["decode"] = []
     for b in batches:
         p = _figures(time_step(engine, b, 1, ctx, iters, rng), cfg, ceil, **kw)

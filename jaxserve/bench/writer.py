@@ -239,7 +239,7 @@ def run_sweep(engine, rows, contexts, iters: int, limits: dict, t0: float) -> li
     cfg, runner = engine.model_config, engine.runner
     bps = limits["matvec_bytes_per_s"]
     pbytes = param_bytes(engine)
-    per_tok = kv_bytes_per_token(cfg, runner.k_cache[0].dtype.itemsize)
+    per_tok = kv_bytes_per_token(cfg, runner.kv_dtype.itemsize)
     rng = np.random.default_rng(0)
     points = []
     for ctx in contexts:

@@ -460,7 +460,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ModelInfoResponse(
             name=self.model_name, architecture=e.model_config.architecture,
             max_model_len=e.max_model_len, dtype=cfg.dtype,
-            kv_cache_dtype=str(e.runner.k_cache[0].dtype), mesh=dict(e.mesh.shape),
+            kv_cache_dtype=str(e.runner.kv_dtype), mesh=dict(e.mesh.shape),
             backend=jax.default_backend(), num_devices=e.mesh.size,
             vocab_size=e.model_config.vocab_size,
             page_size=e.allocator.page_size, num_pages=e.allocator.num_pages,
