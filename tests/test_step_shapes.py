@@ -50,6 +50,7 @@ def test_decode_and_prefill_ladders():
     with pytest.raises(ValueError, match="decode step of 65 rows"):
         decode_bucket(65, 64)
     assert prefill_bucket(2049, 2048) == 3072  # a scoring batch past the budget
+    assert prefill_buckets(8) == [16] and {prefill_bucket(n, 8) for n in (1, 8)} == {16}
     with pytest.raises(ValueError, match="prefill step of 0 tokens"):
         prefill_bucket(0, 2048)
 
@@ -84,24 +85,61 @@ def test_warmup_compiles_every_shape_once(make_tiny_llm):
     assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
 
 
-@pytest.mark.slow
-def test_serve_compiles_before_serving(tiny_gguf):
-    """With warm-up on, the server logs the compilation before it reports
-    serving, and requests afterwards compile nothing (the metric holds)."""
+@pytest.fixture(scope="module")
+def long_gguf(tmp_path_factory):
+    """A tiny random Llama GGUF with room for 2,000-token prompts."""
+    from checkpoints.tiny_gguf import write_tiny_gguf
+    from jaxserve.config import ModelConfig
+    path = tmp_path_factory.mktemp("long-gguf") / "tiny.gguf"
+    write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=2304,
+                                      num_layers=2))
+    return str(path)
+
+
+def _burst(target):
+    """Acceptance 4's burst, all at once over gRPC: prompts of 1 to 2,000
+    tokens, n up to 4, logprobs, prompt logprobs, stop strings, penalties,
+    seeded sampling. Returns each request's ``Result``."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from jaxserve.server.client import Client
+    rng = np.random.default_rng(1)
+    lengths = [1, 2, 7, 40, 130, 333, 600, 1100, 2000, 1, 17, 64]
+    kinds = [dict(n=4, temperature=0.9, seed=7), dict(logprobs=3), dict(prompt_logprobs=2),
+             dict(stop=["a", "e"], temperature=1.0, seed=3),
+             dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+             dict(n=2, logprobs=2, prompt_logprobs=1, repetition_penalty=1.1,
+                  temperature=0.7, seed=5, top_k=20, top_p=0.9)]
+    jobs = [dict(token_ids=rng.integers(2, 300, n).tolist(), max_tokens=int(rng.integers(2, 24)),
+                 ignore_eos=True, **kinds[i % len(kinds)]) for i, n in enumerate(lengths)]
+    with Client(target) as c, ThreadPoolExecutor(len(jobs)) as pool:
+        return jobs, list(pool.map(lambda kw: c.complete(timeout=600, **kw), jobs))
+
+
+@pytest.mark.slow
+def test_serve_compiles_before_serving_and_a_mixed_burst_compiles_nothing(long_gguf):
+    """With warm-up on, the server logs the compilation of every step shape
+    before it reports serving, and a mixed burst afterwards compiles no XLA
+    program (``/metrics``)."""
     from server_util import ServerProcess
-    s = ServerProcess(["--model", tiny_gguf, "--max_num_seqs", "8", "--max_num_batched_tokens",
-                       "32", "--num_pages", "128", "--page_size", "8"], warmup=True)
+    s = ServerProcess(["--model", long_gguf, "--max_num_seqs", "16", "--max_num_batched_tokens",
+                       "128", "--num_pages", "512", "--page_size", "16"], warmup=True)
     try:
         log = "".join(s.lines)
         compiled = re.search(r"compiled (\d+) step shapes in [\d.]+ s", log)
-        assert compiled and int(compiled.group(1)) == len(decode_buckets(8) + prefill_buckets(32))
+        assert compiled and int(compiled.group(1)) == len(decode_buckets(16) +
+                                                          prefill_buckets(128))
         assert log.index("compiling") < log.index("jaxserve: serving")
         before = s.metrics()["jaxserve_xla_compilations_total"]
-        with Client(s.target) as c:
-            assert c.health() == "SERVING"
-            for i, n in enumerate((1, 5, 17, 29)):
-                c.complete("hello " * n, max_tokens=3 + i, temperature=0)
+        jobs, results = _burst(s.target)
+        for kw, res in zip(jobs, results):
+            assert len(res.completions) == kw.get("n", 1), kw
+            for c in res.completions:
+                assert c.token_ids, kw
+                if "stop" not in kw:
+                    assert len(c.token_ids) == kw["max_tokens"], kw
+                if kw.get("logprobs"):
+                    assert len(c.logprobs) == len(c.token_ids), kw
         assert s.metrics()["jaxserve_xla_compilations_total"] == before
     finally:
         s.kill()

@@ -233,6 +233,10 @@ class ModelRunner:
         self.max_rows = shapes.coarse_bucket(max_num_seqs)
         # The most tokens of one step (a scheduler's budget: shapes.max_step_tokens).
         self.max_tokens = max_num_tokens or max(max_model_len, self.max_rows)
+        # Penalised steps' M = Mp (sampling.make_sampling_tensors): a row holds
+        # at most max_model_len (and V) unique ids, so one width, compiled at
+        # warm-up, serves every penalised step.
+        self.penalty_width = next_pow2(min(max_model_len, cfg.vocab_size))
         # One KVPages per K and V for every layer: [layers, P, L, K, H] pages
         # (and f32 [layers, P, L, K] scales when quantized), donated into
         # every step and updated in place (models.stack.layer_kv).
@@ -560,19 +564,24 @@ class ModelRunner:
         except Exception as e:  # the processes are out of step: fatal
             raise self.channel.fail(e) from e
 
-    def empty_plan(self, num_tokens: int, num_top: int = 0, decode: bool = False) -> "StepPlan":
+    def empty_plan(self, num_tokens: int, num_top: int = 0, decode: bool = False,
+                   penalised: bool = False, prompt_logprobs: bool = False) -> "StepPlan":
         """A plan of ``num_tokens`` (a bucket value of ``decode_step`` when
         ``decode``, else of ``prefill_step``) padding tokens and no real
         row, in the shape a real step of that many tokens gets: running it
         compiles that program and changes nothing (its K/V writes are
-        dropped)."""
+        dropped). ``penalised``: sampling tensors of a step with a penalised
+        row (``penalty_width``); ``prompt_logprobs``: a target per token and
+        ``MAX_LOGPROBS`` top logprobs, as a step with prompt logprobs has."""
         T = num_tokens
         S = min(T, self.max_rows)
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         md = AttentionMetadata(z(T), z(T), np.full(T, self.num_pages, np.int32), z(T), z(S),
                                z(S, self.pages_per_row), z(S + 1), z(1), z(S), z(1), decode)
-        return StepPlan(decode=decode, rows=S, num_top=num_top, md=md,
-                        sampling=make_sampling_tensors([], S), targets=z(0),
+        return StepPlan(decode=decode, rows=S,
+                        num_top=MAX_LOGPROBS if prompt_logprobs else num_top, md=md,
+                        sampling=make_sampling_tensors([], S, self.penalty_width, penalised),
+                        targets=z(T if prompt_logprobs else 0),
                         prev_rows=np.full(T, -1, np.int32))
 
     def step_buckets(self) -> list[tuple[bool, int]]:
@@ -584,19 +593,60 @@ class ModelRunner:
                 + [(False, t) for t in shapes.prefill_buckets(self.max_tokens)])
 
     def warmup(self, buckets=None, on_compiled=None) -> int:
-        """Compile every step program in ``buckets`` (default
-        ``step_buckets()``), with sampling for its S rows (one program with
-        and without top-N logprobs), by running empty plans; in a multi-host job the
-        other processes run them too. ``on_compiled(i, T, seconds)`` is
-        called after each. Returns the number of programs traced (each
-        compiled, or loaded from the persistent cache)."""
+        """Compile every program a step in ``buckets`` (default
+        ``step_buckets()``) can need: its step program; sampling for its S
+        rows, plain and penalised (``penalty_width``), each one program with
+        and without top-N logprobs; and for a prefill bucket, prompt
+        logprobs over its T tokens. In a one-process job the programs are
+        compiled ahead of time (``jit(...).lower(...).compile()``: nothing
+        runs, and a later call with those shapes finds them); in a
+        multi-host job empty plans of those shapes run, so the other
+        processes build them too. ``on_compiled(i, T, seconds)`` is called
+        after each bucket. Returns the number of programs traced (each
+        compiled, or loaded from the persistent cache).
+
+        Raises:
+          MultihostError: a multi-host warm-up step failed.
+        """
         before = self.num_compilations
+        sampled_rows = set()
+        self._compiled_sampling = set()
         for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
             t0 = time.monotonic()
-            self._execute_plan(self.empty_plan(T, 0, decode))
+            plans = [self.empty_plan(T, 0, decode)]
+            if plans[0].rows not in sampled_rows:
+                sampled_rows.add(plans[0].rows)
+                plans.append(self.empty_plan(T, 0, decode, penalised=True))
+            if not decode:
+                plans.append(self.empty_plan(T, 0, decode, prompt_logprobs=True))
+            if self.channel is None:
+                self._compile_plans(plans)
+            else:
+                for plan in plans:
+                    self._execute_plan(plan)
             if on_compiled is not None:
                 on_compiled(i, T, time.monotonic() - t0)
         return self.num_compilations - before
+
+    def _compile_plans(self, plans: list["StepPlan"]) -> None:
+        """Compile (or load) the programs ``run`` would launch for plans of
+        one step shape without running them: the step once, then each
+        plan's sampling and prompt logprobs (``empty_plan``'s variants)."""
+        md = plans[0].md
+        step = self.decode_step if md.decode_only else self.prefill_step
+        lowered = step.lower(self.state, self.k_stack, self.v_stack, md, plans[0].prev_rows,
+                             self._no_prev)
+        lowered.compile()
+        logits_info, *_, x_info = lowered.out_info
+        for plan in plans:
+            key = (plan.rows, plan.sampling.output_ids.shape)
+            if key not in self._compiled_sampling:  # shared by every T of S rows
+                self._compiled_sampling.add(key)
+                self._postprocess.lower(logits_info, plan.sampling, plan.rows,
+                                        np.bool_(plan.num_top > 0)).compile()
+            if plan.targets.shape[0]:
+                self._prompt_logprobs.lower(self.state, x_info, plan.targets,
+                                            plan.num_top).compile()
 
     def follow(self) -> int:
         """A multi-host job's other processes: run every step process 0
@@ -672,7 +722,10 @@ class ModelRunner:
                        for r, q in zip(reqs, q_lens) if r.wants_prompt_logprobs)
         top = MAX_LOGPROBS if any(r.params.logprobs or r.params.prompt_logprobs
                                   for r in reqs) else 0
-        decode_only = batch.decode  # every row one token: decode_step, bucketed by rows
+        # Every row one token: decode_step, bucketed by rows. Prompt logprobs
+        # take prefill_step's token buckets (their programs are per T, warmed
+        # for the prefill ladder only).
+        decode_only = batch.decode and not plp_need
         T = shapes.decode_bucket(n, self.max_rows) if decode_only else \
             shapes.prefill_bucket(sum(q_lens), self.max_tokens)
         rows = S = min(T, self.max_rows)
@@ -732,8 +785,8 @@ class ModelRunner:
         md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                                page_indices, cu_q_lens, np.array([n], np.int32),
                                logits_indices, np.array([nd], np.int32), decode_only)
-        st = make_sampling_tensors(slot_views, rows)
-        return StepPlan(decode=batch.decode, rows=rows, num_top=top, md=md, sampling=st,
+        st = make_sampling_tensors(slot_views, rows, self.penalty_width)
+        return StepPlan(decode=decode_only, rows=rows, num_top=top, md=md, sampling=st,
                         targets=targets, prev_rows=prev_rows,
                         uses_prev=bool((prev_rows >= 0).any()), num_requests=len(sample_rows),
                         plp_spans=plp_spans, row_slots=row_slots)

@@ -94,7 +94,8 @@ class SampleOutput:
     top_logprobs: jax.Array
 
 
-def make_sampling_tensors(reqs, rows: int) -> SamplingTensors:
+def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
+                          penalised: bool = False) -> SamplingTensors:
     """Build one step's ``SamplingTensors`` on the host (numpy).
 
     Args:
@@ -106,11 +107,21 @@ def make_sampling_tensors(reqs, rows: int) -> SamplingTensors:
         penalised row before its output history is on the host.
       rows: S, the padded row count (>= len(reqs)); later rows are greedy with
         no penalties.
+      penalty_width: a fixed M = Mp for steps with a penalised row (a
+        runner's: the most unique ids a row can hold, so such steps share
+        one sampling program per S, compiled at warm-up); None rounds the
+        most unique ids of any penalised row up to a power of two.
+      penalised: give the ``penalty_width`` shapes even when no row is
+        penalised (what a warm-up compiles).
 
     Returns:
       ``SamplingTensors`` of numpy arrays. M (Mp) is the most unique output
-      (prompt) ids of any penalised row, rounded up to a power of two, and 1
-      when no row needs them, so the shapes, and compilations, stay few.
+      (prompt) ids of any penalised row as above, and 1 when no row needs
+      them, so the shapes, and compilations, stay few.
+
+    Raises:
+      ValueError: a row has more unique output or prompt ids than
+        ``penalty_width``.
     """
     temp = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
@@ -140,6 +151,11 @@ def make_sampling_tensors(reqs, rows: int) -> SamplingTensors:
             prompts[i] = np.unique(np.asarray(r.prompt_token_ids, np.int64))
     M = next_pow2(max((len(u) for u, _ in outs.values()), default=1))
     Mp = next_pow2(max((len(u) for u in prompts.values()), default=1))
+    if penalty_width is not None and (outs or penalised):
+        if max(M, Mp) > penalty_width:
+            raise ValueError(f"make_sampling_tensors: {max(M, Mp)} unique penalised ids in a "
+                             f"row, more than penalty_width={penalty_width}")
+        M = Mp = penalty_width
     output_ids = np.full((rows, M), -1, np.int32)
     output_counts = np.zeros((rows, M), np.int32)
     prompt_ids = np.full((rows, Mp), -1, np.int32)

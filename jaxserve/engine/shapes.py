@@ -135,8 +135,9 @@ def prefill_bucket(tokens: int, max_tokens: int) -> int:
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Every prefill step's T up to ``max_tokens`` tokens."""
-    return coarse_ladder(max_tokens, MIN_PREFILL_TOKENS)
+    """Every prefill step's T up to ``max_tokens`` tokens (at least the
+    ``MIN_PREFILL_TOKENS`` bucket, which a smaller budget's steps pad to)."""
+    return coarse_ladder(max(max_tokens, MIN_PREFILL_TOKENS), MIN_PREFILL_TOKENS)
 
 
 def max_step_tokens(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

@@ -315,15 +315,18 @@ class Server:
         self.startup["load_s"] = time.monotonic() - t0
         warm = None  # the warm-up's programs (compile_cache.ProgramCounts)
         if self.warmup:
-            counts = engine.step_token_counts()
-            print(f"jaxserve: compiling {len(counts)} step shapes (tokens per step "
-                  f"{counts[0]}..{counts[-1]}) before serving", file=sys.stderr, flush=True)
+            buckets = engine.step_buckets()  # (decode, T): decode_step and prefill_step
+            rows = [T for d, T in buckets if d]
+            tokens = [T for d, T in buckets if not d]
+            print(f"jaxserve: compiling {len(buckets)} step shapes (decode_step: rows "
+                  f"{rows[0]}..{rows[-1]}; prefill_step: tokens {tokens[0]}..{tokens[-1]}) "
+                  f"before serving", file=sys.stderr, flush=True)
             t1, before = time.monotonic(), compile_cache.counts()
             self.startup["warmup_compilations"] = await _in_daemon_thread(engine.warmup)
             self.startup["warmup_s"] = time.monotonic() - t1
             warm = compile_cache.counts() - before
             # The seconds not in trace/lower/compile/load ran the warm-up steps.
-            print(f"jaxserve: compiled {len(counts)} step shapes in "
+            print(f"jaxserve: compiled {len(buckets)} step shapes in "
                   f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
                   f"XLA programs traced: {warm.loaded} loaded from cache, {warm.compiled} "
                   f"compiled; seconds tracing {warm.trace_s:.1f}, lowering {warm.lower_s:.1f}, "
