@@ -263,7 +263,9 @@ class CacheConfig:
       page_size: tokens per page L.
       num_pages: pages P to allocate. When None, sized from ``memory_bytes``.
       memory_bytes: KV budget in bytes (K and V of all layers together), used when
-        ``num_pages`` is None. Default 1 GiB.
+        ``num_pages`` is None. Default 512 MiB (SmolLM2-135M f32: 728 pages
+        of 16 tokens, 11,648 tokens), what a CPU start holds beside the
+        weights; raise it on an accelerator.
       dtype: KV cache dtype name; None means the model's parameter dtype
         ("auto"). ``"int8"`` stores int8 K/V with one f32 scale per token per
         kv head beside its page; ``"float8_e4m3fn"`` stores fp8 (GPU/TPU);
@@ -275,7 +277,7 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int | None = None
-    memory_bytes: int = 1 << 30
+    memory_bytes: int = 512 << 20
     dtype: str | None = None
     enable_prefix_caching: bool = True
 

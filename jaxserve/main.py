@@ -103,7 +103,8 @@ flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache dtype: auto (the paramet
                     "fp8_e4m3.")
 flags.DEFINE_integer("page_size", 16, "KV cache page size, tokens.")
 flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from --kv_cache_mib).")
-flags.DEFINE_integer("kv_cache_mib", 1024, "KV cache budget, MiB.")
+flags.DEFINE_integer("kv_cache_mib", 512, "KV cache budget, MiB (K and V of every layer; "
+                     "raise it on an accelerator).")
 flags.DEFINE_integer("max_num_seqs", 64, "Most running sequences.")
 flags.DEFINE_integer("max_num_batched_tokens", 2048,
                      "Token budget per step (decode tokens + prefill chunk tokens).")
@@ -179,6 +180,13 @@ flags.DEFINE_bool("warmup", True, "--mode serve: compile every step shape the en
                   "fast); generate: the step shapes the batch can reach, before its first "
                   "request (--nowarmup: each compiles on its first step); bench --workload: "
                   "every shape, then the sweep once untimed.")
+flags.DEFINE_bool("scan_layers", True, "Run the decoder layers as one scanned layer body per "
+                  "run of identical layers (programs that do not grow with depth); "
+                  "--noscan_layers unrolls them.")
+flags.DEFINE_bool("warmup_in_background", True, "--mode serve --warmup: turn SERVING once the "
+                  "smallest decode and prefill steps are compiled and compile the rest in the "
+                  "background, steps staying within the ready ones (a line says when all are); "
+                  "--nowarmup_in_background: all before SERVING.")
 flags.DEFINE_string("compilation_cache_dir", "auto", "Persistent XLA compilation cache folder: "
                     "compiled programs are written there and a later start loads them. auto: "
                     "$JAXSERVE_CACHE/xla (~/.cache/jaxserve/xla); '' turns it off.")
@@ -285,7 +293,7 @@ def _engine_args() -> dict:
                 max_model_len=FLAGS.max_model_len, mesh=FLAGS.mesh,
                 enable_prefix_caching=FLAGS.enable_prefix_caching,
                 enable_chunked_prefill=FLAGS.enable_chunked_prefill,
-                async_scheduling=FLAGS.async_scheduling,
+                async_scheduling=FLAGS.async_scheduling, scan_layers=FLAGS.scan_layers,
                 speculative_config=_speculative_config(),
                 compilation_cache_dir=compile_cache.resolve_dir(FLAGS.compilation_cache_dir))
 
@@ -564,7 +572,8 @@ def _serve() -> None:
         return LLM(FLAGS.model, seed=FLAGS.seed or 0, **_engine_args()).engine
     if not _is_leader():
         _follow(load_engine())  # does not return
-    serve(config, load_engine, FLAGS.model, warmup=FLAGS.warmup)
+    serve(config, load_engine, FLAGS.model, warmup=FLAGS.warmup,
+          background_warmup=FLAGS.warmup_in_background)
 
 
 def _usage_error(e: ValueError) -> None:

@@ -24,7 +24,9 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
     gauge     jaxserve_spec_decode_k (draft tokens per sequence the policy chose last)
   start-up (set once, at health SERVING; ``jaxserve.engine.compile_cache.StartupReport``):
     gauges    jaxserve_startup_seconds, jaxserve_startup_xla_programs_compiled,
-              jaxserve_startup_xla_programs_loaded (from the persistent cache)
+              jaxserve_startup_xla_programs_loaded (from the persistent cache),
+              jaxserve_startup_warmup_seconds (warm-up start to every step program
+              ready: after SERVING with a background warm-up; 0 until then)
   the process (prometheus-client's ``ProcessCollector``, read at each scrape; Linux):
     gauges    jaxserve_process_resident_memory_bytes, jaxserve_process_virtual_memory_bytes,
               jaxserve_process_start_time_seconds, jaxserve_process_open_fds,
@@ -43,6 +45,8 @@ metrics are thread-safe; ``observe_step`` is called by the engine thread only.
 """
 
 from __future__ import annotations
+
+import threading
 
 import prometheus_client as prom
 
@@ -132,6 +136,11 @@ class ServingMetrics:
         self.startup_loaded = g("jaxserve_startup_xla_programs_loaded",
                                 "XLA programs read from the persistent compilation cache "
                                 "before health SERVING.")
+        self._compilations_lock = threading.Lock()
+        self._compilations_seen = 0  # the engine's num_compilations counted so far
+        self.startup_warmup = g("jaxserve_startup_warmup_seconds",
+                                "Warm-up start to every step program ready, seconds (0 until "
+                                "then; a background warm-up ends after health SERVING).")
         # RSS, CPU seconds, fds: jaxserve_process_* (standard names, read at each scrape).
         prom.ProcessCollector(namespace="jaxserve", registry=r)
         # Disaggregated prefill/decode (``jaxserve.disagg``; zero elsewhere).
@@ -166,13 +175,13 @@ class ServingMetrics:
                                (self.prefix_queries, "prefix_cache_queries"),
                                (self.preemptions, "num_preemptions"),
                                (self.steps, "num_steps"),
-                               (self.compilations, "num_compilations"),
                                (self.spec_drafts, "spec_num_drafts"),
                                (self.spec_draft_tokens, "spec_num_draft_tokens"),
                                (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
             delta = getattr(stats, field) - (getattr(last, field) if last else 0)
             if delta > 0:
                 counter.inc(delta)
+        self._observe_compilations(stats.num_compilations)
         before = last.spec_accepted_per_position if last else ()
         for pos, n in enumerate(stats.spec_accepted_per_position):
             delta = n - (before[pos] if pos < len(before) else 0)
@@ -189,6 +198,20 @@ class ServingMetrics:
         self.startup_seconds.set(ready_s)
         self.startup_compiled.set(programs_compiled)
         self.startup_loaded.set(programs_loaded)
+
+    def observe_warmup_done(self, seconds: float, num_compilations: int) -> None:
+        """Record that every step program is ready, ``seconds`` after the
+        warm-up began, and the engine's compilations so far (a background
+        warm-up's last ones come after the last step; safe beside the
+        engine thread's ``observe_stats``)."""
+        self.startup_warmup.set(seconds)
+        self._observe_compilations(num_compilations)
+
+    def _observe_compilations(self, total: int) -> None:
+        with self._compilations_lock:
+            if total > self._compilations_seen:
+                self.compilations.inc(total - self._compilations_seen)
+                self._compilations_seen = total
 
     def observe_finished(self, out) -> None:
         """Record a finished ``RequestOutput``: latencies and lengths, and the

@@ -5,6 +5,8 @@ so later traffic compiles nothing, and ``--mode serve`` reports ready only
 after that."""
 
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -85,6 +87,43 @@ def test_warmup_compiles_every_shape_once(make_tiny_llm):
     assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
 
 
+def test_background_warmup_never_makes_a_step_wait(make_tiny_llm):
+    """``warmup(background=True)`` compiles the smallest buckets, then the
+    rest in a thread (slowed here so traffic overlaps it); meanwhile the
+    scheduler keeps every step within the ready buckets, so no step traces
+    a program on the engine's thread."""
+    llm = make_tiny_llm(max_num_seqs=8, max_num_batched_tokens=32)
+    e = llm.engine
+    traced_on, caps_seen = [], []
+    real_step, real_compile, real_schedule = e.runner._step, e.runner._compile_plans, \
+        e.scheduler.schedule
+
+    def step(*a):
+        traced_on.append(threading.current_thread().name)
+        return real_step(*a)
+
+    def slow_compile(plans):
+        time.sleep(0.3)
+        return real_compile(plans)
+
+    def schedule(*a, **k):
+        caps_seen.append(e.scheduler.caps)
+        return real_schedule(*a, **k)
+    e.runner._step, e.runner._compile_plans, e.scheduler.schedule = step, slow_compile, schedule
+    e.warmup(background=True)
+    assert e.scheduler.caps == (1, 16) and not e.warmup_done.is_set()
+    n0 = len(traced_on)
+    outs = _mixed_traffic(llm)
+    assert any(c is not None and c[0] < 8 for c in caps_seen), caps_seen  # overlapped
+    assert e.warmup_done.wait(120) and e.warmup_error is None
+    assert e.scheduler.caps is None
+    assert set(traced_on[n0:]) == {"jaxserve-warmup"}, traced_on
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
+    before = e.runner.num_compilations
+    _mixed_traffic(llm)
+    assert e.runner.num_compilations == before
+
+
 @pytest.fixture(scope="module")
 def long_gguf(tmp_path_factory):
     """A tiny random Llama GGUF with room for 2,000-token prompts."""
@@ -116,30 +155,64 @@ def _burst(target):
         return jobs, list(pool.map(lambda kw: c.complete(timeout=600, **kw), jobs))
 
 
+def _check_burst(jobs, results):
+    for kw, res in zip(jobs, results):
+        assert len(res.completions) == kw.get("n", 1), kw
+        for c in res.completions:
+            assert c.token_ids, kw
+            if "stop" not in kw:
+                assert len(c.token_ids) == kw["max_tokens"], kw
+            if kw.get("logprobs"):
+                assert len(c.logprobs) == len(c.token_ids), kw
+
+
+SERVE_ARGS = ["--max_num_seqs", "16", "--max_num_batched_tokens", "128", "--num_pages", "512",
+              "--page_size", "16"]
+
+
 @pytest.mark.slow
 def test_serve_compiles_before_serving_and_a_mixed_burst_compiles_nothing(long_gguf):
-    """With warm-up on, the server logs the compilation of every step shape
-    before it reports serving, and a mixed burst afterwards compiles no XLA
-    program (``/metrics``)."""
+    """With the whole warm-up before SERVING (--nowarmup_in_background), the
+    server logs the compilation of every step shape before it reports
+    serving, and a mixed burst afterwards compiles no XLA program
+    (``/metrics``)."""
     from server_util import ServerProcess
-    s = ServerProcess(["--model", long_gguf, "--max_num_seqs", "16", "--max_num_batched_tokens",
-                       "128", "--num_pages", "512", "--page_size", "16"], warmup=True)
+    s = ServerProcess(["--model", long_gguf, "--nowarmup_in_background", *SERVE_ARGS],
+                      warmup=True)
     try:
         log = "".join(s.lines)
         compiled = re.search(r"compiled (\d+) step shapes in [\d.]+ s", log)
         assert compiled and int(compiled.group(1)) == len(decode_buckets(16) +
                                                           prefill_buckets(128))
-        assert log.index("compiling") < log.index("jaxserve: serving")
+        assert log.index("compiled") < log.index("jaxserve: serving")
         before = s.metrics()["jaxserve_xla_compilations_total"]
         jobs, results = _burst(s.target)
-        for kw, res in zip(jobs, results):
-            assert len(res.completions) == kw.get("n", 1), kw
-            for c in res.completions:
-                assert c.token_ids, kw
-                if "stop" not in kw:
-                    assert len(c.token_ids) == kw["max_tokens"], kw
-                if kw.get("logprobs"):
-                    assert len(c.logprobs) == len(c.token_ids), kw
+        _check_burst(jobs, results)
+        assert s.metrics()["jaxserve_xla_compilations_total"] == before
+    finally:
+        s.kill()
+
+
+@pytest.mark.slow
+def test_background_warmup_serves_at_once_and_compiles_nothing_after(long_gguf):
+    """The default warm-up turns SERVING after the smallest decode and
+    prefill steps; a burst then is served while the rest compile (steps
+    kept within the ready buckets), the end of the warm-up is logged and
+    in ``/metrics``, and a second burst after it compiles nothing."""
+    from server_util import ServerProcess
+    s = ServerProcess(["--model", long_gguf, *SERVE_ARGS], warmup=True)
+    try:
+        log = "".join(s.lines)
+        assert "the rest in the background" in log
+        assert "compiled 15 step shapes" not in log.split("jaxserve: serving")[0]
+        _check_burst(*_burst(s.target))  # while the larger buckets compile
+        done = threading.Event()
+        t_end = time.monotonic() + 300
+        while not re.search(r"compiled 15 step shapes in [\d.]+ s", "".join(s.lines)):
+            assert time.monotonic() < t_end and not done.wait(0.2), "".join(s.lines[-20:])
+        assert s.metrics()["jaxserve_startup_warmup_seconds"] > 0
+        before = s.metrics()["jaxserve_xla_compilations_total"]
+        _check_burst(*_burst(s.target))
         assert s.metrics()["jaxserve_xla_compilations_total"] == before
     finally:
         s.kill()

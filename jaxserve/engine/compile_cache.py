@@ -246,6 +246,22 @@ def process_rss_bytes(pid: int | str = "self") -> int | None:
     return None
 
 
+def trim_host_heap() -> bool:
+    """Hand the C heap's free memory back to the OS (glibc ``malloc_trim(0)``).
+
+    Loading a checkpoint frees gigabytes of host buffers (dequantized
+    weights, their copies on the way to the device, stacking the layers);
+    glibc keeps most of that in its heap, where it counts in RSS though
+    nothing uses it (SmolLM2-135M f32: 1.7 GB resident after the load,
+    0.8 GB after a trim). Returns False where there is no glibc.
+    """
+    try:
+        import ctypes
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 _IMPORTED_AT = time.monotonic()
 
 
@@ -321,5 +337,5 @@ def parse_line(text: str) -> dict | None:
 
 
 __all__ = ["AUTO", "ProgramCounts", "StartupReport", "active_dir", "counts", "default_dir",
-           "enable", "install", "parse_line", "process_age_s", "process_rss_bytes",
+           "enable", "install", "parse_line", "process_age_s", "process_rss_bytes", "trim_host_heap",
            "resolve_dir"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -243,6 +244,14 @@ class Engine:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.last_step: StepInfo | None = None  # the latest step's shape and time
+        compile_cache.trim_host_heap()  # the load's freed host buffers back to the OS
+        # warmup(background=True): set when every step program is ready (set
+        # now: nothing is pending before a warm-up); warmup_programs counts
+        # the programs traced, warmup_error holds a background failure.
+        self.warmup_done = threading.Event()
+        self.warmup_done.set()
+        self.warmup_programs = 0
+        self.warmup_error: Exception | None = None
 
     # ---- requests -----------------------------------------------------------
 
@@ -551,21 +560,32 @@ class Engine:
         steps reach listed once."""
         return sorted({T for _, T in self.runner.step_buckets()})
 
-    def warmup(self, on_compiled=None, max_tokens: int | None = None) -> int:
+    def warmup(self, on_compiled=None, max_tokens: int | None = None,
+               background: bool = False) -> int:
         """Compile every step program this engine can reach
         (``ModelRunner.step_buckets``) before serving, so no request waits
         on XLA; with ``compilation_cache_dir`` set, a second start loads
-        them from disk (``compile_cache`` counts which). Prompt-logprob
-        steps and penalty tensor widths still compile on first use.
-        ``on_compiled(i, T, seconds)`` reports progress. ``max_tokens``:
+        them from disk (``compile_cache`` counts which). Each bucket's
+        sampling (plain and penalised) and prompt-logprob programs come with
+        it (``ModelRunner.warmup``). ``on_compiled(i, T, seconds)`` reports
+        progress. ``max_tokens``:
         only the programs of steps of at most this many tokens (every bucket
         below it and the one holding it), for a known batch (the CLI demo:
         its prompt tokens plus one per sequence; a step past it, after a
-        preemption, compiles on first use). Returns the compilations it caused.
+        preemption, compiles on first use). ``background``: compile only
+        the smallest decode and prefill buckets now and the rest, smallest
+        first, in a daemon thread (``warmup_done`` is set at its end), while
+        the scheduler keeps every step within the buckets ready so far
+        (``Scheduler.caps``), so a step never waits on a compile; a
+        one-process engine without speculation only (otherwise all now).
+        Returns the compilations it caused (before returning).
 
         Raises:
           MultihostError: a multi-host step failed.
         """
+        if background and max_tokens is None and self.speculator is None \
+                and self.runner.channel is None:
+            return self._warmup_in_background(on_compiled)
         def wanted(runner):  # (decode, T) buckets, ascending T within each kind
             buckets = runner.step_buckets()
             if max_tokens is None:
@@ -580,6 +600,43 @@ class Engine:
         draft = self.speculator.draft if self.speculator is not None else None
         if draft is not None:  # the draft model's steps have the same buckets
             n += draft.runner.warmup(wanted(draft.runner))
+        compile_cache.trim_host_heap()  # compilers' scratch back to the OS
+        self.warmup_done.set()
+        return n
+
+    def _warmup_in_background(self, on_compiled=None) -> int:
+        """``warmup(background=True)``: the smallest decode and prefill
+        buckets now, the rest in ascending T (prefill first at a tie, so the
+        row cap never passes the token cap) in a daemon thread that raises
+        ``Scheduler.caps`` after each bucket and lifts them at the end."""
+        buckets = sorted(self.runner.step_buckets(), key=lambda b: (b[1], b[0]))
+        first = [next(b for b in buckets if b[0]), next(b for b in buckets if not b[0])]
+        ready = list(first)
+
+        def caps():
+            return (max(T for d, T in ready if d), max(T for d, T in ready if not d))
+        self.warmup_done.clear()
+        n = self.runner.warmup(first, on_compiled=on_compiled)
+        self.scheduler.caps = caps()
+
+        def rest():
+            try:
+                for i, b in enumerate(b for b in buckets if b not in first):
+                    t0 = time.monotonic()
+                    self.warmup_programs += self.runner.warmup([b])
+                    ready.append(b)
+                    self.scheduler.caps = caps()
+                    if on_compiled is not None:
+                        on_compiled(len(first) + i, b[1], time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001 - a failed compile keeps today's caps
+                self.warmup_error = e
+            else:
+                self.scheduler.caps = None
+                compile_cache.trim_host_heap()
+            finally:
+                self.warmup_done.set()
+        self.warmup_programs = n
+        threading.Thread(target=rest, name="jaxserve-warmup", daemon=True).start()
         return n
 
     # ---- multi-host ---------------------------------------------------------
@@ -899,7 +956,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", seed: int = 0,
                  page_size: int = 16, num_pages: int | None = None,
-                 kv_cache_memory_bytes: int = 1 << 30, max_num_seqs: int = 64,
+                 kv_cache_memory_bytes: int = 512 << 20, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  compilation_cache_dir: str | None = compile_cache.AUTO,

@@ -253,6 +253,11 @@ class ModelRunner:
                            jnp.zeros(shape[:4], jnp.float32, device=self.scale_sharding)
                            if quantized else None)
         self.k_stack, self.v_stack = stacked_cache(), stacked_cache()
+        self._kv_specs = jax.tree.map(  # what an ahead-of-time compile lowers against
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            (self.k_stack, self.v_stack))
+        self._warm_rows: set[int] = set()  # S whose penalised sampling a warm-up compiled
+        self._compiled_sampling: set = set()  # (S, M) sampling programs compiled ahead
         caches = KVPages(self.kv_sharding, self.scale_sharding)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # An MoE model also returns its expert load (jaxserve.models.moe).
@@ -609,13 +614,11 @@ class ModelRunner:
           MultihostError: a multi-host warm-up step failed.
         """
         before = self.num_compilations
-        sampled_rows = set()
-        self._compiled_sampling = set()
         for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
             t0 = time.monotonic()
             plans = [self.empty_plan(T, 0, decode)]
-            if plans[0].rows not in sampled_rows:
-                sampled_rows.add(plans[0].rows)
+            if plans[0].rows not in self._warm_rows:
+                self._warm_rows.add(plans[0].rows)
                 plans.append(self.empty_plan(T, 0, decode, penalised=True))
             if not decode:
                 plans.append(self.empty_plan(T, 0, decode, prompt_logprobs=True))
@@ -631,10 +634,12 @@ class ModelRunner:
     def _compile_plans(self, plans: list["StepPlan"]) -> None:
         """Compile (or load) the programs ``run`` would launch for plans of
         one step shape without running them: the step once, then each
-        plan's sampling and prompt logprobs (``empty_plan``'s variants)."""
+        plan's sampling and prompt logprobs (``empty_plan``'s variants).
+        Safe beside running steps (a background warm-up): the donated caches
+        enter as their shapes and shardings only."""
         md = plans[0].md
         step = self.decode_step if md.decode_only else self.prefill_step
-        lowered = step.lower(self.state, self.k_stack, self.v_stack, md, plans[0].prev_rows,
+        lowered = step.lower(self.state, *self._kv_specs, md, plans[0].prev_rows,
                              self._no_prev)
         lowered.compile()
         logits_info, *_, x_info = lowered.out_info

@@ -96,6 +96,10 @@ class Scheduler:
         # Pages of finished ``hold_kv`` requests (a prefill worker's), by
         # request id, until ``release``: a decode worker pulls them first.
         self.held: dict[str, list[int]] = {}
+        # While a background warm-up compiles the larger step programs: (most
+        # running sequences, most tokens of a step), both ladder values whose
+        # programs exist, so no step waits on a compile; None: the config's.
+        self.caps: tuple[int, int] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -120,7 +124,10 @@ class Scheduler:
         """
         cfg = self.config
         alloc = self.allocator
-        budget = cfg.max_num_batched_tokens
+        caps = self.caps
+        budget = cfg.max_num_batched_tokens if caps is None else \
+            min(cfg.max_num_batched_tokens, caps[1])
+        max_seqs = cfg.max_num_seqs if caps is None else min(cfg.max_num_seqs, caps[0])
         decode: list[tuple[Request, int]] = []
         prefill: list[tuple[Request, int]] = []
         preempted = False
@@ -168,7 +175,7 @@ class Scheduler:
         skipped: list[Request] = []
         num_drafts = sum(len(d) for d in planned.values())
         while self.waiting and not preempted and budget > 0 \
-                and len(self.running) < cfg.max_num_seqs \
+                and len(self.running) < max_seqs \
                 and (max_slots is None or len(self.running) + num_drafts < max_slots):
             req = self.waiting.popleft()
             if self._gated(req):

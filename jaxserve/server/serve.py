@@ -209,15 +209,21 @@ class Server:
         in a worker thread after the server starts.
       model_name: reported by ``ModelInfo``.
       warmup: compile every step shape the engine can reach
-        (``Engine.warmup``) before health turns SERVING, so no request
-        waits on XLA.
+        (``Engine.warmup``), so no request waits on XLA.
+      background_warmup: with ``warmup``, health turns SERVING once the
+        smallest decode and prefill steps are compiled; the rest compile in
+        the background, steps staying within the ready ones meanwhile
+        (``Engine.warmup(background=True)``; a multi-host or speculative
+        engine compiles all first). A line and ``/metrics`` say when all
+        are ready. False: all before SERVING.
     """
 
     def __init__(self, config: ServerConfig, load_engine: Callable, model_name: str,
-                 warmup: bool = True):
+                 warmup: bool = True, background_warmup: bool = True):
         self.config = config
         self.load_engine = load_engine
         self.warmup = warmup
+        self.background_warmup = warmup and background_warmup
         self.startup: dict[str, float] = {}  # load_s, warmup_s, warmup_compilations
         self.startup_report: compile_cache.StartupReport | None = None  # set at SERVING
         self.metrics = ServingMetrics()
@@ -320,18 +326,20 @@ class Server:
             tokens = [T for d, T in buckets if not d]
             print(f"jaxserve: compiling {len(buckets)} step shapes (decode_step: rows "
                   f"{rows[0]}..{rows[-1]}; prefill_step: tokens {tokens[0]}..{tokens[-1]}) "
-                  f"before serving", file=sys.stderr, flush=True)
+                  + ("the smallest before serving, the rest in the background"
+                     if self.background_warmup else "before serving"),
+                  file=sys.stderr, flush=True)
             t1, before = time.monotonic(), compile_cache.counts()
-            self.startup["warmup_compilations"] = await _in_daemon_thread(engine.warmup)
-            self.startup["warmup_s"] = time.monotonic() - t1
+            await _in_daemon_thread(lambda: engine.warmup(background=self.background_warmup))
             warm = compile_cache.counts() - before
-            # The seconds not in trace/lower/compile/load ran the warm-up steps.
-            print(f"jaxserve: compiled {len(buckets)} step shapes in "
-                  f"{self.startup['warmup_s']:.1f} s ({self.startup['warmup_compilations']} "
-                  f"XLA programs traced: {warm.loaded} loaded from cache, {warm.compiled} "
-                  f"compiled; seconds tracing {warm.trace_s:.1f}, lowering {warm.lower_s:.1f}, "
-                  f"compiling {warm.compile_s:.1f}, loading {warm.load_s:.1f}; persistent "
-                  f"cache: {compile_cache.active_dir() or 'off'})", file=sys.stderr, flush=True)
+            if engine.warmup_done.is_set():
+                self._warmup_done(engine, len(buckets), t1, before)
+            else:  # the line comes when the background thread is done
+                def report_when_done(n=len(buckets)):
+                    engine.warmup_done.wait()
+                    self._warmup_done(engine, n, t1, before)
+                threading.Thread(target=report_when_done, name="jaxserve-warmup-report",
+                                 daemon=True).start()
         if self.config.disagg.role != "both" and self.warmup:  # the handoff's gathers/scatters
             t1 = time.monotonic()
             n = await _in_daemon_thread(engine.runner.warmup_pages)
@@ -369,6 +377,23 @@ class Server:
                                      report.programs.loaded)
         print(f"jaxserve: serving {self.servicer.model_name}: {report.line()}", file=sys.stderr,
               flush=True)
+
+    def _warmup_done(self, engine, num_buckets: int, t0: float, before) -> None:
+        """Report the end of the warm-up: the ``compiled N step shapes`` line
+        (its seconds since the warm-up began, split into tracing, lowering,
+        compiling and loading) and ``startup`` / ``/metrics``."""
+        warm = compile_cache.counts() - before
+        self.startup["warmup_s"] = time.monotonic() - t0
+        self.startup["warmup_compilations"] = engine.warmup_programs
+        self.metrics.observe_warmup_done(self.startup["warmup_s"],
+                                         engine.runner.num_compilations)
+        error = f"; stopped early: {engine.warmup_error}" if engine.warmup_error else ""
+        print(f"jaxserve: compiled {num_buckets} step shapes in {self.startup['warmup_s']:.1f} s "
+              f"({engine.warmup_programs} XLA programs traced: {warm.loaded} loaded from cache, "
+              f"{warm.compiled} compiled; seconds tracing {warm.trace_s:.1f}, lowering "
+              f"{warm.lower_s:.1f}, compiling {warm.compile_s:.1f}, loading {warm.load_s:.1f}; "
+              f"persistent cache: {compile_cache.active_dir() or 'off'}){error}",
+              file=sys.stderr, flush=True)
 
     def _on_fatal(self, error: Exception) -> None:
         """The multi-host job failed: stop serving, exit non-zero."""
@@ -465,14 +490,15 @@ async def _in_daemon_thread(fn: Callable):
 
 
 def serve(config: ServerConfig, load_engine: Callable, model_name: str,
-          warmup: bool = True) -> None:
-    """Blocking entry point of ``--mode serve`` (``warmup`` as in ``Server``).
+          warmup: bool = True, background_warmup: bool = True) -> None:
+    """Blocking entry point of ``--mode serve`` (``warmup`` and
+    ``background_warmup`` as in ``Server``).
 
     Raises:
       ValueError: bad TLS files, an unbindable host or port (gRPC or
         metrics), or a model that fails to load; the message names the flag.
     """
-    server = Server(config, load_engine, model_name, warmup)
+    server = Server(config, load_engine, model_name, warmup, background_warmup)
     clean = asyncio.run(server.run())
     ae = server.async_engine
     if ae is not None and clean and server.exit_code == 0 and ae.engine.runner.channel is not None:
