@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,15 +48,18 @@ def _warmup_line(log: str) -> tuple[int, int]:
 def test_second_start_loads_every_program(tiny_gguf, xla_dir):
     from server_util import ServerProcess
     reports, metrics = [], None
-    for start in ("cold", "warm"):
+    for start in ("cold", "warm"):  # the warm-up in the background (the default)
         s = ServerProcess(["--model", tiny_gguf, *SMALL, "--compilation_cache_dir", xla_dir],
                           warmup=True, timeout_s=600)
         try:
-            log = "".join(s.lines)
             line = next(l for l in s.lines if l.startswith("jaxserve: serving"))
             report = parse_line(line)
             assert report is not None, line
-            reports.append((report, _warmup_line(log)))
+            t_end = time.monotonic() + 600  # the warm-up line comes at its end
+            while not re.search(r"compiled \d+ step shapes in", "".join(s.lines)):
+                assert time.monotonic() < t_end and s.proc.poll() is None, "".join(s.lines)
+                time.sleep(0.1)
+            reports.append((report, _warmup_line("".join(s.lines))))
             if start == "warm":
                 metrics = s.metrics()
         finally:
@@ -65,8 +69,8 @@ def test_second_start_loads_every_program(tiny_gguf, xla_dir):
     assert cold_warmup[1] > 0
     # The second start compiled nothing, step programs or any other.
     assert warm["compiled"] == 0, warm
-    assert warm["loaded"] == warm["programs"] == cold["programs"]
-    assert warm_warmup == (cold_warmup[1], 0)
+    assert warm["loaded"] == warm["programs"] > 0
+    assert warm_warmup == (sum(cold_warmup), 0)
     assert warm["ready_s"] > 0 and warm["rss_bytes"] > 0
     # The same figures in /metrics, and the process's RSS.
     assert metrics["jaxserve_startup_xla_programs_compiled"] == 0
