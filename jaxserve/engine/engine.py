@@ -244,7 +244,10 @@ class Engine:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.last_step: StepInfo | None = None  # the latest step's shape and time
-        compile_cache.trim_host_heap()  # the load's freed host buffers back to the OS
+        # The load's host buffers (HF-named params, unstacked layers) are
+        # garbage now: drop the last references, then hand them to the OS.
+        params = loaded = model = draft = parts = None  # noqa: F841
+        compile_cache.trim_host_heap()
         # warmup(background=True): set when every step program is ready (set
         # now: nothing is pending before a warm-up); warmup_programs counts
         # the programs traced, warmup_error holds a background failure.
