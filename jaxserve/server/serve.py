@@ -213,8 +213,8 @@ class Server:
       background_warmup: with ``warmup``, health turns SERVING once the
         smallest decode and prefill steps are compiled; the rest compile in
         the background, steps staying within the ready ones meanwhile
-        (``Engine.warmup(background=True)``; a multi-host or speculative
-        engine compiles all first). A line and ``/metrics`` say when all
+        (``Engine.warmup(background=True)``; a multi-host, speculative or
+        disaggregated engine compiles all first). A line and ``/metrics`` say when all
         are ready. False: all before SERVING.
     """
 
@@ -223,7 +223,9 @@ class Server:
         self.config = config
         self.load_engine = load_engine
         self.warmup = warmup
-        self.background_warmup = warmup and background_warmup
+        # A disaggregated worker warms up whole: KV handed over from a prefill
+        # worker joins the running set past the scheduler's admission caps.
+        self.background_warmup = warmup and background_warmup and config.disagg.role == "both"
         self.startup: dict[str, float] = {}  # load_s, warmup_s, warmup_compilations
         self.startup_report: compile_cache.StartupReport | None = None  # set at SERVING
         self.metrics = ServingMetrics()
