@@ -337,7 +337,12 @@ def _warmup(engine, reqs) -> None:
     print(f"jaxserve: compiling the step programs of steps up to {tokens} tokens before the "
           f"first request (--nowarmup: each on its first step)", file=sys.stderr, flush=True)
     before = compile_cache.counts()
-    engine.warmup(max_tokens=tokens)
+    # Decode rows: one per sequence; the demo's requests take no penalties
+    # and no prompt logprobs (such a request compiles its sampling on first use).
+    engine.warmup(max_tokens=tokens, max_rows=sum(p.n for _, _, p in reqs),
+                  variants=any(p.presence_penalty or p.frequency_penalty
+                               or p.repetition_penalty != 1 or p.prompt_logprobs
+                               for _, _, p in reqs))
     report = compile_cache.StartupReport.now(compile_cache.counts() - before)
     print(f"jaxserve: {report.line()}", file=sys.stderr, flush=True)
 

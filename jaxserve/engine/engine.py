@@ -564,7 +564,8 @@ class Engine:
         return sorted({T for _, T in self.runner.step_buckets()})
 
     def warmup(self, on_compiled=None, max_tokens: int | None = None,
-               background: bool = False) -> int:
+               background: bool = False, max_rows: int | None = None,
+               variants: bool = True) -> int:
         """Compile every step program this engine can reach
         (``ModelRunner.step_buckets``) before serving, so no request waits
         on XLA; with ``compilation_cache_dir`` set, a second start loads
@@ -575,7 +576,10 @@ class Engine:
         only the programs of steps of at most this many tokens (every bucket
         below it and the one holding it), for a known batch (the CLI demo:
         its prompt tokens plus one per sequence; a step past it, after a
-        preemption, compiles on first use). ``background``: compile only
+        preemption, compiles on first use); ``max_rows`` likewise caps the
+        decode buckets (a batch of that many sequences). ``variants=False``:
+        only plain sampling, no penalised sampling or prompt logprobs (a
+        known batch without them). ``background``: compile only
         the smallest decode and prefill buckets now and the rest, smallest
         first, in a daemon thread (``warmup_done`` is set at its end), while
         the scheduler keeps every step within the buckets ready so far
@@ -586,23 +590,24 @@ class Engine:
         Raises:
           MultihostError: a multi-host step failed.
         """
-        if background and max_tokens is None and self.speculator is None \
-                and self.runner.channel is None:
+        if background and max_tokens is None and max_rows is None and variants \
+                and self.speculator is None and self.runner.channel is None:
             return self._warmup_in_background(on_compiled)
+
         def wanted(runner):  # (decode, T) buckets, ascending T within each kind
             buckets = runner.step_buckets()
-            if max_tokens is None:
-                return buckets
             out = []
-            for kind in (True, False):
+            for kind, most in ((True, max_rows), (False, max_tokens)):
                 ts = [T for d, T in buckets if d == kind]
-                cap = next((T for T in ts if T >= max_tokens), ts[-1] if ts else 0)
+                most = max_tokens if most is None else most
+                cap = ts[-1] if most is None or not ts else \
+                    next((T for T in ts if T >= most), ts[-1])
                 out += [(kind, T) for T in ts if T <= cap]
             return out
-        n = self.runner.warmup(wanted(self.runner), on_compiled=on_compiled)
+        n = self.runner.warmup(wanted(self.runner), on_compiled=on_compiled, variants=variants)
         draft = self.speculator.draft if self.speculator is not None else None
         if draft is not None:  # the draft model's steps have the same buckets
-            n += draft.runner.warmup(wanted(draft.runner))
+            n += draft.runner.warmup(wanted(draft.runner), variants=variants)
         compile_cache.trim_host_heap()  # compilers' scratch back to the OS
         self.warmup_done.set()
         return n

@@ -597,7 +597,7 @@ class ModelRunner:
         return ([(True, t) for t in shapes.decode_buckets(self.max_rows)]
                 + [(False, t) for t in shapes.prefill_buckets(self.max_tokens)])
 
-    def warmup(self, buckets=None, on_compiled=None) -> int:
+    def warmup(self, buckets=None, on_compiled=None, variants: bool = True) -> int:
         """Compile every program a step in ``buckets`` (default
         ``step_buckets()``) can need: its step program; sampling for its S
         rows, plain and penalised (``penalty_width``), each one program with
@@ -607,8 +607,9 @@ class ModelRunner:
         runs, and a later call with those shapes finds them); in a
         multi-host job empty plans of those shapes run, so the other
         processes build them too. ``on_compiled(i, T, seconds)`` is called
-        after each bucket. Returns the number of programs traced (each
-        compiled, or loaded from the persistent cache).
+        after each bucket. ``variants=False``: plain sampling only (no
+        penalised sampling, no prompt logprobs). Returns the number of
+        programs traced (each compiled, or loaded from the persistent cache).
 
         Raises:
           MultihostError: a multi-host warm-up step failed.
@@ -617,10 +618,10 @@ class ModelRunner:
         for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
             t0 = time.monotonic()
             plans = [self.empty_plan(T, 0, decode)]
-            if plans[0].rows not in self._warm_rows:
+            if variants and plans[0].rows not in self._warm_rows:
                 self._warm_rows.add(plans[0].rows)
                 plans.append(self.empty_plan(T, 0, decode, penalised=True))
-            if not decode:
+            if variants and not decode:
                 plans.append(self.empty_plan(T, 0, decode, prompt_logprobs=True))
             if self.channel is None:
                 self._compile_plans(plans)
