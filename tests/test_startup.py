@@ -158,3 +158,41 @@ def test_report_line_round_trips():
     d = later - p
     assert (d.programs, d.loaded, d.compiled, d.compiled_names) == (3, 1, 2, (("jit(_step)", 2),))
     assert compile_cache.process_rss_bytes() > 0 and compile_cache.process_age_s() > 0
+
+
+def test_a_second_engine_loads_serialized_programs_without_tracing(make_tiny_llm):
+    """The executable store: a second engine of the same config loads every
+    warm-up program (no trace, no lowering) and generates the same greedy
+    and seeded tokens as the first; another config misses the store."""
+    from jaxserve import SamplingParams
+    # Shapes no other test uses: an executable another test's engine built
+    # in this process is never saved (it may have come from JAX's cache).
+    kw = dict(max_num_seqs=5, max_num_batched_tokens=20, num_pages=97)
+    first = make_tiny_llm(**kw)
+    first.engine.warmup()
+    assert first.engine.runner._executable_store() is not None
+    second = make_tiny_llm(**kw)
+    r = second.engine.runner
+    traced = r.num_compilations
+    ready = second.engine.warmup()
+    # Every step and sampling program loaded, untraced. (Prompt-logprob
+    # programs are saved only when XLA compiled them afresh in that thread;
+    # here they are not, and the second engine traces them: 2 programs, each
+    # traced once to lower and once for the step's result shapes.)
+    assert r.num_loaded_programs == len(r.step_buckets()) + 2 * len(r._warm_rows)
+    assert r.num_compilations - traced <= 4
+    assert len(r._programs) == r.num_loaded_programs + 2
+    assert ready == r.num_loaded_programs + r.num_compilations - traced
+    traced = r.num_compilations
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 9, 23)]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True,
+                             repetition_penalty=1.3),
+              SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=1,
+                             ignore_eos=True)]
+    a = [[c.token_ids for c in o.outputs] for o in first.generate(prompts, params)]
+    b = [[c.token_ids for c in o.outputs] for o in second.generate(prompts, params)]
+    assert a == b
+    assert r.num_compilations == traced  # the traffic ran the loaded programs
+    other = make_tiny_llm(max_num_seqs=2, max_num_batched_tokens=20, num_pages=97).engine.runner
+    assert other._executable_store().folder != r._executable_store().folder

@@ -117,7 +117,7 @@ def test_background_warmup_never_makes_a_step_wait(make_tiny_llm):
     assert any(c is not None and c[0] < 8 for c in caps_seen), caps_seen  # overlapped
     assert e.warmup_done.wait(120) and e.warmup_error is None
     assert e.scheduler.caps is None
-    assert set(traced_on[n0:]) == {"jaxserve-warmup"}, traced_on
+    assert set(traced_on[n0:]) <= {"jaxserve-warmup"}, traced_on  # none on the engine thread
     assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
     before = e.runner.num_compilations
     _mixed_traffic(llm)

@@ -194,6 +194,8 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
     if event == _BACKEND_COMPILE:
         hit = getattr(_thread, "hit", False)
         _thread.hit = False
+        if not hit:
+            _thread.fresh = getattr(_thread, "fresh", 0) + 1
         with _lock:
             _totals["programs"] += 1
             if hit:
@@ -205,6 +207,21 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
     elif event in (_TRACE, _LOWER):
         with _lock:
             _totals["trace_s" if event == _TRACE else "lower_s"] += seconds
+
+
+def fresh_compiles_in_thread() -> int:
+    """Executables XLA compiled in this thread (not read from the persistent
+    cache) since ``install``."""
+    return getattr(_thread, "fresh", 0)
+
+
+def note_loaded(seconds: float) -> None:
+    """Count one program loaded without JAX's cache (``executables``: a
+    serialized executable deserialized in ``seconds``) as loaded from cache."""
+    with _lock:
+        _totals["programs"] += 1
+        _totals["loaded"] += 1
+        _totals["load_s"] += seconds
 
 
 def install() -> None:
@@ -337,5 +354,5 @@ def parse_line(text: str) -> dict | None:
 
 
 __all__ = ["AUTO", "ProgramCounts", "StartupReport", "active_dir", "counts", "default_dir",
-           "enable", "install", "parse_line", "process_age_s", "process_rss_bytes", "trim_host_heap",
-           "resolve_dir"]
+           "enable", "fresh_compiles_in_thread", "install", "note_loaded", "parse_line",
+           "process_age_s", "process_rss_bytes", "resolve_dir", "trim_host_heap"]

@@ -53,6 +53,8 @@ model is traced under the mesh's abstract mesh, which an MoE block's
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
 
 import jax
@@ -61,8 +63,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.engine import multihost
+from jaxserve.engine import compile_cache, multihost
 from jaxserve.engine.async_step import merge_input_ids
+from jaxserve.engine.executables import ExecutableStore, fingerprint, fresh_compile
 from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
@@ -257,7 +260,10 @@ class ModelRunner:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             (self.k_stack, self.v_stack))
         self._warm_rows: set[int] = set()  # S whose penalised sampling a warm-up compiled
-        self._compiled_sampling: set = set()  # (S, M) sampling programs compiled ahead
+        # Programs made ready ahead of time (warmup), by name: run calls them.
+        self._programs: dict[str, jax.stages.Compiled] = {}
+        self._store: ExecutableStore | None | bool = None  # _executable_store; False: off
+        self.num_loaded_programs = 0  # of them, deserialized from the store
         caches = KVPages(self.kv_sharding, self.scale_sharding)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # An MoE model also returns its expert load (jaxserve.models.moe).
@@ -614,7 +620,7 @@ class ModelRunner:
         Raises:
           MultihostError: a multi-host warm-up step failed.
         """
-        before = self.num_compilations
+        before = self.num_compilations + self.num_loaded_programs
         for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
             t0 = time.monotonic()
             plans = [self.empty_plan(T, 0, decode)]
@@ -630,29 +636,94 @@ class ModelRunner:
                     self._execute_plan(plan)
             if on_compiled is not None:
                 on_compiled(i, T, time.monotonic() - t0)
-        return self.num_compilations - before
+        return self.num_compilations + self.num_loaded_programs - before
 
     def _compile_plans(self, plans: list["StepPlan"]) -> None:
-        """Compile (or load) the programs ``run`` would launch for plans of
-        one step shape without running them: the step once, then each
-        plan's sampling and prompt logprobs (``empty_plan``'s variants).
-        Safe beside running steps (a background warm-up): the donated caches
-        enter as their shapes and shardings only."""
+        """Make ready the programs ``run`` would launch for plans of one step
+        shape without running them: the step once, then each plan's sampling
+        and prompt logprobs (``empty_plan``'s variants). Each is loaded from
+        the executable store when it has it, else lowered and compiled
+        (``jit(...).lower(...).compile()``, which the persistent cache may
+        serve) and saved there. Safe beside running steps (a background
+        warm-up): the donated caches enter as their shapes and shardings."""
         md = plans[0].md
+        T = md.input_ids.shape[0]
         step = self.decode_step if md.decode_only else self.prefill_step
-        lowered = step.lower(self.state, *self._kv_specs, md, plans[0].prev_rows,
-                             self._no_prev)
-        lowered.compile()
-        logits_info, *_, x_info = lowered.out_info
+        args = (self.state, *self._kv_specs, md, plans[0].prev_rows, self._no_prev)
+        self._program(self._step_name(md.decode_only, T), lambda: step.lower(*args))
+        outs = []  # the step's result shapes, traced only when a program below is missing
+
+        def out_info():
+            if not outs:
+                outs.append(jax.eval_shape(step, *args))
+            return outs[0]
         for plan in plans:
-            key = (plan.rows, plan.sampling.output_ids.shape)
-            if key not in self._compiled_sampling:  # shared by every T of S rows
-                self._compiled_sampling.add(key)
-                self._postprocess.lower(logits_info, plan.sampling, plan.rows,
-                                        np.bool_(plan.num_top > 0)).compile()
+            self._program(self._sampling_name(plan.rows, plan.sampling),
+                          lambda p=plan: self._postprocess.lower(
+                              out_info()[0], p.sampling, p.rows, np.bool_(p.num_top > 0)))
             if plan.targets.shape[0]:
-                self._prompt_logprobs.lower(self.state, x_info, plan.targets,
-                                            plan.num_top).compile()
+                self._program(f"prompt-logprobs-{T}-top{plan.num_top}",
+                              lambda p=plan: self._prompt_logprobs.lower(
+                                  self.state, out_info()[-1], p.targets, p.num_top))
+
+    @staticmethod
+    def _step_name(decode: bool, T: int) -> str:
+        return f"{'decode' if decode else 'prefill'}-step-{T}"
+
+    @staticmethod
+    def _sampling_name(rows: int, st: SamplingTensors) -> str:
+        return f"sampling-{rows}-m{st.output_ids.shape[1]}-mp{st.prompt_ids.shape[1]}"
+
+    def _program(self, name: str, lower):
+        """The ready program ``name``: made before, loaded from the store, or
+        ``lower()``-ed and compiled (then saved to the store)."""
+        exe = self._programs.get(name)
+        if exe is not None:
+            return exe
+        store = self._executable_store()
+        exe = store.load(name) if store is not None else None
+        if exe is not None:
+            self.num_loaded_programs += 1
+        elif store is None:
+            exe = lower().compile()
+        else:
+            # Save only what XLA compiled here and now: an executable JAX's
+            # persistent cache returned (now or earlier in this process, then
+            # kept in memory) serializes without its kernels on CPU.
+            fresh = compile_cache.fresh_compiles_in_thread()
+            with fresh_compile():
+                exe = lower().compile()
+            if compile_cache.fresh_compiles_in_thread() > fresh:
+                store.save(name, exe)
+        self._programs[name] = exe
+        return exe
+
+    def _executable_store(self) -> ExecutableStore | None:
+        """This runner's store of serialized programs under the persistent
+        cache folder (``executables``), or None: the cache is off, or a
+        multi-host job (whose programs every process must build alike)."""
+        if self._store is False:
+            return None
+        if self._store is None:
+            folder = compile_cache.active_dir()
+            if folder is None or self.channel is not None:
+                self._store = False
+                return None
+            leaves = [(jax.tree_util.keystr(path), a.shape, str(a.dtype),
+                       str(getattr(a.sharding, "spec", a.sharding)))
+                      for path, a in jax.tree_util.tree_flatten_with_path(
+                          (self.state, self._kv_specs))[0]]
+            # The graph's static fields (attention path, windows, activations), without
+            # the addresses its function reprs carry.
+            graph = re.sub(r" at 0x[0-9a-f]+", "", str(self.graphdef))
+            key = fingerprint(graph, dataclasses.asdict(self.model_config),
+                              leaves, dict(self.mesh.shape),
+                              [d.id for d in self.mesh.devices.flat], self.num_pages,
+                              self.page_size, self.pages_per_row, self.max_rows,
+                              self.max_tokens, self.penalty_width, self.has_expert_load)
+            self._store = ExecutableStore(os.path.join(folder, "executables"), key,
+                                          self.mesh.devices.flat)
+        return self._store
 
     def follow(self) -> int:
         """A multi-host job's other processes: run every step process 0
@@ -687,13 +758,20 @@ class ModelRunner:
         plans in the same order, so each one's previous sampled ids (what
         ``plan.prev_rows`` index) are the same."""
         prev_ids = self._prev_ids if plan.uses_prev else self._no_prev
-        out = self.step_fn(self.state, self.k_stack, self.v_stack, plan.md, plan.prev_rows,
-                           prev_ids)
+        md, T = plan.md, plan.md.input_ids.shape[0]
+        step = self._programs.get(self._step_name(md.decode_only, T))  # warmed up ahead
+        out = (step or self.step_fn)(self.state, self.k_stack, self.v_stack, md, plan.prev_rows,
+                                     prev_ids)
         logits, self.k_stack, self.v_stack, *load, x_DT = out
-        so, self._prev_ids = self._postprocess(logits, plan.sampling, plan.rows,
-                                               np.bool_(plan.num_top > 0))
-        plp = self._prompt_logprobs(self.state, x_DT, plan.targets, plan.num_top) \
-            if plan.targets.shape[0] else None
+        want_top = np.bool_(plan.num_top > 0)
+        sampling = self._programs.get(self._sampling_name(plan.rows, plan.sampling))
+        so, self._prev_ids = sampling(logits, plan.sampling, want_top) if sampling else \
+            self._postprocess(logits, plan.sampling, plan.rows, want_top)
+        plp = None
+        if plan.targets.shape[0]:
+            fn = self._programs.get(f"prompt-logprobs-{T}-top{plan.num_top}")
+            plp = fn(self.state, x_DT, plan.targets) if fn else \
+                self._prompt_logprobs(self.state, x_DT, plan.targets, plan.num_top)
         self.num_launched += 1
         return logits, so, plp, (load[0] if load else None)
 
