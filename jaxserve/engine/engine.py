@@ -528,6 +528,130 @@ class Engine:
         group = self._groups.get(str(request_id))
         return list(group.seqs) if group else []
 
+    # -- read-only views and narrow entry points for the server, the
+    # benchmarks and disaggregation (nothing outside jaxserve/engine/ reaches
+    # into the runner, allocator, scheduler or speculator) --
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page."""
+        return self.allocator.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages in the cache (per layer)."""
+        return self.allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """KV pages free now (cached-but-unreferenced pages count as free)."""
+        return self.allocator.num_free_pages
+
+    @property
+    def kv_occupancy(self) -> float:
+        """Fraction of KV pages in use, 0..1."""
+        return self.allocator.occupancy
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether full pages are kept findable by hash (prefix caching)."""
+        return self.allocator.enable_prefix_caching
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix page (pages in use are kept)."""
+        self.allocator.reset_prefix_cache()
+
+    @property
+    def kv_dtype(self):
+        """The KV cache's dtype (``jnp.dtype``)."""
+        return self.runner.kv_dtype
+
+    @property
+    def devices(self) -> tuple:
+        """The mesh's devices, flat, in mesh order."""
+        return tuple(self.runner.mesh.devices.flat)
+
+    @property
+    def num_compilations(self) -> int:
+        """XLA programs this engine compiled (or loaded) so far."""
+        return self.runner.num_compilations
+
+    @property
+    def num_running(self) -> int:
+        """Sequences scheduled (holding KV pages)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to be admitted."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def weights(self):
+        """The model's parameter state (an ``nnx.State`` pytree of device
+        arrays); read-only use: sizes, bytes per format."""
+        return self.runner.state
+
+    @property
+    def kv_channel(self):
+        """The KV handoff channel of a disaggregated role, or None."""
+        return self.runner.channel
+
+    def kv_page_spec(self, num_pages: int):
+        """``jax.ShapeDtypeStruct``s of ``num_pages`` exported pages
+        (``ModelRunner.page_spec``): what a puller asks for."""
+        return self.runner.page_spec(num_pages)
+
+    def warmup_kv_handoff(self) -> int:
+        """Compile the KV page gather/scatter programs of a handoff
+        (``ModelRunner.warmup_pages``); returns the piece sizes compiled."""
+        return self.runner.warmup_pages()
+
+    @property
+    def speculative(self) -> bool:
+        """Whether this engine speculates (ngram or draft model)."""
+        return self.speculator is not None
+
+    @property
+    def spec_k(self) -> int | None:
+        """Draft tokens per step chosen now, or None without speculation."""
+        return None if self.speculator is None else self.speculator.k
+
+    @property
+    def spec_max_k(self) -> int:
+        """The most draft tokens per step (0 without speculation)."""
+        return 0 if self.speculator is None else self.speculator.max_k
+
+    @property
+    def spec_policy(self):
+        """The speculation policy (``spec_decode.SpecPolicy``) or None."""
+        return None if self.speculator is None else self.speculator.policy
+
+    def warmup_draft(self, counts) -> int:
+        """Compile the draft model's step programs for token counts
+        ``counts``; 0 without a draft model."""
+        if self.speculator is None or self.speculator.draft is None:
+            return 0
+        return self.speculator.draft.runner.warmup(counts)
+
+    # -- raw step driving, for the benchmarks that time one step shape --
+
+    def allocate_pages(self, n: int) -> list[int]:
+        """Take ``n`` free KV pages (``PageAllocator.allocate``).
+
+        Raises:
+          ValueError: fewer than ``n`` pages are free."""
+        return self.allocator.allocate(n)
+
+    def free_pages(self, page_ids: list[int]) -> None:
+        """Give back pages taken with ``allocate_pages``."""
+        self.allocator.free(page_ids)
+
+    def execute_batch(self, batch):
+        """Run one prepared ``StepBatch`` through the model and sampler
+        (``ModelRunner.execute``) and return its host result."""
+        return self.runner.execute(batch)
+
     def stats(self) -> EngineStats:
         """Counts for metrics; see ``EngineStats``."""
         a, s = self.allocator, self.scheduler
