@@ -647,10 +647,10 @@ class Engine:
         """Give back pages taken with ``allocate_pages``."""
         self.allocator.free(page_ids)
 
-    def execute_batch(self, batch):
-        """Run one prepared ``StepBatch`` through the model and sampler
-        (``ModelRunner.execute``) and return its host result."""
-        return self.runner.execute(batch)
+    def execute_batch(self, batch, return_logits: bool = False):
+        """Run one ``ScheduledBatch`` through the model and sampler
+        (``ModelRunner.execute``) and return its host ``StepResult``."""
+        return self.runner.execute(batch, return_logits=return_logits)
 
     def stats(self) -> EngineStats:
         """Counts for metrics; see ``EngineStats``."""
