@@ -27,7 +27,7 @@ from conftest import XLA_CACHE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import engine as engine_mod
-from jaxserve.engine.spec_decode import SpecPolicy
+from jaxserve.engine.spec_policy import SpecPolicy
 
 RNG = np.random.default_rng(1)
 # 8 prompts that repeat a 6-token motif (ngram finds matches), 8 random ones,

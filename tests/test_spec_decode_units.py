@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.shapes import bucket
-from jaxserve.engine.spec_decode import SpecPolicy, SpecStats, ngram_propose
+from jaxserve.engine.spec_decode import SpecStats, ngram_propose
+from jaxserve.engine.spec_policy import SpecPolicy
 
 
 def ref_propose(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:

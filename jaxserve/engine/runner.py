@@ -48,14 +48,16 @@ place; XLA inserts the all-reduces of the row-parallel projections. The
 model is traced under the mesh's abstract mesh, which an MoE block's
 ``shard_map`` over ep reads; an MoE model's steps also return its expert load
 (``last_expert_load``, ``StepResult.expert_load``).
+
+Parts kept apart: ``plan.py`` builds the host ``StepPlan`` of a batch and
+holds ``StepResult``; ``programs.py`` (``ProgramsMixin``) the AOT warm-up,
+the table of ready programs ``run`` calls and the executable store;
+``kv_pages.py`` (``KVPagesMixin``) the KV page import/export of a handoff.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import time
 
 import jax
 import jax.numpy as jnp
@@ -63,17 +65,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.engine import compile_cache, multihost
+from jaxserve.engine import multihost, shapes
 from jaxserve.engine.async_step import merge_input_ids
-from jaxserve.engine.executables import ExecutableStore, fingerprint, fresh_compile
+from jaxserve.engine.kv_pages import KVPagesMixin
 from jaxserve.engine.page_table import cdiv
+from jaxserve.engine.plan import (PlanLayout, StepPlan, StepResult, padding_plan, plan_treedef,
+                                  prepare_plan)
+from jaxserve.engine.programs import ProgramsMixin
 from jaxserve.engine.request import MAX_LOGPROBS
-from jaxserve.engine.sampling import (SamplingTensors, make_sampling_tensors, prompt_logprobs,
-                                      sample)
+from jaxserve.engine.sampling import prompt_logprobs, sample
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
-from jaxserve.engine import shapes
-from jaxserve.engine.shapes import bucket
-from jaxserve.models.llama import AttentionMetadata
 from jaxserve.models.stack import stack_layers
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 from pallas_kernels.ragged_paged_attention.quant import KVPages, is_quantized
@@ -104,90 +105,7 @@ def place(tree, shardings):
     return jax.tree.unflatten(treedef, [put(x, s) for x, s in zip(leaves, targets)])
 
 
-@dataclasses.dataclass
-class StepResult:
-    """One step's results on the host; row k is the step's k-th request.
-
-    Attributes:
-      token_ids: i32[n] sampled ids (meaningless for non-final chunks).
-      logprobs, ranks: f32[n], i32[n] raw logprob and 1-based rank of each.
-      top_ids, top_logprobs: i32[n, 20], f32[n, 20] top candidates, or [n, 0]
-        when no request of the step asked for logprobs.
-      prompt_logprobs: request row k -> (lo, hi, [target logprobs f32[m],
-        target ranks i32[m], top ids i32[m, 20], top logprobs f32[m, 20]])
-        for prompt positions lo..hi-1 (m = hi - lo).
-      logits: f32[n, V] last-token logits when asked, else None.
-      expert_load: i32[num_layers, E] real tokens routed to each expert in
-        this step (an MoE model's; None for dense models).
-    """
-
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    ranks: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
-    prompt_logprobs: dict
-    logits: np.ndarray | None = None
-    expert_load: np.ndarray | None = None
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """One step as the host prepares it: everything the jitted functions take
-    besides the params and caches. In a multi-host job process 0 broadcasts
-    ``statics()`` and ``leaves()``; the others rebuild it with ``from_wire``.
-
-    Attributes:
-      decode: every row has one new token: the step runs ``decode_step``
-        (``md.decode_only``), else ``prefill_step``.
-      rows: S, padded rows (each samples one token).
-      num_top: top-N logprobs to compute (0 or ``MAX_LOGPROBS``).
-      md: ``AttentionMetadata`` of numpy i32 arrays (shapes in its docstring).
-      sampling: ``SamplingTensors`` of numpy arrays, R rows.
-      targets: i32[T] prompt-logprob target of each token (the prompt token
-        after it; 0 where none), or i32[0] when no request of the step asks.
-      prev_rows: i32[T] for each token, the row of the previous launched
-        step whose sampled id is its input id (``md.input_ids`` holds 0
-        there), or -1: the host's id (async scheduling).
-      uses_prev: some ``prev_rows`` >= 0 (the step then waits for the
-        previous step's sampling on device).
-      num_requests: n real sampled positions ("slots": one per request,
-        plus one per draft token of a speculating request), the first n
-        rows of the results (host only, process 0).
-      row_slots: per request, its first slot; a speculating request's slots
-        follow it in order, one per draft plus the bonus (host only).
-      plp_spans: request row -> (first token, lo, hi): its prompt logprobs
-        for positions lo..hi-1 are those of tokens first..first+hi-lo-1 of
-        the step (host only, process 0).
-    """
-
-    decode: bool
-    rows: int
-    num_top: int
-    md: AttentionMetadata
-    sampling: SamplingTensors
-    targets: np.ndarray
-    prev_rows: np.ndarray
-    uses_prev: bool = False
-    num_requests: int = 0
-    plp_spans: dict = dataclasses.field(default_factory=dict)
-    row_slots: list = dataclasses.field(default_factory=list)
-
-    def statics(self) -> list[int]:
-        return [int(self.decode), self.rows, self.num_top, int(self.uses_prev)]
-
-    def leaves(self) -> list[np.ndarray]:
-        return jax.tree.leaves((self.md, self.sampling, self.targets, self.prev_rows))
-
-    @classmethod
-    def from_wire(cls, statics, leaves, treedef) -> "StepPlan":
-        md, st, targets, prev_rows = jax.tree.unflatten(treedef, leaves)
-        decode, rows, num_top, uses_prev = statics[:4]
-        md = dataclasses.replace(md, decode_only=bool(decode))
-        return cls(bool(decode), rows, num_top, md, st, targets, prev_rows, bool(uses_prev))
-
-
-class ModelRunner:
+class ModelRunner(ProgramsMixin, KVPagesMixin):
     """Owns the parameters and the paged KV cache and runs steps.
 
     Args:
@@ -240,6 +158,8 @@ class ModelRunner:
         # at most max_model_len (and V) unique ids, so one width, compiled at
         # warm-up, serves every penalised step.
         self.penalty_width = next_pow2(min(max_model_len, cfg.vocab_size))
+        self.layout = PlanLayout(page_size, num_pages, self.pages_per_row, self.max_rows,
+                                 self.max_tokens, self.penalty_width)
         # One KVPages per K and V for every layer: [layers, P, L, K, H] pages
         # (and f32 [layers, P, L, K] scales when quantized), donated into
         # every step and updated in place (models.stack.layer_kv).
@@ -259,11 +179,7 @@ class ModelRunner:
         self._kv_specs = jax.tree.map(  # what an ahead-of-time compile lowers against
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             (self.k_stack, self.v_stack))
-        self._warm_rows: set[int] = set()  # S whose penalised sampling a warm-up compiled
-        # Programs made ready ahead of time (warmup), by name: run calls them.
-        self._programs: dict[str, jax.stages.Compiled] = {}
-        self._store: ExecutableStore | None | bool = None  # _executable_store; False: off
-        self.num_loaded_programs = 0  # of them, deserialized from the store
+        self._init_programs()  # warm-up's table of ready programs (programs.py)
         caches = KVPages(self.kv_sharding, self.scale_sharding)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # An MoE model also returns its expert load (jaxserve.models.moe).
@@ -293,13 +209,7 @@ class ModelRunner:
         # program per token count (not a second copy of the model's step).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, static_argnums=(3,))
         self._all_logits = jax.jit(self._all_logits_fn)  # token_logits: f32[T, V] per T
-        # KV handoff (read_pages / write_pages): replicated page buffers.
-        self._replicated = replicated
-        self._gather_pages = jax.jit(self._gather_pages_fn, out_shardings=replicated)
-        self._scatter_pages = jax.jit(
-            self._scatter_pages_fn, donate_argnums=(0, 1),
-            in_shardings=(caches, caches, replicated, replicated, replicated),
-            out_shardings=(caches, caches))
+        self._init_kv_pages(caches, replicated)  # KV handoff (kv_pages.py)
         # The latest launched step's sampled ids, i32[max_rows] on device
         # (what ``prev_rows`` index), and the launches so far.
         self._no_prev = jnp.zeros(self.max_rows, jnp.int32, device=replicated)
@@ -309,10 +219,7 @@ class ModelRunner:
         self.channel: multihost.StepChannel | None = None
         if jax.process_count() > 1:  # the Engine has checked that the mesh spans the job
             self.channel = multihost.StepChannel()
-        empty_md = AttentionMetadata(*([np.zeros(1, np.int32)] * 10))
-        empty_st = make_sampling_tensors([], 1)
-        self._plan_treedef = jax.tree.structure((empty_md, empty_st, np.zeros(0, np.int32),
-                                                 np.zeros(1, np.int32)))
+        self._plan_treedef = plan_treedef()
 
     @staticmethod
     def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
@@ -428,101 +335,6 @@ class ModelRunner:
         self.num_launched += 1
         return np.asarray(self._all_logits(self.state, x_DT))[:sum(batch.q_lens)]
 
-    # ---- KV pages in and out (disaggregated prefill/decode) -----------------
-
-    @staticmethod
-    def page_pieces(n: int) -> list[int]:
-        """How ``read_pages`` splits n pages: the powers of two of n's binary
-        form, largest first (57 -> [32, 16, 8, 1]); each piece's gather and
-        scatter is compiled once (``warmup_pages``) and the bytes moved are
-        exactly the pages'."""
-        return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
-
-    def read_pages(self, page_ids) -> list[tuple[KVPages, KVPages]]:
-        """A copy of some pages' K and V, for a KV handoff (``jaxserve.disagg``).
-
-        Args:
-          page_ids: n page ids, in the sequence's order.
-
-        Returns:
-          one (k, v) pair of ``KVPages`` per piece of ``page_pieces(n)``, in
-          order; their leaves are contiguous buffers over every layer,
-          ``[num_layers, m, L, K, H]`` in the cache dtype (and f32
-          ``[num_layers, m, L, K]`` scales when quantized) for a piece of m
-          pages, each on one device (the mesh's first): the transfer layout,
-          independent of this mesh's tp.
-        """
-        out, lo = [], 0
-        for m in self.page_pieces(len(page_ids)):
-            idx = jnp.asarray(np.asarray(page_ids[lo:lo + m], np.int32), device=self._replicated)
-            out.append(jax.tree.map(lambda a: a.addressable_shards[0].data,
-                                    self._gather_pages(self.k_stack, self.v_stack, idx)))
-            lo += m
-        return out
-
-    def write_pages(self, page_ids, pieces: list[tuple[KVPages, KVPages]]) -> None:
-        """Write pages read by ``read_pages`` (possibly by another worker,
-        whose mesh may differ) into ``page_ids`` of this cache.
-
-        Raises:
-          ValueError: pieces whose shapes or dtypes do not match this cache
-            for ``len(page_ids)`` pages (a mismatched model or cache dtype).
-        """
-        want = self.page_spec(len(page_ids))
-        if jax.tree.structure(want) != jax.tree.structure(pieces) or any(
-                a.shape != b.shape or a.dtype != b.dtype
-                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(pieces))):
-            raise ValueError(f"KV pages of shapes {[(x.shape, str(x.dtype)) for x in jax.tree.leaves(pieces)]} "
-                             f"do not fit this cache, which needs "
-                             f"{[(x.shape, str(x.dtype)) for x in jax.tree.leaves(want)]}")
-        lo = 0
-        for k, v in pieces:
-            m = jax.tree.leaves(k)[0].shape[1]
-            idx = jnp.asarray(np.asarray(page_ids[lo:lo + m], np.int32), device=self._replicated)
-            k, v = jax.device_put((k, v), self._replicated)
-            self.k_stack, self.v_stack = self._scatter_pages(self.k_stack, self.v_stack, idx,
-                                                             k, v)
-            lo += m
-
-    def warmup_pages(self) -> int:
-        """Compile ``read_pages``' gather and ``write_pages``' scatter for
-        every power-of-two piece up to a whole sequence's pages, so a KV
-        handoff meets no compilation (the scatter writes nothing: every
-        index is out of range). Returns the piece sizes compiled."""
-        sizes = self.page_pieces(2 * next_pow2(self.max_pages_per_seq) - 1)
-        for m in sizes:
-            idx = jnp.asarray(np.zeros(m, np.int32), device=self._replicated)
-            k, v = self._gather_pages(self.k_stack, self.v_stack, idx)
-            drop = jnp.asarray(np.full(m, self.num_pages, np.int32), device=self._replicated)
-            self.k_stack, self.v_stack = self._scatter_pages(self.k_stack, self.v_stack, drop,
-                                                             k, v)
-        jax.block_until_ready(self.k_stack)
-        return len(sizes)
-
-    def page_spec(self, num_pages: int) -> list[tuple[KVPages, KVPages]]:
-        """``jax.ShapeDtypeStruct``s of ``read_pages`` for ``num_pages`` pages
-        (no sharding): what a puller asks for."""
-        return [jax.eval_shape(self._gather_pages_fn, self.k_stack, self.v_stack,
-                               jax.ShapeDtypeStruct((m,), jnp.int32))
-                for m in self.page_pieces(num_pages)]
-
-    @staticmethod
-    def _gather_pages_fn(k_cache, v_cache, idx):
-        """Pages ``idx`` of every layer: [layers, m, L, K, H] (scales [layers, m, L, K])."""
-        def take(c: KVPages) -> KVPages:
-            return KVPages(c.pages_PLKH[:, idx],
-                           None if c.scales_PLK is None else c.scales_PLK[:, idx])
-        return take(k_cache), take(v_cache)
-
-    @staticmethod
-    def _scatter_pages_fn(k_cache, v_cache, idx, k, v):
-        def put(c: KVPages, buf: KVPages) -> KVPages:
-            return KVPages(c.pages_PLKH.at[:, idx].set(buf.pages_PLKH, mode="drop"),
-                           None if c.scales_PLK is None else
-                           c.scales_PLK.at[:, idx].set(buf.scales_PLK, mode="drop"))
-        return put(k_cache, k), put(v_cache, v)
-
-    # ---- host-side metadata -------------------------------------------------
 
     def execute(self, batch: ScheduledBatch, return_logits: bool = False) -> StepResult:
         """Run one step on device.
@@ -576,154 +388,12 @@ class ModelRunner:
             raise self.channel.fail(e) from e
 
     def empty_plan(self, num_tokens: int, num_top: int = 0, decode: bool = False,
-                   penalised: bool = False, prompt_logprobs: bool = False) -> "StepPlan":
-        """A plan of ``num_tokens`` (a bucket value of ``decode_step`` when
-        ``decode``, else of ``prefill_step``) padding tokens and no real
-        row, in the shape a real step of that many tokens gets: running it
-        compiles that program and changes nothing (its K/V writes are
-        dropped). ``penalised``: sampling tensors of a step with a penalised
-        row (``penalty_width``); ``prompt_logprobs``: a target per token and
-        ``MAX_LOGPROBS`` top logprobs, as a step with prompt logprobs has."""
-        T = num_tokens
-        S = min(T, self.max_rows)
-        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        md = AttentionMetadata(z(T), z(T), np.full(T, self.num_pages, np.int32), z(T), z(S),
-                               z(S, self.pages_per_row), z(S + 1), z(1), z(S), z(1), decode)
-        return StepPlan(decode=decode, rows=S,
-                        num_top=MAX_LOGPROBS if prompt_logprobs else num_top, md=md,
-                        sampling=make_sampling_tensors([], S, self.penalty_width, penalised),
-                        targets=z(T if prompt_logprobs else 0),
-                        prev_rows=np.full(T, -1, np.int32))
-
-    def step_buckets(self) -> list[tuple[bool, int]]:
-        """Every step program this runner can reach, as (decode, T):
-        ``decode_step`` for each row bucket up to ``max_rows``, then
-        ``prefill_step`` for each token bucket up to ``max_tokens``
-        (``shapes``)."""
-        return ([(True, t) for t in shapes.decode_buckets(self.max_rows)]
-                + [(False, t) for t in shapes.prefill_buckets(self.max_tokens)])
-
-    def warmup(self, buckets=None, on_compiled=None, variants: bool = True) -> int:
-        """Compile every program a step in ``buckets`` (default
-        ``step_buckets()``) can need: its step program; sampling for its S
-        rows, plain and penalised (``penalty_width``), each one program with
-        and without top-N logprobs; and for a prefill bucket, prompt
-        logprobs over its T tokens. In a one-process job the programs are
-        compiled ahead of time (``jit(...).lower(...).compile()``: nothing
-        runs, and a later call with those shapes finds them); in a
-        multi-host job empty plans of those shapes run, so the other
-        processes build them too. ``on_compiled(i, T, seconds)`` is called
-        after each bucket. ``variants=False``: plain sampling only (no
-        penalised sampling, no prompt logprobs). Returns the number of
-        programs traced (each compiled, or loaded from the persistent cache).
-
-        Raises:
-          MultihostError: a multi-host warm-up step failed.
-        """
-        before = self.num_compilations + self.num_loaded_programs
-        for i, (decode, T) in enumerate(self.step_buckets() if buckets is None else buckets):
-            t0 = time.monotonic()
-            plans = [self.empty_plan(T, 0, decode)]
-            if variants and plans[0].rows not in self._warm_rows:
-                self._warm_rows.add(plans[0].rows)
-                plans.append(self.empty_plan(T, 0, decode, penalised=True))
-            if variants and not decode:
-                plans.append(self.empty_plan(T, 0, decode, prompt_logprobs=True))
-            if self.channel is None:
-                self._compile_plans(plans)
-            else:
-                for plan in plans:
-                    self._execute_plan(plan)
-            if on_compiled is not None:
-                on_compiled(i, T, time.monotonic() - t0)
-        return self.num_compilations + self.num_loaded_programs - before
-
-    def _compile_plans(self, plans: list["StepPlan"]) -> None:
-        """Make ready the programs ``run`` would launch for plans of one step
-        shape without running them: the step once, then each plan's sampling
-        and prompt logprobs (``empty_plan``'s variants). Each is loaded from
-        the executable store when it has it, else lowered and compiled
-        (``jit(...).lower(...).compile()``, which the persistent cache may
-        serve) and saved there. Safe beside running steps (a background
-        warm-up): the donated caches enter as their shapes and shardings."""
-        md = plans[0].md
-        T = md.input_ids.shape[0]
-        step = self.decode_step if md.decode_only else self.prefill_step
-        args = (self.state, *self._kv_specs, md, plans[0].prev_rows, self._no_prev)
-        self._program(self._step_name(md.decode_only, T), lambda: step.lower(*args))
-        outs = []  # the step's result shapes, traced only when a program below is missing
-
-        def out_info():
-            if not outs:
-                outs.append(jax.eval_shape(step, *args))
-            return outs[0]
-        for plan in plans:
-            self._program(self._sampling_name(plan.rows, plan.sampling),
-                          lambda p=plan: self._postprocess.lower(
-                              out_info()[0], p.sampling, p.rows, np.bool_(p.num_top > 0)))
-            if plan.targets.shape[0]:
-                self._program(f"prompt-logprobs-{T}-top{plan.num_top}",
-                              lambda p=plan: self._prompt_logprobs.lower(
-                                  self.state, out_info()[-1], p.targets, p.num_top))
-
-    @staticmethod
-    def _step_name(decode: bool, T: int) -> str:
-        return f"{'decode' if decode else 'prefill'}-step-{T}"
-
-    @staticmethod
-    def _sampling_name(rows: int, st: SamplingTensors) -> str:
-        return f"sampling-{rows}-m{st.output_ids.shape[1]}-mp{st.prompt_ids.shape[1]}"
-
-    def _program(self, name: str, lower):
-        """The ready program ``name``: made before, loaded from the store, or
-        ``lower()``-ed and compiled (then saved to the store)."""
-        exe = self._programs.get(name)
-        if exe is not None:
-            return exe
-        store = self._executable_store()
-        exe = store.load(name) if store is not None else None
-        if exe is not None:
-            self.num_loaded_programs += 1
-        elif store is None:
-            exe = lower().compile()
-        else:
-            # Save only what XLA compiled here and now: an executable JAX's
-            # persistent cache returned (now or earlier in this process, then
-            # kept in memory) serializes without its kernels on CPU.
-            fresh = compile_cache.fresh_compiles_in_thread()
-            with fresh_compile():
-                exe = lower().compile()
-            if compile_cache.fresh_compiles_in_thread() > fresh:
-                store.save(name, exe)
-        self._programs[name] = exe
-        return exe
-
-    def _executable_store(self) -> ExecutableStore | None:
-        """This runner's store of serialized programs under the persistent
-        cache folder (``executables``), or None: the cache is off, or a
-        multi-host job (whose programs every process must build alike)."""
-        if self._store is False:
-            return None
-        if self._store is None:
-            folder = compile_cache.active_dir()
-            if folder is None or self.channel is not None:
-                self._store = False
-                return None
-            leaves = [(jax.tree_util.keystr(path), a.shape, str(a.dtype),
-                       str(getattr(a.sharding, "spec", a.sharding)))
-                      for path, a in jax.tree_util.tree_flatten_with_path(
-                          (self.state, self._kv_specs))[0]]
-            # The graph's static fields (attention path, windows, activations), without
-            # the addresses its function reprs carry.
-            graph = re.sub(r" at 0x[0-9a-f]+", "", str(self.graphdef))
-            key = fingerprint(graph, dataclasses.asdict(self.model_config),
-                              leaves, dict(self.mesh.shape),
-                              [d.id for d in self.mesh.devices.flat], self.num_pages,
-                              self.page_size, self.pages_per_row, self.max_rows,
-                              self.max_tokens, self.penalty_width, self.has_expert_load)
-            self._store = ExecutableStore(os.path.join(folder, "executables"), key,
-                                          self.mesh.devices.flat)
-        return self._store
+                   penalised: bool = False, prompt_logprobs: bool = False) -> StepPlan:
+        """A padding plan of ``num_tokens`` tokens in this runner's shapes
+        (``plan.padding_plan``): running it compiles that program and
+        changes nothing."""
+        return padding_plan(self.layout, num_tokens, num_top, decode, penalised,
+                            prompt_logprobs)
 
     def follow(self) -> int:
         """A multi-host job's other processes: run every step process 0
@@ -759,19 +429,17 @@ class ModelRunner:
         ``plan.prev_rows`` index) are the same."""
         prev_ids = self._prev_ids if plan.uses_prev else self._no_prev
         md, T = plan.md, plan.md.input_ids.shape[0]
-        step = self._programs.get(self._step_name(md.decode_only, T))  # warmed up ahead
-        out = (step or self.step_fn)(self.state, self.k_stack, self.v_stack, md, plan.prev_rows,
-                                     prev_ids)
+        step = self._ready(self._step_name(md.decode_only, T), self.step_fn)  # warmed up ahead
+        out = step(self.state, self.k_stack, self.v_stack, md, plan.prev_rows, prev_ids)
         logits, self.k_stack, self.v_stack, *load, x_DT = out
-        want_top = np.bool_(plan.num_top > 0)
-        sampling = self._programs.get(self._sampling_name(plan.rows, plan.sampling))
-        so, self._prev_ids = sampling(logits, plan.sampling, want_top) if sampling else \
-            self._postprocess(logits, plan.sampling, plan.rows, want_top)
+        sampling = self._ready(self._sampling_name(plan.rows, plan.sampling),
+                               lambda lg, st, top: self._postprocess(lg, st, plan.rows, top))
+        so, self._prev_ids = sampling(logits, plan.sampling, np.bool_(plan.num_top > 0))
         plp = None
         if plan.targets.shape[0]:
-            fn = self._programs.get(f"prompt-logprobs-{T}-top{plan.num_top}")
-            plp = fn(self.state, x_DT, plan.targets) if fn else \
-                self._prompt_logprobs(self.state, x_DT, plan.targets, plan.num_top)
+            fn = self._ready(f"prompt-logprobs-{T}-top{plan.num_top}",
+                             lambda st, x, tg: self._prompt_logprobs(st, x, tg, plan.num_top))
+            plp = fn(self.state, x_DT, plan.targets)
         self.num_launched += 1
         return logits, so, plp, (load[0] if load else None)
 
@@ -789,8 +457,8 @@ class ModelRunner:
             logits=np.asarray(logits)[:n] if return_logits else None,
             expert_load=self.last_expert_load)
 
-    def prepare(self, batch: ScheduledBatch, prev_rows_of: dict | None = None) -> "StepPlan":
-        """Build a step's host arrays (padded to the buckets) from the batch.
+    def prepare(self, batch: ScheduledBatch, prev_rows_of: dict | None = None) -> StepPlan:
+        """A step's host arrays, padded to the buckets (``plan.prepare_plan``).
 
         Args:
           batch: the scheduler's plan.
@@ -798,111 +466,4 @@ class ModelRunner:
             for the requests whose last token is that step's placeholder
             (async scheduling); None when no request holds one.
         """
-        reqs, q_lens = batch.requests, batch.q_lens
-        n, nd = len(reqs), batch.num_decode
-        L = self.page_size
-        plp_need = sum(max(0, min(r.num_computed_tokens + q, len(r.prompt_token_ids) - 1) + 1
-                           - max(r.num_computed_tokens + 1, len(r.prompt_logprobs)))
-                       for r, q in zip(reqs, q_lens) if r.wants_prompt_logprobs)
-        top = MAX_LOGPROBS if any(r.params.logprobs or r.params.prompt_logprobs
-                                  for r in reqs) else 0
-        # Every row one token: decode_step, bucketed by rows. Prompt logprobs
-        # take prefill_step's token buckets (their programs are per T, warmed
-        # for the prefill ladder only).
-        decode_only = batch.decode and not plp_need
-        T = shapes.decode_bucket(n, self.max_rows) if decode_only else \
-            shapes.prefill_bucket(sum(q_lens), self.max_tokens)
-        rows = S = min(T, self.max_rows)
-        # Prompt logprobs: every token's target (the prompt token after it), 0 elsewhere.
-        targets = np.zeros(T if plp_need else 0, np.int32)
-        input_ids = np.zeros(T, np.int32)
-        prev_rows = np.full(T, -1, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_pages = np.full(T, self.num_pages, np.int32)  # out of range: dropped
-        slot_offsets = np.zeros(T, np.int32)
-        kv_lens = np.zeros(S, np.int32)
-        page_indices = np.zeros((S, self.pages_per_row), np.int32)
-        cu_q_lens = np.zeros(S + 1, np.int32)
-        drafts = batch.drafts or [()] * n
-        sample_rows: list[int] = []
-        slot_views: list = []  # per slot: what its sampling row sees
-        row_slots: list[int] = []
-        plp_spans, num_plp = {}, 0
-        t = 0
-        for k, (r, q) in enumerate(zip(reqs, q_lens)):
-            start = r.num_computed_tokens
-            pos = np.arange(start, start + q, dtype=np.int32)
-            pages = np.asarray(r.page_ids, np.int32)
-            d = drafts[k]
-            input_ids[t:t + q - len(d)] = r.all_token_ids[start:start + q - len(d)]
-            input_ids[t + q - len(d):t + q] = d
-            if r.num_placeholders:  # its last token is still on device: one decode token
-                assert r.num_placeholders == 1 and q == 1 and start == r.num_tokens - 1, \
-                    (r.request_id, r.num_placeholders, q, start, r.num_tokens)
-                input_ids[t] = 0
-                prev_rows[t] = prev_rows_of[r]
-            positions[t:t + q] = pos
-            slot_pages[t:t + q] = pages[pos // L]
-            slot_offsets[t:t + q] = pos % L
-            kv_lens[k] = start + q
-            page_indices[k, :len(pages)] = pages
-            row_slots.append(len(sample_rows))
-            sample_rows.extend(range(t + q - 1 - len(d), t + q))
-            slot_views.append(r)
-            slot_views.extend(DraftSlot(r, d[:j]) for j in range(1, len(d) + 1))
-            if r.wants_prompt_logprobs:
-                # Position j predicts prompt token j + 1; collect the missing ones.
-                P = len(r.prompt_token_ids)
-                lo, hi = max(start + 1, len(r.prompt_logprobs)), min(start + q, P - 1) + 1
-                if hi > lo:
-                    i = t + lo - 1 - start  # the token whose logits predict prompt token lo
-                    plp_spans[k] = (i, lo, hi)
-                    targets[i:i + hi - lo] = r.prompt_token_ids[lo:hi]
-                    num_plp += hi - lo
-            t += q
-            cu_q_lens[k + 1] = t
-        cu_q_lens[n + 1:] = t
-        assert num_plp == plp_need, (num_plp, plp_need)
-        assert len(sample_rows) <= rows, (len(sample_rows), rows)
-        logits_indices = np.zeros(rows, np.int32)
-        logits_indices[:len(sample_rows)] = sample_rows
-        md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
-                               page_indices, cu_q_lens, np.array([n], np.int32),
-                               logits_indices, np.array([nd], np.int32), decode_only)
-        st = make_sampling_tensors(slot_views, rows, self.penalty_width)
-        return StepPlan(decode=decode_only, rows=rows, num_top=top, md=md, sampling=st,
-                        targets=targets, prev_rows=prev_rows,
-                        uses_prev=bool((prev_rows >= 0).any()), num_requests=len(sample_rows),
-                        plp_spans=plp_spans, row_slots=row_slots)
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftSlot:
-    """What the sampling row after a speculating request's j-th draft sees:
-    the request with its first j drafts appended to its output (so the
-    PRNG fold ``steps``, min_tokens bans and penalties are those of the
-    output position the slot samples, exactly as a plain decode step there
-    would have them). Duck-types the fields ``make_sampling_tensors`` reads."""
-
-    request: object
-    drafts: tuple | list
-
-    @property
-    def params(self):
-        return self.request.params
-
-    @property
-    def seed(self):
-        return self.request.seed
-
-    @property
-    def eos_token_ids(self):
-        return self.request.eos_token_ids
-
-    @property
-    def prompt_token_ids(self):
-        return self.request.prompt_token_ids
-
-    @property
-    def output_token_ids(self):
-        return self.request.output_token_ids + list(self.drafts)
+        return prepare_plan(batch, self.layout, prev_rows_of)

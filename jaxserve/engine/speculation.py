@@ -3,7 +3,7 @@ and how they are graded (Leviathan et al. 2023; Chen et al. 2023).
 
 Per engine step (``Speculator.schedule``, called where the scheduler would be):
 
-1. The policy (``spec_decode.SpecPolicy``) picks k from the number of
+1. The policy (``spec_policy.SpecPolicy``) picks k from the number of
    decode-state sequences and the measured acceptance and step costs; k = 0
    plans a plain step (and, for ``ngram``, keeps proposing in the shadow, so
    its acceptance estimate never goes stale and speculation can come back).
@@ -73,9 +73,11 @@ import dataclasses
 import time
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.plan import SeqView
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
-from jaxserve.engine.spec_decode import SpecPolicy, SpecStats, ngram_propose
+from jaxserve.engine.spec_decode import SpecStats, ngram_propose
+from jaxserve.engine.spec_policy import SpecPolicy
 
 
 def accept(drafts, sampled) -> int:
@@ -94,49 +96,6 @@ def decode_ready(r: Request) -> bool:
     token is on the host (no step of it in flight): it can be drafted for."""
     return (r.status is RequestStatus.RUNNING and not r.num_placeholders
             and r.num_tokens - r.num_computed_tokens == 1)
-
-
-@dataclasses.dataclass(eq=False)
-class _DraftView:
-    """A sequence as one draft-model step sees it (duck-types what
-    ``ModelRunner.prepare`` and ``make_sampling_tensors`` read): the
-    target's pages and tokens plus the drafts so far, the draft's computed
-    position, and sampling params without logprobs."""
-
-    request: Request
-    params: object
-    tokens: list[int]
-    num_computed_tokens: int
-    num_placeholders: int = 0
-    wants_prompt_logprobs: bool = False
-
-    @property
-    def page_ids(self):
-        return self.request.page_ids
-
-    @property
-    def all_token_ids(self):
-        return self.tokens
-
-    @property
-    def num_tokens(self):
-        return len(self.tokens)
-
-    @property
-    def prompt_token_ids(self):
-        return self.request.prompt_token_ids
-
-    @property
-    def output_token_ids(self):
-        return self.tokens[len(self.request.prompt_token_ids):]
-
-    @property
-    def seed(self):
-        return self.request.seed
-
-    @property
-    def eos_token_ids(self):
-        return self.request.eos_token_ids
 
 
 class DraftModelProposer:
@@ -172,8 +131,8 @@ class DraftModelProposer:
         ``num_draft_computed`` at the draft's valid K/V (through its
         second-to-last draft)."""
         self._params = {}
-        views = [_DraftView(r, self._plain(r.params), list(r.all_token_ids),
-                            min(r.num_draft_computed, r.num_computed_tokens))
+        views = [SeqView(r, self._plain(r.params), list(r.all_token_ids),
+                         min(r.num_draft_computed, r.num_computed_tokens))
                  for r in reqs]
         drafts: list[list[int]] = [[] for _ in reqs]
         while True:
