@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.engine.engine import KVHandoffError
+from jaxserve.engine.kv_handoff import KVHandoffError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 

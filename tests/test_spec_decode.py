@@ -26,7 +26,7 @@ import pytest
 from conftest import XLA_CACHE
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine import engine as engine_mod
+from jaxserve.engine import outputs as engine_mod
 from jaxserve.engine.spec_policy import SpecPolicy
 
 RNG = np.random.default_rng(1)

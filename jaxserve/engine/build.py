@@ -1,9 +1,20 @@
-"""Building the engine's models: the target from its loaded checkpoint,
-and the draft model of speculative decoding (``--speculative_method draft``).
+"""Building an engine: the one place that loads and validates, once, and
+returns its parts (``build_engine`` -> ``EngineParts``).
 
-``Engine.__init__`` calls ``build_model`` for the target after
-``checkpoints.loader.load_for_engine`` has checked and read the checkpoint,
-and ``load_draft`` for the draft: ``"self"`` is the target's own weights in
+Order (each check before the work it guards): the persistent compilation
+cache; the mesh (built once) and the KV cache dtype on its devices; in a
+multi-host job, that the mesh spans the job and every process has the same
+setup; the checkpoint, checked against the mesh and the quantization from
+its config alone before its weights are read
+(``checkpoints.loader.load_for_engine``; a model given directly is checked
+here instead), which yields the engine's final config (an Orbax
+checkpoint's own quantization); the architecture, the sharding rules and the
+attention path; the model; the draft model; the KV pages from the memory
+budget; the scheduler, the runner and the speculator.
+
+``build_model`` builds the target from its loaded checkpoint and
+``load_draft`` the draft model of speculative decoding
+(``--speculative_method draft``): ``"self"`` is the target's own weights in
 ``draft_quantization`` (no second checkpoint: the host params already read
 are quantized again, or the random target's weights copied); any other name
 is loaded like ``EngineConfig.model``. The draft must have the target's
@@ -14,23 +25,190 @@ checked from its config before its weights are read.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import EngineConfig, ModelConfig
+from checkpoints.loader import EngineLoad, check_quantization, load_for_engine, load_model_config
+from checkpoints.orbax_ckpt import restore_for_model
 from jaxserve import models
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import compile_cache, multihost, shapes
+from jaxserve.engine.page_table import PageAllocator
+from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.speculation import DraftModelProposer, Speculator
 from jaxserve.models import MODEL_CLASSES
-from sharding.mesh import validate_mesh_for_model
+from pallas_kernels.ragged_paged_attention.quant import check_kv_cache_dtype
+from sharding.mesh import make_mesh, validate_mesh_for_model
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """An engine's checked config and its parts (``build_engine``).
+
+    Attributes:
+      config: the engine config the parts were built from (an Orbax
+        checkpoint's own quantization filled in).
+      mesh: the device mesh; model_config, tokenizer, chat_template: the model's.
+      attention_impl: ``"pallas"`` or ``"xla"`` (``"auto"`` resolved).
+      max_model_len: longest sequence, tokens.
+      allocator, scheduler, runner: the KV page pool, the scheduler, the
+        target's ``ModelRunner``.
+      speculator: the ``Speculator``, or None without speculation.
+      eos_token_ids: the model's EOS ids and the tokenizer's.
+    """
+
+    config: EngineConfig
+    mesh: jax.sharding.Mesh
+    model_config: ModelConfig
+    tokenizer: object
+    chat_template: str | None
+    attention_impl: str
+    max_model_len: int
+    allocator: PageAllocator
+    scheduler: Scheduler
+    runner: ModelRunner
+    speculator: Speculator | None
+    eos_token_ids: frozenset[int]
+
+
+def build_engine(config: EngineConfig, *, model_config: ModelConfig | None = None,
+                 params: dict | None = None, tokenizer=None, chat_template: str | None = None,
+                 devices: Sequence[jax.Device] | None = None, draft_parts: dict | None = None,
+                 spec_policy=None) -> EngineParts:
+    """Load, check and build everything ``Engine`` wires together (the
+    module docstring has the order). Arguments as ``Engine``'s.
+
+    Raises:
+      ValueError: unknown model alias, missing file, bad config, a mesh whose
+        size differs from the number of devices (before any weights are read)
+        or that cannot split the model (before the weights reach the devices),
+        a draft model whose vocabulary differs from the target's, or
+        speculation in a multi-host job.
+    """
+    if config.compilation_cache_dir:  # process-wide, first folder wins: see compile_cache
+        compile_cache.enable(config.compilation_cache_dir)
+    if devices is None and config.parallel.num_devices == 1:
+        devices = jax.devices()[:1]
+    mesh = make_mesh(config.parallel.mesh_shape, devices)
+    # An fp8 KV cache where the device has no fp8 fails before any weights load.
+    check_kv_cache_dtype(config.cache.dtype or config.dtype, mesh.devices.flat[0])
+    _check_job(config, mesh, model_config)
+    if model_config is None:  # alias, .gguf, HF or Orbax folder: checked, then loaded
+        loaded, checked = load_for_engine(config, mesh.shape), True
+    else:
+        loaded = EngineLoad(config, model_config, params, tokenizer, chat_template, None)
+        checked = False
+    parts = _assemble(loaded, checked, mesh, dict(draft_parts or {}), spec_policy)
+    # The load's host buffers (HF-named params, unstacked layers) are garbage
+    # now (only _assemble's frame held them): hand them to the OS.
+    loaded = params = draft_parts = None  # noqa: F841
+    compile_cache.trim_host_heap()
+    return parts
+
+
+def _check_job(config: EngineConfig, mesh, model_config: ModelConfig | None) -> None:
+    """A multi-host job: no speculation, a mesh over every device, and the
+    same setup on every process (``multihost.check_same_setup``)."""
+    if jax.process_count() > 1 and config.speculative.method is not None:
+        raise ValueError(f"speculative decoding ({config.speculative.method!r}) runs in "
+                         f"one-process jobs only; this job has {jax.process_count()}")
+    if jax.process_count() > 1:  # every process of a job must build the same engine
+        if mesh.devices.size != jax.device_count():
+            raise ValueError(f"a multi-host mesh must span every device of the job: --mesh "
+                             f"{dict(mesh.shape)} has {mesh.devices.size} devices, "
+                             f"the job {jax.device_count()} ({jax.process_count()} processes "
+                             f"x {jax.local_device_count()})")
+        multihost.check_same_setup(dict(
+            engine={k: v for k, v in dataclasses.asdict(config).items()
+                    if k not in ("model", "compilation_cache_dir")},
+            model=dataclasses.asdict(model_config or load_model_config(config.model)),
+            mesh=dict(mesh.shape)))
+
+
+def resolve_attention_impl(config: EngineConfig) -> str:
+    """``config.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on
+    GPU/TPU, ``"xla"`` elsewhere.
+
+    Raises:
+      ValueError: ``"pallas"`` on a backend without its lowering, unless
+        ``attention_interpret``.
+    """
+    impl = config.attention_impl
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu") \
+            and not config.attention_interpret:
+        raise ValueError(f"attention_impl='pallas' has no lowering on "
+                         f"{jax.default_backend()!r}; set attention_interpret=True")
+    return impl
+
+
+def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts: dict,
+              spec_policy) -> EngineParts:
+    """The parts of a loaded (or given) model: ``loaded.config`` is the
+    engine's final config from here on."""
+    config, model_config = loaded.config, loaded.model_config
+    if model_config.architecture not in MODEL_CLASSES:
+        raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
+                         f"supported: {sorted(MODEL_CLASSES)}")
+    sharding_rules = validate_mesh_for_model(mesh.shape, model_config)
+    impl = resolve_attention_impl(config)
+    model = build_model(config, model_config, loaded.params, loaded.orbax_dir, impl, mesh,
+                        sharding_rules, quantization_checked=quantization_checked)
+    draft = None
+    if config.speculative.method == "draft":  # its vocabulary is checked before it loads
+        draft = load_draft(config, model_config, model, loaded.params, loaded.orbax_dir, impl,
+                           mesh, model_config=draft_parts.get("model_config"),
+                           params_override=draft_parts.get("params"))
+    cache, sc = config.cache, config.scheduler
+    max_model_len = sc.max_model_len or model_config.max_position_embeddings
+    kv_dtype = jnp.dtype(cache.dtype or config.dtype)
+    page_bytes = ModelRunner.kv_bytes_per_page(model_config, cache.page_size, kv_dtype) + (
+        0 if draft is None else ModelRunner.kv_bytes_per_page(draft[0].cfg, cache.page_size,
+                                                              kv_dtype))
+    num_pages = cache.num_pages or max(1, cache.memory_bytes // page_bytes)
+    allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
+    scheduler = Scheduler(sc, allocator, max_model_len)
+    # Speculation: a full batch still has max_num_seqs sampling rows for drafts.
+    rows = sc.max_num_seqs * (2 if config.speculative.method else 1)
+    max_tokens = shapes.max_step_tokens(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                        max_model_len, sc.enable_chunked_prefill)
+    runner = ModelRunner(model, num_pages=num_pages, page_size=cache.page_size,
+                         max_model_len=max_model_len, kv_dtype=kv_dtype, max_num_seqs=rows,
+                         mesh=mesh, rules=sharding_rules, scan_layers=config.scan_layers,
+                         max_num_tokens=max_tokens)
+    speculator = None
+    if config.speculative.method is not None:
+        proposer = None
+        if draft is not None:
+            proposer = DraftModelProposer(ModelRunner(
+                draft[0], num_pages=num_pages, page_size=cache.page_size,
+                max_model_len=max_model_len, kv_dtype=kv_dtype, max_num_seqs=sc.max_num_seqs,
+                mesh=mesh, rules=draft[1], scan_layers=config.scan_layers,
+                max_num_tokens=max_tokens), sc.max_num_batched_tokens)
+        speculator = Speculator(config.speculative, runner.max_rows, proposer, spec_policy)
+    tokenizer = loaded.tokenizer
+    eos = frozenset(model_config.eos_token_ids) | (
+        frozenset([tokenizer.eos_token_id]) if tokenizer is not None
+        and tokenizer.eos_token_id is not None else frozenset())
+    return EngineParts(config, mesh, model_config, tokenizer, loaded.chat_template, impl,
+                       max_model_len, allocator, scheduler, runner, speculator, eos)
 
 
 def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | None,
-                orbax_dir: str | None, attention_impl: str, mesh, sharding_rules) -> nnx.Module:
+                orbax_dir: str | None, attention_impl: str, mesh, sharding_rules, *,
+                quantization_checked: bool = False) -> nnx.Module:
     """The NNX model of ``model_config`` in ``config``'s dtype and
     quantization, filled from ``params`` (HF-named host arrays), restored
     from ``orbax_dir`` straight into its shardings, or randomly initialised
-    from ``config.seed`` when both are None.
+    from ``config.seed`` when both are None. ``quantization_checked``:
+    ``load_for_engine`` has checked the quantization against this model
+    already (else it is checked here, once).
 
     Raises:
       ValueError: gguf quantization without GGUF blocks, a quantization the
@@ -40,8 +218,8 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
     if random_init and config.quantization == "gguf":
         raise ValueError("quantization='gguf' keeps a GGUF file's own blocks; it needs a "
                          "GGUF checkpoint (random init has none)")
-    from checkpoints.loader import check_quantization
-    check_quantization(config, model_config)  # (again: model_config may be the caller's)
+    if not quantization_checked:
+        check_quantization(config, model_config)
     model = MODEL_CLASSES[model_config.architecture](
         model_config, dtype=jnp.dtype(config.dtype),
         rngs=nnx.Rngs(config.seed) if random_init else None,
@@ -50,7 +228,6 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
         quantization_group_size=config.quantization_group_size)
     family = models.family(model)
     if orbax_dir is not None:  # each tensor (or quantized part) into its sharding
-        from checkpoints.orbax_ckpt import restore_for_model
         params = restore_for_model(orbax_dir, family.hf_params(model), mesh,
                                    sharding_rules, dtype=jnp.dtype(config.dtype))
     if params is not None:
@@ -94,7 +271,7 @@ def load_draft(config: EngineConfig, target_config: ModelConfig, target_model, p
     spec = config.speculative
     dcfg = dataclasses.replace(config, quantization=spec.draft_quantization,
                                speculative=dataclasses.replace(spec, method=None))
-    draft_orbax = None
+    draft_orbax, checked = None, False
     if model_config is not None:
         draft_config, draft_params = model_config, params_override
         if draft_params is None:
@@ -104,11 +281,10 @@ def load_draft(config: EngineConfig, target_config: ModelConfig, target_model, p
         if params is None and orbax_dir is None:
             draft_params = _host_params(target_model)
     else:
-        from checkpoints.loader import load_for_engine, load_model_config
         draft_config = load_model_config(spec.draft_model)
         _check_vocab(draft_config, target_config, spec.draft_model)
         loaded = load_for_engine(dataclasses.replace(dcfg, model=spec.draft_model), mesh.shape)
-        dcfg = loaded.config
+        dcfg, checked = loaded.config, True
         draft_config, draft_params, draft_orbax = (loaded.model_config, loaded.params,
                                                    loaded.orbax_dir)
     _check_vocab(draft_config, target_config, spec.draft_model or "the draft")
@@ -117,7 +293,7 @@ def load_draft(config: EngineConfig, target_config: ModelConfig, target_model, p
                          f"supported: {sorted(MODEL_CLASSES)}")
     rules = validate_mesh_for_model(mesh.shape, draft_config)
     model = build_model(dcfg, draft_config, draft_params, draft_orbax, attention_impl, mesh,
-                        rules)
+                        rules, quantization_checked=checked)
     return model, rules
 
 

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Callable, Sequence
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.engine.kv_handoff import KVHandoffError
 from jaxserve.engine.page_table import PageAllocator, page_hashes
 from jaxserve.engine.request import Request, RequestStatus
 
@@ -248,6 +250,64 @@ class Scheduler:
         self.running.append(req)
         (decode if n == 1 else prefill).append((req, n))
         return n
+
+    # ---- prefilled elsewhere (KV handoff: ``jaxserve.engine.kv_handoff``) ------
+
+    def cached_prefix_pages(self, token_ids: Sequence[int]) -> int:
+        """Full pages of a prompt's prefix that the prefix cache holds now
+        (never the page of the last token, whose logits a prefill must
+        compute), as ``_admit`` would reuse them."""
+        L = self.allocator.page_size
+        max_pages = (len(token_ids) - 1) // L
+        if not self.allocator.enable_prefix_caching or max_pages <= 0:
+            return 0
+        return len(self.allocator.lookup(page_hashes(list(token_ids[:max_pages * L]), L),
+                                         max_pages))
+
+    def admit_prefilled(self, req: Request, skip_pages: int, num_pages: int,
+                        write: Callable[[list[int]], None]) -> None:
+        """Start ``req``, whose whole prompt another engine prefilled, as a
+        running decoding sequence: its first ``skip_pages`` pages from the
+        prefix cache, then ``num_pages`` fresh pages that ``write(page_ids)``
+        fills; its prompt counts as computed (the skipped pages as prefix
+        cache hits).
+
+        Raises:
+          KVHandoffError: ``"evicted"``: a skipped page is no longer cached;
+            ``"no_slot"``: ``max_num_seqs`` sequences run; ``"no_pages"``:
+            too few free pages (beside the watermark while others run);
+            ``"bad_kv"``: ``write`` raised ``ValueError``. Nothing is
+            changed then (but ``req.page_hashes``).
+        """
+        alloc, L = self.allocator, self.allocator.page_size
+        ids = req.prompt_token_ids
+        hits: list[int] = []
+        if skip_pages:
+            req.page_hashes = page_hashes(ids[:skip_pages * L], L)
+            hits = alloc.lookup(req.page_hashes, skip_pages)
+            if len(hits) < skip_pages:
+                raise KVHandoffError("evicted", f"{skip_pages - len(hits)} of the "
+                                     f"{skip_pages} cached prefix pages were evicted")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise KVHandoffError("no_slot", f"{len(self.running)} sequences run already")
+        reserve = self.watermark_pages if self.running else 0
+        if num_pages + alloc.count_free_among(hits) + reserve > alloc.num_free_pages:
+            raise KVHandoffError("no_pages", f"{num_pages} pages needed, "
+                                 f"{alloc.num_free_pages} free")
+        alloc.share(hits)
+        new = alloc.allocate(num_pages)
+        try:
+            write(new)
+        except ValueError as e:
+            alloc.free(hits + new)
+            raise KVHandoffError("bad_kv", str(e)) from None
+        req.page_ids = hits + new
+        req.num_computed_tokens = len(ids)
+        req.num_registered_pages = len(hits)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        alloc.prefix_queries += len(ids)
+        alloc.prefix_hits += skip_pages * L
 
     # ---- state changes --------------------------------------------------------
 

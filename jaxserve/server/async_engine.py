@@ -219,6 +219,10 @@ class AsyncEngine:
         stream.cancel_step = self.num_steps
         self._commands.put(("abort", stream))
 
+    def close_stream(self, stream: _Stream) -> None:
+        """A stream its consumer closed (asyncio thread): no longer open."""
+        self._open.discard(stream)
+
     def abort_all(self) -> None:
         """Abort every request in flight (shutdown after the grace period).
 
@@ -417,7 +421,7 @@ class RequestStream:
             return
         self._closed = True
         self._engine.num_in_flight -= 1
-        self._engine._open.discard(self._stream)
+        self._engine.close_stream(self._stream)
         if not self._stream.done:
             self._engine.abort(self._stream)
 
