@@ -136,7 +136,7 @@ class Engine(EngineViews):
                               self.config.scheduler.max_num_seqs, self.allocator.page_size,
                               self.allocator.num_pages, self.config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
-        self.kv = KVHandoff(self.scheduler, self.runner, self.outputs, self.model_config)
+        self.handoff = KVHandoff(self.scheduler, self.runner, self.outputs, self.model_config)
         self._pending: list[RequestOutput] = []  # outputs the next step() returns first
         self._steps = StepPipeline(self.scheduler, self.runner, self.speculator)
         self._in_flight: InFlightStep | None = None  # launched, results not yet read
@@ -238,7 +238,7 @@ class Engine(EngineViews):
         """What two engines must share for KV pages to move between them
         (``KVHandoff.fingerprint``: SHA-256 hex of the model config, page
         size, KV dtype and a sample of the weights)."""
-        return self.kv.fingerprint()
+        return self.handoff.fingerprint()
 
     def export_kv(self, request_id: str, skip_pages: int = 0
                   ) -> list[tuple[KVPages, KVPages]]:
@@ -250,12 +250,12 @@ class Engine(EngineViews):
             out, aborted, or never a ``hold_kv`` request).
           ValueError: ``skip_pages`` outside [0, held pages).
         """
-        return self.kv.export(request_id, skip_pages)
+        return self.handoff.export(request_id, skip_pages)
 
     def release_kv(self, request_id: str) -> bool:
         """Free a finished ``hold_kv`` request's held pages (lease expired,
         or the decode side gave up); False when none were held."""
-        return self.kv.release(request_id)
+        return self.handoff.release(request_id)
 
     def add_prefilled(self, request_id: str | None, prompt_token_ids: Sequence[int],
                       params: SamplingParams, first_token: int,
@@ -284,7 +284,7 @@ class Engine(EngineViews):
         params = params if params is not None else SamplingParams()
         check_prefilled_params(params)
         group = self._new_group(request_id, list(prompt_token_ids), params, arrival_time)
-        self._pending.append(self.kv.add_prefilled(
+        self._pending.append(self.handoff.add_prefilled(
             group, first_token, kv, skip_pages, first_logprob, transfer_ms, transfer_bytes,
             scheduled_time))
         return group.request_id

@@ -3,7 +3,7 @@ benchmarks and disaggregation: nothing outside ``jaxserve/engine/`` reaches
 into the runner, allocator, scheduler or speculator; what they need is one
 of these (multi-host following and scoring included). ``EngineViews`` is
 mixed into ``engine.Engine`` and reads its ``allocator``, ``scheduler``,
-``runner``, ``speculator``, ``outputs``, ``kv``, ``_warmup``, ``encode``,
+``runner``, ``speculator``, ``outputs``, ``handoff``, ``_warmup``, ``encode``,
 ``eos_token_ids`` and ``max_model_len``.
 """
 
@@ -165,7 +165,7 @@ class EngineViews:
     @property
     def num_held_kv(self) -> int:
         """Finished ``hold_kv`` requests whose pages are still held."""
-        return self.kv.num_held
+        return self.handoff.num_held
 
     @property
     def warmup_done(self) -> threading.Event:
