@@ -176,21 +176,25 @@ def _startup_bench() -> None:
 
 
 def _serve() -> None:
-    """``--mode serve``: every flag checked before the port is bound; the
-    engine loads in the server's worker thread; ``--role`` wires the
-    disaggregated worker's parts into the server (``jaxserve.disagg``)."""
-    from jaxserve.disagg.roles import server_role
+    """``--mode serve``: every flag checked before the port is bound (the
+    server module has loaded the engine's code by then, so the engine config
+    costs nothing more); the engine itself loads in the server's worker
+    thread; ``--role`` wires the disaggregated worker's parts into the server."""
     from jaxserve.server.serve import serve
-    speculative = cli.speculative_config()  # bad speculation flags fail before the bind
+    engine_config = cli.engine_config()
     config = cli.server_config()
+    role = None
+    if config.disagg.role != "both":  # only a disaggregated worker loads jax's transfer API
+        from jaxserve.disagg.roles import server_role
+        role = server_role(config)
 
     def load_engine():
         compile_cache.install()  # count every program of the start, the cache's or not
-        return _llm(cli.engine_config(speculative)).engine
+        return _llm(engine_config).engine
     if not _is_leader():
         _follow(load_engine())  # does not return
     serve(config, load_engine, FLAGS.model, warmup=FLAGS.warmup,
-          background_warmup=FLAGS.warmup_in_background, role=server_role(config))
+          background_warmup=FLAGS.warmup_in_background, role=role)
 
 
 def _convert() -> None:

@@ -66,8 +66,11 @@ class DecodeRole:
 
 def server_role(config: ServerConfig) -> PrefillRole | DecodeRole | None:
     """The role ``serve`` takes for ``config.disagg.role`` (None: ``both``)."""
-    return {"prefill": PrefillRole, "decode": DecodeRole}.get(config.disagg.role,
-                                                              lambda _: None)(config)
+    if config.disagg.role == "prefill":
+        return PrefillRole(config)
+    if config.disagg.role == "decode":
+        return DecodeRole(config)
+    return None
 
 
 __all__ = ["DecodeRole", "PrefillRole", "server_role"]

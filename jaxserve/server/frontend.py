@@ -220,8 +220,9 @@ class Frontend:
           QueueFullError: too many large prompts are being tokenized.
         """
         tok = self._tokenizer(field)
+        self._check_text_size(len(text), lambda: len(text.encode("utf-8", "surrogatepass")),
+                              field)
         _text(text, field)
-        self._check_text_size(len(text), lambda: len(text.encode()), field)
         return await self._off_loop(
             lambda: tok.encode(text, add_special_tokens=add_special_tokens),
             lambda: self.tokenizer_pool.encode(text, add_special_tokens), len(text))
