@@ -69,18 +69,20 @@ import signal
 import sys
 import time
 
+import numpy as np
 from absl import app, flags
 
 from jaxserve import demo
 from jaxserve import flags as cli
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine import compile_cache
+from jaxserve.engine.page_table import cdiv
 from jaxserve.flags import FLAGS
 
-# JAX, the engine, the benchmarks and the servers load inside the modes that
-# use them: ``--help``, a bad flag and ``--mode bench --workload startup``
-# (which only spawns servers) never pay JAX's import, and a multi-host job is
-# joined before anything touches a JAX backend.
+# JAX and every module that imports it (the engine, ``multihost``, the
+# benchmarks, the servers, ``checkpoints``) load inside the functions that use
+# them: ``--help``, a bad flag and ``--mode bench --workload startup`` (which
+# only spawns servers) never pay JAX's import of several seconds.
 
 
 def _llm(config: EngineConfig):
@@ -116,7 +118,6 @@ def _eval(speculative: SpeculativeConfig) -> None:
     reference engine (quantization none, KV auto) is built only when the
     candidate is not that config already (``jaxserve.bench.eval``)."""
     from jaxserve.bench import eval as ev
-    from jaxserve.engine.page_table import cdiv
     ev.check_options(FLAGS.eval_context, FLAGS.eval_max_tokens)
     text, path = ev.load_text(FLAGS.eval_text)
     config = cli.engine_config(speculative)
@@ -199,7 +200,6 @@ def _serve() -> None:
 
 def _convert() -> None:
     import jax.numpy as jnp
-    import numpy as np
 
     from checkpoints.loader import convert_to_orbax
     if not FLAGS.output:
