@@ -21,7 +21,8 @@ from absl import flags
 
 from jaxserve.bench.workloads import WORKLOADS
 from jaxserve.config import (CacheConfig, DisaggConfig, EngineConfig, ParallelConfig,
-                             SchedulerConfig, ServerConfig, SpeculativeConfig)
+                             SchedulerConfig, ServerConfig, SpeculativeConfig,
+                             kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
 from jaxserve.engine.request import SamplingParams, check_text
 
@@ -218,17 +219,14 @@ def engine_config(speculative: SpeculativeConfig | None = None) -> EngineConfig:
       ValueError: a bad mesh spec, KV cache dtype or any other engine value
         (the config's ``__post_init__`` names the field).
     """
-    # JAX-side helpers: sharding.mesh imports JAX, and the KV dtype names live
-    # with the engine; both load only when an engine is about to be built.
-    from jaxserve.engine.engine import kv_cache_dtype_name
-    from sharding.mesh import parse_mesh_spec
+    from sharding.mesh import parse_mesh_spec  # imports JAX: only when an engine is built
     parallel = ParallelConfig() if FLAGS.mesh is None else \
         ParallelConfig.from_mesh_shape(parse_mesh_spec(FLAGS.mesh))
     return EngineConfig(
         model=FLAGS.model, dtype=FLAGS.dtype, seed=FLAGS.seed or 0,
         cache=CacheConfig(page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                           memory_bytes=FLAGS.kv_cache_mib << 20,
-                          dtype=kv_cache_dtype_name(FLAGS.kv_cache_dtype),
+                          dtype=kv_cache_dtype_from_name(FLAGS.kv_cache_dtype),
                           enable_prefix_caching=FLAGS.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=FLAGS.max_num_seqs,
                                   max_num_batched_tokens=FLAGS.max_num_batched_tokens,
