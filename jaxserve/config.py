@@ -251,6 +251,20 @@ class ModelConfig:
 # auto -> None, fp8_e4m3 -> "float8_e4m3fn".
 KV_CACHE_DTYPES = (None, "float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
 
+
+def kv_cache_dtype_from_name(name: str) -> str | None:
+    """``CacheConfig.dtype`` of a ``--kv_cache_dtype`` (vLLM) name: ``"auto"``
+    -> None, ``"fp8_e4m3"`` / ``"fp8"`` -> ``"float8_e4m3fn"``, others unchanged.
+
+    Raises:
+      ValueError: an unknown name (names the value and the choices).
+    """
+    value = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn"}.get(name, name)
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, "
+                         f"int8, fp8_e4m3; got {name!r}")
+    return value
+
 # Weight quantization methods (``jaxserve.models.quant`` defines each).
 QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "gguf")
 

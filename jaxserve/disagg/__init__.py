@@ -13,7 +13,7 @@ with its own mesh, and the prompt's KV pages travel between them:
                replies with the first token and holds the pages (lease)
             control RPC ``Pull`` ─▶ the prefill worker copies the pages the decode
                side's prefix cache lacks into one buffer per K/V
-               (``ModelRunner.read_pages``), frees its pages, offers the
+               (``Engine.export_kv``), frees its pages, offers the
                buffers to ``jax.experimental.transfer``
             ``TransferConnection.pull`` ◀─ the decode worker pulls them onto its
                first device, then ``Engine.add_prefilled`` writes them into fresh
@@ -21,5 +21,6 @@ with its own mesh, and the prompt's KV pages travel between them:
 
 Modules: ``transfer`` (the thin wrapper over ``jax.experimental.transfer``),
 ``worker`` (the prefill worker's control service and its client), ``router``
-(the decode worker's ``DecodeEngine``).
+(the decode worker's ``DecodeEngine``), ``roles`` (how each role plugs into
+``jaxserve.server.serve``; the server never imports this package).
 """

@@ -31,6 +31,7 @@ import grpc
 import jax
 import numpy as np
 
+from jaxserve.config import DisaggConfig
 from jaxserve.disagg.transfer import KVTransfer, TransferTimeout
 from jaxserve.disagg.worker import PrefillClient, params_to_dict
 from jaxserve.engine.engine import KVHandoffError
@@ -46,38 +47,24 @@ class DecodeEngine(AsyncEngine):
 
     Args:
       engine, metrics, max_waiting_requests, on_fatal: as ``AsyncEngine``.
-      prefill_workers: the prefill workers' gRPC ``host:port``s.
-      min_prefill_tokens: shortest uncached prompt worth a handoff, tokens.
-      max_cached_ratio: a prompt this much cached (fraction) runs here.
-      prefill_timeout_s: deadline of a ``Prefill`` call (queueing and compute).
-      transfer_timeout_s: deadline of a ``Pull`` call plus the KV pull.
+      disagg: the decode role's settings (``DisaggConfig``, checked there):
+        prefill workers, the routing thresholds, the call deadlines.
       poll_s: how often each prefill worker's health and load are polled.
       token: bearer token for the prefill workers' gRPC ports.
       transfer_host: the address this worker's transfer server listens on.
-
-    Raises:
-      ValueError: a bad threshold, or no worker address.
     """
 
-    def __init__(self, engine, *, prefill_workers: list[str], min_prefill_tokens: int = 256,
-                 max_cached_ratio: float = 0.5, prefill_timeout_s: float = 120.0,
-                 transfer_timeout_s: float = 20.0, poll_s: float = 1.0,
+    def __init__(self, engine, *, disagg: DisaggConfig, poll_s: float = 1.0,
                  token: str | None = None, transfer_host: str = "127.0.0.1", **kw):
-        if not prefill_workers:
-            raise ValueError("a decode worker needs --prefill_workers host:port[,...]")
-        if min_prefill_tokens < 0:
-            raise ValueError(f"min_prefill_tokens must be >= 0, got {min_prefill_tokens}")
-        if not 0.0 < max_cached_ratio <= 1.0:
-            raise ValueError(f"max_cached_ratio must be in (0, 1], got {max_cached_ratio}")
         super().__init__(engine, **kw)
-        self.worker_addresses = list(prefill_workers)
+        self.worker_addresses = list(disagg.prefill_workers)
         self.token = token
-        self.min_prefill_tokens = min_prefill_tokens
-        self.max_cached_ratio = max_cached_ratio
-        self.prefill_timeout_s = prefill_timeout_s
-        self.transfer_timeout_s = transfer_timeout_s
+        self.min_prefill_tokens = disagg.min_prefill_tokens
+        self.max_cached_ratio = disagg.max_cached_ratio
+        self.prefill_timeout_s = disagg.prefill_timeout_s
+        self.transfer_timeout_s = disagg.transfer_timeout_s
         self.poll_s = poll_s
-        self.transfer = KVTransfer(engine.runner.mesh.devices.flat[0], transfer_host)
+        self.transfer = KVTransfer(engine.devices[0], transfer_host)
         self.workers: list[PrefillClient] = []
         self._poller: asyncio.Task | None = None
 
@@ -112,7 +99,7 @@ class DecodeEngine(AsyncEngine):
         if len(prompt_ids) < self.min_prefill_tokens:
             return "short", None, 0
         pages = await self.call(lambda e: e.cached_prefix_pages(prompt_ids))
-        cached = pages * self.engine.allocator.page_size
+        cached = pages * self.engine.page_size
         if cached >= self.max_cached_ratio * len(prompt_ids):
             return "cached", None, pages
         if len(prompt_ids) - cached < self.min_prefill_tokens:
@@ -129,7 +116,6 @@ class DecodeEngine(AsyncEngine):
         prefill worker when ``route`` says so, here otherwise (or when the
         handoff fails). Raises as ``AsyncEngine.generate``."""
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self.check_limits(params)
         self.check_queue(params)
         route, worker, skip = await self.route(prompt_ids, params)
         self.metrics.disagg_routed.labels(route=route).inc()
@@ -174,7 +160,7 @@ class DecodeEngine(AsyncEngine):
                 p = await worker.call("Pull", dict(kv_key=key, skip_pages=skip),
                                       self.transfer_timeout_s)
                 key = None  # the prefill worker freed its pages when it exported them
-                spec_tree = self.engine.runner.page_spec(int(r["num_pages"]) - skip)
+                spec_tree = self.engine.kv_page_spec(int(r["num_pages"]) - skip)
                 spec = jax.tree.leaves(spec_tree)
                 if [list(s.shape) for s in spec] != p["shapes"] or \
                         [str(s.dtype) for s in spec] != p["dtypes"]:

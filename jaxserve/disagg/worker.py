@@ -107,7 +107,7 @@ class PrefillService:
         call from the event loop)."""
         ae = self.get_engine()
         self.fingerprint = ae.engine.kv_fingerprint()
-        self.transfer = KVTransfer(ae.engine.runner.mesh.devices.flat[0], self.host)
+        self.transfer = KVTransfer(ae.engine.devices[0], self.host)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
@@ -131,7 +131,7 @@ class PrefillService:
 
     def _engine(self, context):
         ae = self.get_engine()
-        if ae is None or self.transfer is None or not ae._accepting:
+        if ae is None or self.transfer is None or not ae.accepting:
             return None
         return ae
 
@@ -167,7 +167,7 @@ class PrefillService:
         if c.finish_reason == "abort" or not c.token_ids:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill was aborted")
         self.leases[key] = time.monotonic() + self.lease_s
-        page_size = ae.engine.allocator.page_size
+        page_size = ae.engine.page_size
         return dict(kv_key=key, first_token=int(c.token_ids[0]),
                     first_logprob=float(c.cumulative_logprob), finish_reason=c.finish_reason,
                     num_pages=-(-len(ids) // page_size), page_size=page_size,
@@ -205,9 +205,9 @@ class PrefillService:
 
     async def load(self, req: dict, context) -> dict:
         ae = self.get_engine()
-        if ae is None or not ae._accepting:
+        if ae is None or not ae.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is not serving")
-        return dict(running=ae._engine_running, waiting=ae.num_waiting, held=len(self.leases),
+        return dict(running=ae.num_running, waiting=ae.num_waiting, held=len(self.leases),
                     in_flight=ae.num_in_flight, fingerprint=self.fingerprint)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Callable
 
+import jax
+
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.multihost import MultihostError
 from jaxserve.engine.request import RequestOutput, SamplingParams
@@ -109,8 +111,8 @@ class AsyncEngine:
         # Counters shared across threads; each has one writer.
         self._submitted = 0        # asyncio thread: sequences put on the command queue
         self._drained = 0          # engine thread: sequences taken off it
-        self._engine_waiting = 0   # engine thread: scheduler.waiting after the last step
-        self._engine_running = 0   # engine thread: scheduler.running after the last step
+        self._engine_waiting = 0   # engine thread: Engine.num_waiting after the last step
+        self._engine_running = 0   # engine thread: Engine.num_running after the last step
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.num_steps = 0         # engine thread: steps run
         self.num_in_flight = 0     # asyncio thread: streams not yet finished
@@ -132,17 +134,48 @@ class AsyncEngine:
         pending = self._submitted - self._drained + self._engine_waiting
         return max(0, pending - (self.max_num_seqs - self._engine_running))
 
-    def check_limits(self, params: SamplingParams) -> None:
-        """The checks of ``params`` against this engine's limits that need no
-        prompt (so the servicer runs them before tokenizing).
+    @property
+    def num_running(self) -> int:
+        """Sequences running in the engine after its last step."""
+        return self._engine_running
 
-        Raises:
-          ValueError: ``n`` above ``max_num_seqs`` (its choices could never
-            all run, so retrying cannot help).
-        """
-        if params.n > self.max_num_seqs:
-            raise ValueError(f"sampling.n: {params.n} is more than max_num_seqs="
-                             f"{self.max_num_seqs}, the most sequences that run at once")
+    @property
+    def accepting(self) -> bool:
+        """False once ``stop_accepting`` ran (shutdown)."""
+        return self._accepting
+
+    # Read-only facts of the engine, fixed once it is built, so the asyncio
+    # thread may read them while the engine thread steps.
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, or None (prompts must be token ids)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence, prompt and output, tokens."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds (pages x page size)."""
+        return self.engine.num_pages * self.engine.page_size
+
+    def model_info(self) -> dict:
+        """The served model and engine as ``ModelInfoResponse`` fields
+        (all but ``name`` and ``max_prompt_len``, which the server knows)."""
+        e = self.engine
+        return dict(architecture=e.model_config.architecture, max_model_len=e.max_model_len,
+                    dtype=e.config.dtype, kv_cache_dtype=str(e.kv_dtype),
+                    mesh=dict(e.mesh.shape), backend=jax.default_backend(),
+                    num_devices=len(e.devices), vocab_size=e.model_config.vocab_size,
+                    page_size=e.page_size, num_pages=e.num_pages,
+                    attention_impl=e.attention_impl)
 
     def check_queue(self, params: SamplingParams) -> None:
         """Raises ``QueueFullError`` if, with ``params.n`` more sequences,
@@ -173,7 +206,8 @@ class AsyncEngine:
             ``engine_id``.
 
         Raises (before any output):
-          ValueError: from ``check_limits`` and ``Engine.add_request``'s checks.
+          ValueError: from ``Engine.add_request``'s checks (a server checks
+            requests before: ``jaxserve.server.frontend``).
           StreamAborted: ``abort_all`` ran before the engine thread took it.
           QueueFullError: too many sequences cannot start (``check_queue``).
           ShuttingDownError: after ``stop_accepting``.
@@ -186,7 +220,6 @@ class AsyncEngine:
         """Queue ``add(engine, engine_id)`` (an ``Engine`` method that starts
         the request; its ``ValueError`` comes back here) for the engine
         thread; returns the request's stream (see ``generate``)."""
-        self.check_limits(params)
         self.check_queue(params)
         engine_id = f"s{next(self._ids)}"
         stream = _Stream(engine_id, asyncio.Queue())
@@ -288,8 +321,8 @@ class AsyncEngine:
                 return
             # Counted as waiting in the engine before it stops counting as
             # submitted, so ``num_waiting`` never misses it between steps.
-            self._engine_waiting = len(engine.scheduler.waiting)
-            self._engine_running = len(engine.scheduler.running)
+            self._engine_waiting = engine.num_waiting
+            self._engine_running = engine.num_running
             self._drained += n
             self._streams[engine_id] = stream
             self._loop.call_soon_threadsafe(_set_result, added, None)
@@ -301,7 +334,7 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
                 self._loop.call_soon_threadsafe(_set_result, fut, result)
-            self._engine_running = len(engine.scheduler.running)
+            self._engine_running = engine.num_running
             self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
         elif kind == "abort":
             stream = cmd[1]
@@ -347,8 +380,8 @@ class AsyncEngine:
             now = time.monotonic()
             for out in outs:
                 self._dispatch(out, now)
-            self._engine_waiting = len(engine.scheduler.waiting)
-            self._engine_running = len(engine.scheduler.running)
+            self._engine_waiting = engine.num_waiting
+            self._engine_running = engine.num_running
             self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
 
     def _dispatch(self, out: RequestOutput, now: float) -> None:

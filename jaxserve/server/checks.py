@@ -1,20 +1,21 @@
-"""Checks every gRPC request passes before any expensive work, and the wire
-helpers that keep a hostile message from costing the server more than it sends.
+"""The gRPC wire checks: what every gRPC request passes before any
+expensive work, and the wire helpers that keep a hostile message from
+costing the server more than it sends.
 
 The servicer's order of work for ``Generate`` (each step cheap before the next):
 
   1. decode the bytes (``safe_deserializer``): a message that is not a
      ``GenerateRequest`` (corrupt wire format, bad UTF-8 in a string field)
      is INVALID_ARGUMENT naming what is wrong, never UNKNOWN with a traceback;
-  2. ``request_id`` (``check_request_id``), ``output_kind``, sampling fields
-     against the engine's limits (``n`` <= ``max_num_seqs``, the cumulative
-     output bound ``check_output_size``);
-  3. the prompt's size in UTF-8 bytes against ``max_text_bytes`` (a text
-     that long cannot fit ``max_prompt_len`` tokens whatever it says);
-  4. tokenization and chat templating, on a bounded worker pool when the
-     text is large (the servicer), so a big prompt never holds the event
-     loop that serves other requests and health checks;
-  5. the token count against ``max_prompt_len``, then the engine.
+  2. ``request_id`` (``check_request_id``), ``output_kind``, the sampling
+     fields (``SamplingParams``), the cumulative output bound
+     (``check_output_size``);
+  3. the shared front end (``jaxserve.server.frontend``, the HTTP API's
+     too): the engine's limits, the text's size, tokenizing on a worker
+     pool, the prompt's token count; then the engine.
+
+``InvalidRequest`` (a ``ValueError`` whose message starts with the field at
+fault) is what every check of both APIs raises.
 
 Request ids are any string of at most ``MAX_REQUEST_ID_CHARS`` characters; the
 ``x-request-id`` response header carries ``header_request_id(rid)``, the id
@@ -39,9 +40,6 @@ MAX_REQUEST_ID_CHARS = 256
 # hold at most this many logprob entries (n * max_tokens * (logprobs + 1)),
 # about 6 MB at ~20 bytes an entry, well under the default 16 MiB message.
 MAX_CUMULATIVE_LOGPROB_ENTRIES = 1 << 18
-# Texts below this many characters are tokenized on the event loop (a few
-# hundred microseconds at most); longer ones go to the worker pool.
-INLINE_TOKENIZE_CHARS = 16_384
 
 _HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
@@ -69,18 +67,6 @@ def header_request_id(rid: str) -> str:
     everything else percent-encoded from its UTF-8 bytes (at most ~3 KB for
     the longest id)."""
     return urllib.parse.quote(rid, safe=_HEADER_SAFE)
-
-
-def max_text_bytes(tokenizer, max_prompt_len: int) -> int:
-    """Longest text, UTF-8 bytes, that could encode to at most ``max_prompt_len``
-    tokens: ``max_prompt_len`` times the longest vocabulary entry (its UTF-8
-    length, which for a byte-level BPE spelling is at least the bytes it
-    stands for), plus room for special tokens. Text beyond it is refused
-    before tokenizing.
-    """
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=16)
-    return max_prompt_len * max(longest, 4) + 1024
 
 
 def check_output_size(params, output_kind: int) -> None:
@@ -249,8 +235,8 @@ class CumulativeChoice:
         return out + bytes(self.logprobs)
 
 
-__all__ = ["CumulativeChoice", "INLINE_TOKENIZE_CHARS", "InvalidRequest",
+__all__ = ["CumulativeChoice", "InvalidRequest",
            "MAX_CUMULATIVE_LOGPROB_ENTRIES", "MAX_REQUEST_ID_CHARS", "Undecodable",
            "check_decoded", "add_generation_servicer", "check_output_size",
            "check_request_id", "find_bad_utf8", "header_request_id", "length_delimited",
-           "max_text_bytes", "safe_deserializer", "serialize"]
+           "safe_deserializer", "serialize"]

@@ -11,10 +11,12 @@ front ends share the queue, the prefix cache and the metrics:
   ``GET  /metrics``               the Prometheus registry of the metrics port
   ``POST /tokenize``, ``/detokenize``   vLLM's shapes
 
-Requests and responses follow OpenAI's API with vLLM's extras
-(``jaxserve.server.openai_protocol``). Every request is checked before it
-reaches the engine, with the gRPC servicer's own checks and tokenizer pool
-(so large prompts never hold the event loop). Errors are OpenAI's
+This module holds the routes only: requests and responses follow OpenAI's
+API with vLLM's extras, parsed and built by ``jaxserve.server.openai_protocol``
+(pydantic models, pure response builders), and every request is checked and
+tokenized by the front end the gRPC servicer uses too
+(``jaxserve.server.frontend``: one set of checks, one tokenizer pool, so
+large prompts never hold the event loop). Errors are OpenAI's
 ``{"error": {message, type, param, code}}``: 400 for bad input (``param``
 names the field: a bad value, a malformed JSON body, a content type other
 than ``application/json``), 413 for a body over ``max_http_body_bytes``,
@@ -52,48 +54,28 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.config import ServerConfig
-from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
+from jaxserve.engine.request import RequestOutput
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import openai_protocol as oai
 from jaxserve.server.async_engine import (
     AsyncEngine,
     EngineError,
     QueueFullError,
-    RequestStream,
     ShuttingDownError,
     StreamAborted,
 )
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
-from jaxserve.server.servicer import GenerationServicer
+from jaxserve.server.frontend import Frontend, Job, chat_messages, start_job
 
 log = logging.getLogger(__name__)
 
-_OPEN_PATHS = ("/health", "/metrics")  # answered without the bearer token
 # The gRPC status names ``jaxserve_requests_rejected_total`` is labelled with.
 _REJECT_LABEL = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
                  413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-@dataclasses.dataclass
-class _Job:
-    """One API request's engine work: a prompt per engine request."""
-
-    request_id: str
-    prompt_ids: list[list[int]]
-    prompt_texts: list[str | None]
-    params: list[SamplingParams]
-    streams: list[RequestStream]
-
-    @property
-    def n(self) -> int:
-        return self.params[0].n
 
 
 class _Uvicorn(uvicorn.Server):
@@ -104,18 +86,17 @@ class _Uvicorn(uvicorn.Server):
 
 
 class OpenAIServer:
-    """The HTTP API over the gRPC servicer's engine and checks.
+    """The HTTP API over the front end the gRPC servicer shares.
 
     Args:
-      servicer: the gRPC servicer: its engine (None while loading), model
-        name, prompt limits and tokenizer pool serve both front ends.
+      frontend: its engine (None while loading), model name, prompt limits,
+        checks and tokenizer pool serve both APIs.
       metrics: the Prometheus registry served at ``/metrics``.
       config: host, ``http_port``, TLS files, bearer token, body limit.
     """
 
-    def __init__(self, servicer: GenerationServicer, metrics: ServingMetrics,
-                 config: ServerConfig):
-        self.servicer = servicer
+    def __init__(self, frontend: Frontend, metrics: ServingMetrics, config: ServerConfig):
+        self.frontend = frontend
         self.metrics = metrics
         self.config = config
         self.draining = False
@@ -169,7 +150,7 @@ class OpenAIServer:
         @app.exception_handler(oai.APIError)
         async def api_error(request: Request, e: oai.APIError):
             label = _REJECT_LABEL.get(e.status)
-            if label is not None and self.servicer.engine is not None:
+            if label is not None and self.frontend.engine is not None:
                 self.metrics.rejected.labels(label).inc()
             return JSONResponse(e.body(), status_code=e.status)
 
@@ -211,7 +192,7 @@ class OpenAIServer:
     def _ready(self) -> AsyncEngine:
         if self.draining:
             raise oai.APIError(503, "the server is shutting down")
-        engine = self.servicer.engine
+        engine = self.frontend.engine
         if engine is None:
             raise oai.APIError(503, "the model is loading")
         return engine
@@ -250,9 +231,9 @@ class OpenAIServer:
         if unknown:
             log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(unknown))
         model = getattr(req, "model", None)
-        if model is not None and model != self.servicer.model_name:
+        if model is not None and model != self.frontend.model_name:
             raise oai.APIError(404, f"The model `{model}` does not exist; this server serves "
-                                    f"`{self.servicer.model_name}`", "model")
+                                    f"`{self.frontend.model_name}`", "model")
         return req
 
     @staticmethod
@@ -281,49 +262,13 @@ class OpenAIServer:
             log.error("tokenizer workers died twice in a row")
             raise oai.APIError(503, "the tokenizer workers died; retry") from None
 
-    def _max_tokens(self, asked: int | None, prompt_len: int, name: str) -> int:
-        """Output tokens for a prompt: ``asked``, or (None) all the room left
-        in the context and the KV cache. Raises ``APIError`` 400 naming
-        ``name`` when ``asked`` does not fit the context."""
-        e = self.servicer.engine.engine
-        context = e.max_model_len
-        if asked is None:
-            cache = e.allocator.num_pages * e.allocator.page_size
-            return max(1, min(context, cache) - prompt_len)
-        if asked < 1:
-            raise oai.bad_request(f"{name}: must be an integer >= 1, got {asked}", name)
-        if prompt_len + asked > context:
-            raise oai.bad_request(
-                f"{name}: this model's maximum context length is {context} tokens; the prompt "
-                f"has {prompt_len} and {name} asks {asked} more ({prompt_len + asked} in all)",
-                name)
-        return asked
-
-    def _check_prompt(self, ids: list[int], field: str) -> list[int]:
-        if not ids:
-            raise oai.bad_request(f"{field}: is empty", field)
-        limit = self.servicer.max_prompt_len
-        if len(ids) > limit:
-            raise oai.bad_request(f"{field}: {len(ids)} tokens is more than max_prompt_len="
-                                  f"{limit}", field)
-        return ids
-
     async def _start(self, engine: AsyncEngine, rid: str, prompt_ids, prompt_texts, base,
-                     asked: int | None, max_name: str, arrival: float) -> _Job:
-        """Put every prompt in the engine (or none: a failure closes the rest)."""
-        params = [dataclasses.replace(base, max_tokens=self._max_tokens(asked, len(ids),
-                                                                        max_name))
-                  for ids in prompt_ids]
-        job = _Job(rid, prompt_ids, prompt_texts, params, [])
-        try:
-            with self._errors():
-                for ids, p in zip(prompt_ids, params):
-                    job.streams.append(await engine.generate(ids, p, arrival))
-        except BaseException:
-            for s in job.streams:
-                await s.aclose()
-            raise
-        return job
+                     asked: int | None, max_name: str, arrival: float) -> Job:
+        """Put every prompt in the engine, each with its output budget."""
+        with self._errors():
+            params = [dataclasses.replace(base, max_tokens=self.frontend.output_budget(
+                asked, len(ids), max_name)) for ids in prompt_ids]
+            return await start_job(engine, rid, prompt_ids, prompt_texts, params, arrival)
 
     # ---- generation -------------------------------------------------------------
 
@@ -332,41 +277,31 @@ class OpenAIServer:
         engine = self._ready()
         engine.metrics.received.inc()
         req = await self._parse(request, oai.CompletionRequest)
-        if req.suffix:
-            raise oai.bad_request("suffix: is not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise oai.bad_request("best_of: only best_of == n is supported", "best_of")
-        prompts = req.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise oai.bad_request("prompt: is empty", "prompt")
+        prompts = oai.completion_prompts(req)
         asked = None if "max_tokens" in req.model_fields_set and req.max_tokens is None else \
             req.max_tokens
         k = req.logprobs
         plp = req.prompt_logprobs
         if req.echo and k is not None:
             plp = max(plp or 0, k)
-        ctx = self.servicer.engine.engine.max_model_len
         base = oai.sampling_params(req.model_copy(update={"prompt_logprobs": plp}),
-                                   ctx if asked is None else asked, k, {"max_tokens": "max_tokens"})
+                                   engine.max_model_len if asked is None else asked, k,
+                                   {"max_tokens": "max_tokens"})
+        fe = self.frontend
         with self._errors():
-            engine.check_limits(base)
+            fe.check_limits(base)
             engine.check_queue(dataclasses.replace(base, n=base.n * len(prompts)))
             ids, texts = [], []
             for i, p in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
                 if isinstance(p, str):
-                    if not p:
-                        raise oai.bad_request(f"{field}: is empty", field)
-                    ids.append(self._check_prompt(
-                        await self.servicer.text_ids(check_text(p, field), field), field))
+                    ids.append(await fe.text_prompt(p, field))
                     texts.append(p)
                 else:
-                    ids.append(self._check_prompt(self.servicer.check_ids(p, field), field))
+                    ids.append(fe.ids_prompt(p, field))
                     texts.append(None)
         if req.echo:
-            tok = self.servicer.engine.engine.tokenizer
+            tok = engine.tokenizer
             texts = [t if t is not None else (tok.decode(i, skip_special_tokens=
                                                          req.skip_special_tokens) if tok else "")
                      for t, i in zip(texts, ids)]
@@ -381,28 +316,21 @@ class OpenAIServer:
         engine = self._ready()
         engine.metrics.received.inc()
         req = await self._parse(request, oai.ChatCompletionRequest)
-        if req.tools:
-            raise oai.bad_request("tools: tool calling is not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise oai.bad_request("response_format: only {'type': 'text'} is supported",
-                                  "response_format")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise oai.bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-        messages = oai.chat_messages(req)
+        oai.check_chat(req)
+        with self._errors():
+            messages = chat_messages(oai.chat_pairs(req), "messages")
         if req.max_completion_tokens is not None:
             asked, max_name = req.max_completion_tokens, "max_completion_tokens"
         else:
             asked, max_name = req.max_tokens, "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
-        ctx = self.servicer.engine.engine.max_model_len
-        base = oai.sampling_params(req, ctx if asked is None else asked, k,
+        base = oai.sampling_params(req, engine.max_model_len if asked is None else asked, k,
                                    {"max_tokens": max_name, "logprobs": "top_logprobs"})
         with self._errors():
-            engine.check_limits(base)
+            self.frontend.check_limits(base)
             engine.check_queue(base)
-            ids = self._check_prompt(await self.servicer.chat_ids(messages, "messages"),
-                                     "messages")
-        base = base.with_stop(engine.engine.tokenizer.chat_stop)  # a transcript's turn end
+            ids = await self.frontend.chat_prompt(messages, "messages")
+        base = base.with_stop(engine.tokenizer.chat_stop)  # a transcript's turn end
         job = await self._start(engine, self._request_id(request, "chatcmpl"), [ids], [None],
                                 base, asked, max_name, arrival)
         if req.stream:
@@ -434,127 +362,46 @@ class OpenAIServer:
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) of every prompt's request, as they come.
-        Raises ``StreamAborted`` / ``EngineError`` from any of them; closing
-        it aborts whatever still runs."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream):
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            except (StreamAborted, EngineError) as e:
-                queue.put_nowait((i, e))
-            queue.put_nowait((i, None))
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(job.streams)]
-        left = len(tasks)
+    @staticmethod
+    async def _collect(job: Job) -> tuple[list[RequestOutput | None], bool]:
         try:
-            while left:
-                i, item = await queue.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            for s in job.streams:
-                await s.aclose()  # aborts a request still running
-
-    async def _collect(self, job: _Job) -> tuple[list[RequestOutput | None], bool]:
-        """Every prompt's last output; True when shutdown aborted them."""
-        last: list[RequestOutput | None] = [None] * len(job.streams)
-        outputs = self._outputs(job)
-        try:
-            async for i, out in outputs:
-                last[i] = out
-        except StreamAborted:
-            return last, True
+            return await job.collect()
         except EngineError as e:
             raise oai.APIError(500, str(e)) from None
-        finally:
-            await outputs.aclose()
-        return last, False
 
-    def _usage(self, job: _Job, last: list[RequestOutput | None]) -> dict:
-        return oai.usage(sum(len(i) for i in job.prompt_ids),
-                         sum(len(c.token_ids) for o in last if o for c in o.outputs),
-                         sum(o.metrics.num_cached_tokens for o in last if o))
+    def _head(self, job: Job, obj: str) -> dict:
+        return oai.head(job.request_id, obj, self.frontend.model_name)
 
-    def _head(self, job: _Job, obj: str) -> dict:
-        return {"id": job.request_id, "object": obj, "created": int(time.time()),
-                "model": self.servicer.model_name}
+    # ---- completions and chat ---------------------------------------------------
 
-    # ---- completions ------------------------------------------------------------
-
-    def _echo_logprobs(self, job: _Job, i: int, out: RequestOutput):
-        """(token ids, entries) the echoed prompt contributes to logprobs."""
-        return list(job.prompt_ids[i]), list(out.prompt_logprobs or [None] * len(
-            job.prompt_ids[i]))
-
-    async def _completion_body(self, job: _Job, req: oai.CompletionRequest, k) -> dict:
+    async def _completion_body(self, job: Job, req: oai.CompletionRequest, k) -> dict:
         last, aborted = await self._collect(job)
-        choices = []
-        for i, out in enumerate(last):
-            if out is None:  # aborted at shutdown before its first output
-                choices += [{"index": i * job.n + j, "text": job.prompt_texts[i] or ""
-                             if req.echo else "", "logprobs": None, "finish_reason": "abort",
-                             "stop_reason": None} for j in range(job.n)]
-            for c in (out.outputs if out else []):
-                text, lp = c.text, None
-                ids, entries = list(c.token_ids), list(c.logprobs or [])
-                if req.echo:
-                    text = job.prompt_texts[i] + text
-                    if k is not None:
-                        pids, pentries = self._echo_logprobs(job, i, out)
-                        ids, entries = pids + ids, pentries + entries
-                if k is not None:
-                    lp = oai.completion_logprobs(ids, entries, k, 0)
-                choice = {"index": i * job.n + c.index, "text": text, "logprobs": lp,
-                          "finish_reason": c.finish_reason or ("abort" if aborted else None),
-                          "stop_reason": c.stop_reason}
-                if req.prompt_logprobs is not None and c.index == 0:
-                    choice["prompt_logprobs"] = oai.prompt_logprobs_json(out.prompt_logprobs)
-                choices.append(choice)
-        choices.sort(key=lambda c: c["index"])
-        return {**self._head(job, "text_completion"), "choices": choices,
-                "usage": self._usage(job, last)}
+        return oai.completion_response(self._head(job, "text_completion"), req, job.prompt_ids,
+                                       job.prompt_texts, job.n, last, aborted, k)
 
-    def _completion_chunks(self, job: _Job, req: oai.CompletionRequest, k):
+    def _completion_chunks(self, job: Job, req: oai.CompletionRequest, k):
         head = self._head(job, "text_completion")
         offsets: dict[int, int] = {}  # choice index -> characters sent
 
-        def chunk(index, text, lp, finish, stop_reason=None):
-            return _sse({**head, "choices": [{"index": index, "text": text, "logprobs": lp,
-                                              "finish_reason": finish,
-                                              "stop_reason": stop_reason}]})
-
         def on_output(i: int, out: RequestOutput, finished: set[int]):
-            for c in out.outputs:
-                idx = i * job.n + c.index
-                new_finish = c.finish_reason is not None and idx not in finished
-                text, ids = c.delta_text, list(c.delta_token_ids)
-                entries = list(c.logprobs[len(c.logprobs) - len(ids):]) if ids and \
-                    c.logprobs is not None else []
-                if req.echo and idx not in offsets:
-                    text = job.prompt_texts[i] + text
-                    if k is not None:
-                        pids, pentries = self._echo_logprobs(job, i, out)
-                        ids, entries = pids + ids, pentries + entries
-                if not (text or new_finish or (k is not None and ids)):
-                    continue
-                lp = oai.completion_logprobs(ids, entries, k, offsets.get(idx, 0)) \
-                    if k is not None else None
-                offsets[idx] = offsets.get(idx, 0) + len(text)
-                if new_finish:
-                    finished.add(idx)
-                yield chunk(idx, text, lp, c.finish_reason, c.stop_reason)
-        return self._events(job, req, head, on_output, lambda idx: chunk(idx, "", None, "abort"))
+            return oai.completion_chunks(head, req, i, out, job.n, job.prompt_ids[i],
+                                         job.prompt_texts[i], k, offsets, finished)
+        return self._events(job, req, head, on_output,
+                            lambda idx: oai.completion_chunk(head, idx, "", None, "abort"))
 
-    async def _events(self, job: _Job, req, head: dict, on_output, aborted_chunk,
+    async def _chat_body(self, job: Job, req: oai.ChatCompletionRequest, k) -> dict:
+        (out,), aborted = await self._collect(job)
+        return oai.chat_response(self._head(job, "chat.completion"), job.prompt_ids[0], job.n,
+                                 out, aborted, k)
+
+    def _chat_chunks(self, job: Job, req: oai.ChatCompletionRequest, k):
+        head = self._head(job, "chat.completion.chunk")
+        return self._events(job, req, head,
+                            lambda i, out, finished: oai.chat_chunks(head, out, k, finished),
+                            lambda idx: oai.chat_chunk(head, idx, {}, None, "abort"),
+                            oai.chat_role_chunks(head, job.n))
+
+    async def _events(self, job: Job, req, head: dict, on_output, aborted_chunk,
                       first: tuple[str, ...] = ()):
         """A stream's SSE events: ``first``, then ``on_output(prompt index,
         output, finished choice indices)``'s chunks for each output; at
@@ -562,7 +409,7 @@ class OpenAIServer:
         engine failure an error event; the usage chunk if asked; ``[DONE]``."""
         last: list[RequestOutput | None] = [None] * len(job.streams)
         finished: set[int] = set()
-        outputs = self._outputs(job)
+        outputs = job.outputs()
         for event in first:
             yield event
         try:
@@ -575,75 +422,29 @@ class OpenAIServer:
                 if idx not in finished:
                     yield aborted_chunk(idx)
         except EngineError as e:
-            yield _sse(oai.APIError(500, str(e)).body())
-            yield "data: [DONE]\n\n"
+            yield oai.sse(oai.APIError(500, str(e)).body())
+            yield oai.DONE
             return
         finally:
             await outputs.aclose()
         if req.include_usage:
-            yield _sse({**head, "choices": [], "usage": self._usage(job, last)})
-        yield "data: [DONE]\n\n"
-
-    # ---- chat -------------------------------------------------------------------
-
-    async def _chat_body(self, job: _Job, req: oai.ChatCompletionRequest, k) -> dict:
-        (out,), aborted = await self._collect(job)
-        choices = [] if out is not None else [  # aborted at shutdown before its first output
-            {"index": j, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": "abort", "stop_reason": None} for j in range(job.n)]
-        for c in (out.outputs if out else []):
-            lp = oai.chat_logprobs(list(c.token_ids), list(c.logprobs or []), k) \
-                if k is not None else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp,
-                            "finish_reason": c.finish_reason or ("abort" if aborted else None),
-                            "stop_reason": c.stop_reason})
-        return {**self._head(job, "chat.completion"), "choices": choices,
-                "usage": self._usage(job, [out])}
-
-    def _chat_chunks(self, job: _Job, req: oai.ChatCompletionRequest, k):
-        head = self._head(job, "chat.completion.chunk")
-
-        def chunk(index, delta, lp, finish, stop_reason=None):
-            return _sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                              "finish_reason": finish,
-                                              "stop_reason": stop_reason}]})
-
-        def on_output(i: int, out: RequestOutput, finished: set[int]):
-            for c in out.outputs:
-                new_finish = c.finish_reason is not None and c.index not in finished
-                ids = list(c.delta_token_ids)
-                if not (c.delta_text or new_finish or (k is not None and ids)):
-                    continue
-                lp = None
-                if k is not None:
-                    entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
-                    lp = oai.chat_logprobs(ids, list(entries), k)
-                if new_finish:
-                    finished.add(c.index)
-                delta = {"content": c.delta_text} if c.delta_text else {}
-                yield chunk(c.index, delta, lp, c.finish_reason, c.stop_reason)
-        roles = tuple(chunk(idx, {"role": "assistant", "content": ""}, None, None)
-                      for idx in range(job.n))
-        return self._events(job, req, head, on_output, lambda idx: chunk(idx, {}, None, "abort"),
-                            roles)
+            yield oai.sse({**head, "choices": [], "usage": oai.usage_of(job.prompt_ids, last)})
+        yield oai.DONE
 
     # ---- the other routes -------------------------------------------------------
 
     async def models(self, request: Request):
         self._auth(request)
         engine = self._ready()
-        name = self.servicer.model_name
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-            "root": name, "max_model_len": engine.engine.max_model_len}]}
+        return {"object": "list", "data": [oai.model_card(
+            self.frontend.model_name, self.created, engine.max_model_len)]}
 
     async def model(self, request: Request, model_id: str):
         """``GET /v1/models/{id}``: the served model, or 404 for another id."""
         listing = await self.models(request)
-        if model_id != self.servicer.model_name:
+        if model_id != self.frontend.model_name:
             raise oai.APIError(404, f"The model `{model_id}` does not exist; this server serves "
-                                    f"`{self.servicer.model_name}`", "model")
+                                    f"`{self.frontend.model_name}`", "model")
         return listing["data"][0]
 
     async def health(self, request: Request):
@@ -651,7 +452,6 @@ class OpenAIServer:
         return {"status": "serving"}
 
     async def prometheus(self, request: Request):
-        from prometheus_client import CONTENT_TYPE_LATEST
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request):
@@ -662,8 +462,6 @@ class OpenAIServer:
         body = await self._body(request)
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise oai.bad_request("the body needs exactly one of 'prompt' or 'messages'")
-        if engine.engine.tokenizer is None:
-            raise oai.bad_request("this model has no tokenizer")
         with self._errors():
             if "prompt" in body:
                 prompt = body["prompt"]
@@ -671,30 +469,24 @@ class OpenAIServer:
                 if not isinstance(prompt, str) or not isinstance(special, bool):
                     raise oai.bad_request("prompt: must be a string (add_special_tokens a bool)",
                                           "prompt")
-                ids = await self.servicer.text_ids(check_text(prompt, "prompt"), "prompt",
-                                                   special)
+                ids = await self.frontend.text_ids(prompt, "prompt", special)
             else:
                 req = oai.parse(oai.ChatCompletionRequest, {"messages": body["messages"]})
-                ids = await self.servicer.chat_ids(oai.chat_messages(req), "messages")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+                ids = await self.frontend.chat_ids(
+                    chat_messages(oai.chat_pairs(req), "messages"), "messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     async def detokenize(self, request: Request):
         """vLLM's ``/detokenize``: ``{tokens}`` -> ``{prompt}``."""
         self._auth(request)
-        engine = self._ready()
+        self._ready()
         body = await self._body(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise oai.bad_request("tokens: must be a list of token ids", "tokens")
-        tok = engine.engine.tokenizer
-        if tok is None:
-            raise oai.bad_request("this model has no tokenizer")
-        if len(tokens) > engine.engine.max_model_len:
-            raise oai.bad_request(f"tokens: {len(tokens)} ids is more than max_model_len="
-                                  f"{engine.engine.max_model_len}", "tokens")
         with self._errors():
-            ids = self.servicer.check_ids(tokens, "tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+            return {"prompt": self.frontend.detokenize(tokens, "tokens",
+                                                       skip_special_tokens=False)}
 
 
 __all__ = ["OpenAIServer"]

@@ -8,8 +8,11 @@ with vLLM's defaults. Unknown fields are kept aside (``unknown_fields``) so
 the server can log and ignore them, as vLLM does; a known field with a bad
 type or value is an ``APIError`` 400 whose ``param`` names it.
 
-Responses are plain dicts in OpenAI's shapes, built from the engine's
-``RequestOutput``: logprobs as the legacy completions object (``tokens``,
+Responses are plain dicts in OpenAI's shapes, built by pure functions from
+the engine's ``RequestOutput``s (``completion_response``, ``chat_response``,
+and for streams one server-sent event per choice that changed:
+``completion_chunks``, ``chat_chunks``): logprobs as the legacy completions
+object (``tokens``,
 ``token_logprobs``, ``top_logprobs`` as {token text: logprob}, ``text_offset``)
 or the chat object (``content``: [{token, logprob, bytes, top_logprobs}]).
 Token texts are ``Logprob.decoded_token`` (the token decoded alone, special
@@ -22,14 +25,15 @@ chat, errors) and vLLM's ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+import time
+from typing import Any, Iterator, Sequence
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.request import Logprob, SamplingParams, check_text
-from jaxserve.server.servicer import CHAT_ROLES
+from jaxserve.engine.request import Logprob, RequestOutput, SamplingParams
 
 # OpenAI's error "type" for each status jaxserve answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -214,23 +218,44 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
         raise bad_request(msg, field) from None
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The role/content dicts the chat template takes (``developer`` is
-    ``system``; text parts joined by newlines, as vLLM does).
+def completion_prompts(req: CompletionRequest) -> list:
+    """The prompts of a completions request, each a text or a list of ids.
 
     Raises:
-      APIError: 400 naming the message at fault (unknown role, a non-text
-        part, text that is not valid Unicode) or no message at all.
+      APIError: 400 for no prompt or an option jaxserve does not implement.
     """
-    if not req.messages:
-        raise bad_request("messages: at least one message is needed", "messages")
+    if req.suffix:
+        raise bad_request("suffix: is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of: only best_of == n is supported", "best_of")
+    prompts = req.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise bad_request("prompt: is empty", "prompt")
+    return prompts
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    """Raises ``APIError`` 400 for a chat option jaxserve does not implement."""
+    if req.tools:
+        raise bad_request("tools: tool calling is not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format: only {'type': 'text'} is supported",
+                          "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
+
+
+def chat_pairs(req: ChatCompletionRequest) -> list[tuple[str, str | None]]:
+    """(role, content) of each message, text parts joined by newlines (as
+    vLLM does); roles and text are checked by ``frontend.chat_messages``.
+
+    Raises:
+      APIError: 400 naming a part that is not text.
+    """
     out = []
     for i, m in enumerate(req.messages):
-        role = "system" if m.role == "developer" else m.role
-        if role not in CHAT_ROLES:
-            raise bad_request(f"messages.{i}.role: unknown role {m.role!r}; expected "
-                                  f"one of developer, {', '.join(CHAT_ROLES)}",
-                                  f"messages.{i}.role")
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -241,11 +266,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                         f"type {part.type!r}", f"messages.{i}.content.{j}")
                 texts.append(part.text)
             content = "\n".join(texts)
-        try:
-            content = check_text(content or "", f"messages.{i}.content")
-        except ValueError as e:
-            raise bad_request(str(e), f"messages.{i}.content") from None
-        out.append({"role": role, "content": content})
+        out.append((m.role, content))
     return out
 
 
@@ -311,6 +332,156 @@ def prompt_logprobs_json(entries: list | None) -> list | None:
                                     for i, lp in e.items()} for e in entries]
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "ERROR_TYPES",
-           "bad_request", "chat_logprobs", "chat_messages", "completion_logprobs", "parse",
-           "prompt_logprobs_json", "sampling_params", "usage"]
+# ---- response bodies and stream events ---------------------------------------------
+
+DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def head(request_id: str, obj: str, model: str) -> dict:
+    """The fields every response and chunk starts with."""
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model}
+
+
+def usage_of(prompt_ids: Sequence[Sequence[int]], last: Sequence[RequestOutput | None]) -> dict:
+    """The usage of prompts ``prompt_ids`` whose last outputs are ``last``."""
+    return usage(sum(len(i) for i in prompt_ids),
+                 sum(len(c.token_ids) for o in last if o for c in o.outputs),
+                 sum(o.metrics.num_cached_tokens for o in last if o))
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    """A ``/v1/models`` entry."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+            "root": name, "max_model_len": max_model_len}
+
+
+def _echo_logprobs(prompt_ids: Sequence[int], out: RequestOutput):
+    """(token ids, entries) the echoed prompt contributes to logprobs."""
+    return list(prompt_ids), list(out.prompt_logprobs or [None] * len(prompt_ids))
+
+
+def completion_response(head: dict, req: CompletionRequest, prompt_ids: list[list[int]],
+                        prompt_texts: list[str | None], n: int,
+                        last: list[RequestOutput | None], aborted: bool,
+                        k: int | None) -> dict:
+    """A whole ``/v1/completions`` response: ``n`` choices per prompt (in
+    ``index`` order), from each prompt's last output (None: aborted at
+    shutdown before its first); ``k``: top logprobs per position or None."""
+    choices = []
+    for i, out in enumerate(last):
+        if out is None:
+            choices += [{"index": i * n + j, "text": prompt_texts[i] or "" if req.echo else "",
+                         "logprobs": None, "finish_reason": "abort", "stop_reason": None}
+                        for j in range(n)]
+        for c in (out.outputs if out else []):
+            text, lp = c.text, None
+            ids, entries = list(c.token_ids), list(c.logprobs or [])
+            if req.echo:
+                text = prompt_texts[i] + text
+                if k is not None:
+                    pids, pentries = _echo_logprobs(prompt_ids[i], out)
+                    ids, entries = pids + ids, pentries + entries
+            if k is not None:
+                lp = completion_logprobs(ids, entries, k, 0)
+            choice = {"index": i * n + c.index, "text": text, "logprobs": lp,
+                      "finish_reason": c.finish_reason or ("abort" if aborted else None),
+                      "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None and c.index == 0:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
+    choices.sort(key=lambda c: c["index"])
+    return {**head, "choices": choices, "usage": usage_of(prompt_ids, last)}
+
+
+def completion_chunk(head: dict, index: int, text: str, lp, finish, stop_reason=None) -> str:
+    """One ``text_completion`` stream event for choice ``index``."""
+    return sse({**head, "choices": [{"index": index, "text": text, "logprobs": lp,
+                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+
+
+def completion_chunks(head: dict, req: CompletionRequest, i: int, out: RequestOutput, n: int,
+                      prompt_ids: list[int], prompt_text: str | None, k: int | None,
+                      offsets: dict[int, int], finished: set[int]) -> Iterator[str]:
+    """The events of prompt ``i``'s output ``out``: one per choice that
+    gained text (or tokens with logprobs) or finished. ``offsets`` (choice
+    index -> characters sent) and ``finished`` (choice indices reported
+    finished) are the stream's state, updated here."""
+    for c in out.outputs:
+        idx = i * n + c.index
+        new_finish = c.finish_reason is not None and idx not in finished
+        text, ids = c.delta_text, list(c.delta_token_ids)
+        entries = list(c.logprobs[len(c.logprobs) - len(ids):]) if ids and \
+            c.logprobs is not None else []
+        if req.echo and idx not in offsets:
+            text = prompt_text + text
+            if k is not None:
+                pids, pentries = _echo_logprobs(prompt_ids, out)
+                ids, entries = pids + ids, pentries + entries
+        if not (text or new_finish or (k is not None and ids)):
+            continue
+        lp = completion_logprobs(ids, entries, k, offsets.get(idx, 0)) if k is not None else None
+        offsets[idx] = offsets.get(idx, 0) + len(text)
+        if new_finish:
+            finished.add(idx)
+        yield completion_chunk(head, idx, text, lp, c.finish_reason, c.stop_reason)
+
+
+def chat_response(head: dict, prompt_ids: list[int], n: int, out: RequestOutput | None,
+                  aborted: bool, k: int | None) -> dict:
+    """A whole ``/v1/chat/completions`` response from the last output (None:
+    aborted at shutdown before its first)."""
+    choices = [] if out is not None else [
+        {"index": j, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": "abort", "stop_reason": None} for j in range(n)]
+    for c in (out.outputs if out else []):
+        lp = chat_logprobs(list(c.token_ids), list(c.logprobs or []), k) if k is not None \
+            else None
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason or ("abort" if aborted else None),
+                        "stop_reason": c.stop_reason})
+    return {**head, "choices": choices, "usage": usage_of([prompt_ids], [out])}
+
+
+def chat_chunk(head: dict, index: int, delta: dict, lp, finish, stop_reason=None) -> str:
+    """One ``chat.completion.chunk`` stream event for choice ``index``."""
+    return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+
+
+def chat_role_chunks(head: dict, n: int) -> tuple[str, ...]:
+    """The events that open each of ``n`` choices with the assistant role."""
+    return tuple(chat_chunk(head, idx, {"role": "assistant", "content": ""}, None, None)
+                 for idx in range(n))
+
+
+def chat_chunks(head: dict, out: RequestOutput, k: int | None,
+                finished: set[int]) -> Iterator[str]:
+    """The events of output ``out``: one per choice that gained text (or
+    tokens with logprobs) or finished; ``finished`` as in ``completion_chunks``."""
+    for c in out.outputs:
+        new_finish = c.finish_reason is not None and c.index not in finished
+        ids = list(c.delta_token_ids)
+        if not (c.delta_text or new_finish or (k is not None and ids)):
+            continue
+        lp = None
+        if k is not None:
+            entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
+            lp = chat_logprobs(ids, list(entries), k)
+        if new_finish:
+            finished.add(c.index)
+        delta = {"content": c.delta_text} if c.delta_text else {}
+        yield chat_chunk(head, c.index, delta, lp, c.finish_reason, c.stop_reason)
+
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DONE", "ERROR_TYPES",
+           "bad_request", "chat_chunk", "chat_chunks", "chat_logprobs", "chat_pairs",
+           "chat_response", "chat_role_chunks", "check_chat", "completion_chunk",
+           "completion_chunks", "completion_logprobs", "completion_prompts",
+           "completion_response", "head", "model_card", "parse", "prompt_logprobs_json",
+           "sampling_params", "sse", "usage", "usage_of"]

@@ -38,6 +38,13 @@ is served from the same loop and engine: bound with the gRPC port (its line
 the model is served and again while draining, its streams drained, aborted
 and closed with the gRPC ones.
 
+Disaggregated roles (``--role prefill|decode``) come in as a ``role`` built
+by ``jaxserve.disagg.roles.server_role`` (this package never imports
+``jaxserve.disagg``, which builds on it): it registers its gRPC service,
+makes the ``AsyncEngine`` and starts its parts once the engine is up; the
+server then warms the KV handoff's programs too and compiles every step
+shape before SERVING.
+
 Multi-host (``--multihost``, process 0): the engine broadcasts every step to
 the other processes (``jaxserve.engine.multihost``). At shutdown process 0
 sends them STOP and leaves the job; when a step fails because a process died,
@@ -48,12 +55,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hmac
 import os
 import logging
 import signal
 import socket
-import ssl
 import sys
 import threading
 import time
@@ -64,11 +69,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import ServerConfig
-from jaxserve.engine import compile_cache
+from jaxserve.engine import compile_cache, multihost
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.auth import BearerTokenInterceptor, tls_pair
 from jaxserve.server.checks import add_generation_servicer
+from jaxserve.server.frontend import Frontend
 from jaxserve.server.http import OpenAIServer
 from jaxserve.server.servicer import GenerationServicer
 
@@ -80,92 +87,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # jaxserv
 _ABORT_MARGIN_S = 1.0
 # Time kept for the process exit itself (flush, os._exit) after the shutdown.
 _EXIT_MARGIN_S = 0.5
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call without ``authorization: Bearer <token>`` metadata
-    with UNAUTHENTICATED (constant-time comparison)."""
-
-    def __init__(self, token: str, metrics: ServingMetrics | None = None):
-        self._expected = f"Bearer {token}".encode()
-        self._metrics = metrics
-
-    async def intercept_service(self, continuation, details):
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
-            return await continuation(details)
-        if self._metrics is not None:
-            self._metrics.rejected.labels("UNAUTHENTICATED").inc()
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        return _denying_handler(handler)
-
-
-def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    msg = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
-
-    async def deny(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-
-    async def deny_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-        yield  # pragma: no cover - makes this an async generator
-
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, **kw)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
-
-
-def _read(path: str, flag: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"{flag} {path!r}: cannot read: {e.strerror}") from None
-
-
-def _tls_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
-    """Read and check a PEM certificate chain and its private key.
-
-    Returns:
-      (key PEM, cert PEM) bytes, as ``grpc.ssl_server_credentials`` takes them.
-
-    Raises:
-      ValueError: naming ``--tls_cert`` or ``--tls_key``: unreadable, not PEM,
-        an encrypted key, or a key that does not match the certificate.
-    """
-    cert, key = _read(cert_path, "--tls_cert"), _read(key_path, "--tls_key")
-    if b"-----BEGIN CERTIFICATE-----" not in cert:
-        raise ValueError(f"--tls_cert {cert_path!r}: not a PEM certificate (no "
-                         f"'-----BEGIN CERTIFICATE-----' line)")
-    if b"PRIVATE KEY-----" not in key:
-        raise ValueError(f"--tls_key {key_path!r}: not a PEM private key (no "
-                         f"'-----BEGIN ... PRIVATE KEY-----' line)")
-    if b"ENCRYPTED" in key:
-        raise ValueError(f"--tls_key {key_path!r}: the key is encrypted; gRPC needs it "
-                         f"unencrypted")
-
-    def no_password():  # never prompt on the terminal
-        raise ValueError(f"--tls_key {key_path!r}: the key is encrypted; gRPC needs it "
-                         f"unencrypted")
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path,
-                                                                password=no_password)
-    except ssl.SSLError as e:
-        why = "the key does not match the certificate" if e.reason == "KEY_VALUES_MISMATCH" \
-            else f"not a valid certificate and private key ({e.reason or e})"
-        raise ValueError(f"--tls_cert {cert_path!r} / --tls_key {key_path!r}: {why}") from None
-    except OSError as e:  # changed since the read above
-        raise ValueError(f"--tls_cert {cert_path!r} / --tls_key {key_path!r}: cannot read: "
-                         f"{e.strerror}") from None
-    return key, cert
 
 
 def _bind_error(host: str, port: int, port_flag: str) -> str | None:
@@ -216,20 +137,27 @@ class Server:
         (``Engine.warmup(background=True)``; a multi-host, speculative or
         disaggregated engine compiles all first). A line and ``/metrics`` say when all
         are ready. False: all before SERVING.
+      role: a disaggregated worker's role (``jaxserve.disagg.roles.server_role``),
+        or None. It has ``add_to_server(grpc_server)``,
+        ``async_engine(engine, **kw) -> AsyncEngine`` and
+        ``start(async_engine) -> str`` (starts its parts, returns the line
+        to print).
     """
 
     def __init__(self, config: ServerConfig, load_engine: Callable, model_name: str,
-                 warmup: bool = True, background_warmup: bool = True):
+                 warmup: bool = True, background_warmup: bool = True, role=None):
         self.config = config
         self.load_engine = load_engine
         self.warmup = warmup
+        self.role = role
         # A disaggregated worker warms up whole: KV handed over from a prefill
         # worker joins the running set past the scheduler's admission caps.
-        self.background_warmup = warmup and background_warmup and config.disagg.role == "both"
+        self.background_warmup = warmup and background_warmup and role is None
         self.startup: dict[str, float] = {}  # load_s, warmup_s, warmup_compilations
         self.startup_report: compile_cache.StartupReport | None = None  # set at SERVING
         self.metrics = ServingMetrics()
-        self.servicer = GenerationServicer(model_name, config.max_prompt_len)
+        self.frontend = Frontend(model_name, config.max_prompt_len)
+        self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
         self.server: grpc.aio.Server | None = None  # built by ``start``
@@ -237,14 +165,9 @@ class Server:
         self.exit_code = 0  # 1 after a fatal multi-host error
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self.http = OpenAIServer(self.servicer, self.metrics, config) \
+        self.http = OpenAIServer(self.frontend, self.metrics, config) \
             if config.http_port is not None else None
         self._stopping: asyncio.Event | None = None
-        self.prefill_service = None  # --role prefill: jaxserve.disagg.worker.PrefillService
-        if config.disagg.role == "prefill":
-            from jaxserve.disagg.worker import PrefillService
-            self.prefill_service = PrefillService(lambda: self.async_engine,
-                                                  config.disagg.kv_lease_s, config.host)
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -267,15 +190,15 @@ class Server:
             if cfg.auth_token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
         add_generation_servicer(self.servicer, self.server)
-        if self.prefill_service is not None:
-            self.prefill_service.add_to_server(self.server)
+        if self.role is not None:
+            self.role.add_to_server(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.host}:{cfg.port}"
-        pair = _tls_pair(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        pair = tls_pair(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
         for port, flag in ((cfg.port, "--port"), (cfg.metrics_port, "--metrics_port"),
                            (cfg.http_port, "--http_port")):
             error = _bind_error(cfg.host, port, flag) if port is not None else None
@@ -342,42 +265,27 @@ class Server:
                     self._warmup_done(engine, n, t1, before)
                 threading.Thread(target=report_when_done, name="jaxserve-warmup-report",
                                  daemon=True).start()
-        if self.config.disagg.role != "both" and self.warmup:  # the handoff's gathers/scatters
+        if self.role is not None and self.warmup:  # the handoff's gathers/scatters
             t1 = time.monotonic()
-            n = await _in_daemon_thread(engine.runner.warmup_pages)
+            n = await _in_daemon_thread(engine.warmup_kv_handoff)
             print(f"jaxserve: compiled the KV handoff for {n} page counts in "
                   f"{time.monotonic() - t1:.1f} s", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         kw = dict(metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
                   on_fatal=lambda e: loop.call_soon_threadsafe(self._on_fatal, e))
-        dc = self.config.disagg
-        if dc.role == "decode":
-            from jaxserve.disagg.router import DecodeEngine
-            self.async_engine = DecodeEngine(
-                engine, prefill_workers=list(dc.prefill_workers),
-                min_prefill_tokens=dc.min_prefill_tokens, max_cached_ratio=dc.max_cached_ratio,
-                prefill_timeout_s=dc.prefill_timeout_s, transfer_timeout_s=dc.transfer_timeout_s,
-                token=self.config.auth_token, transfer_host=self.config.host, **kw)
-        else:
-            self.async_engine = AsyncEngine(engine, **kw)
+        self.async_engine = AsyncEngine(engine, **kw) if self.role is None else \
+            self.role.async_engine(engine, **kw)
         self.async_engine.start()
-        if self.prefill_service is not None:
-            self.prefill_service.start()
-        if dc.role != "both":
-            transfer = (self.prefill_service or self.async_engine).transfer
-            print(f"jaxserve: role {dc.role}; KV transfer server on {transfer.address}"
-                  + (f"; prefill workers {', '.join(dc.prefill_workers)}"
-                     if dc.role == "decode" else f"; lease {dc.kv_lease_s:g} s"),
-                  file=sys.stderr, flush=True)
+        if self.role is not None:
+            print(f"jaxserve: {self.role.start(self.async_engine)}", file=sys.stderr, flush=True)
         self.metrics.observe_stats(engine.stats())
-        self.servicer.set_engine(self.async_engine)
-        if self.servicer.tokenizer_pool is not None:  # spawn the tokenizer workers now
-            await asyncio.to_thread(self.servicer.tokenizer_pool.start)
+        self.frontend.set_engine(self.async_engine)
+        await self.frontend.start_tokenizer_pool()  # spawn the tokenizer workers now
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.startup_report = report = compile_cache.StartupReport.now(warm)
         self.metrics.observe_startup(report.ready_s, report.programs.compiled,
                                      report.programs.loaded)
-        print(f"jaxserve: serving {self.servicer.model_name}: {report.line()}", file=sys.stderr,
+        print(f"jaxserve: serving {self.frontend.model_name}: {report.line()}", file=sys.stderr,
               flush=True)
 
     def _warmup_done(self, engine, num_buckets: int, t0: float, before) -> None:
@@ -388,7 +296,7 @@ class Server:
         self.startup["warmup_s"] = time.monotonic() - t0
         self.startup["warmup_compilations"] = engine.warmup_programs
         self.metrics.observe_warmup_done(self.startup["warmup_s"],
-                                         engine.runner.num_compilations)
+                                         engine.num_compilations)
         error = f"; stopped early: {engine.warmup_error}" if engine.warmup_error else ""
         print(f"jaxserve: compiled {num_buckets} step shapes in {self.startup['warmup_s']:.1f} s "
               f"({engine.warmup_programs} XLA programs traced: {warm.loaded} loaded from cache, "
@@ -439,8 +347,7 @@ class Server:
         await asyncio.gather(*stops)
         if ae is not None:
             clean = await ae.stop(timeout_s=max(0.0, deadline - 0.1 - time.monotonic()))
-        if self.servicer.tokenizer_pool is not None:
-            self.servicer.tokenizer_pool.close()
+        self.frontend.close()
         print(f"jaxserve: stopped in {time.monotonic() - t0:.1f} s"
               f"{'' if clean else ' (engine thread still busy; exiting without it)'}",
               file=sys.stderr, flush=True)
@@ -492,19 +399,18 @@ async def _in_daemon_thread(fn: Callable):
 
 
 def serve(config: ServerConfig, load_engine: Callable, model_name: str,
-          warmup: bool = True, background_warmup: bool = True) -> None:
-    """Blocking entry point of ``--mode serve`` (``warmup`` and
-    ``background_warmup`` as in ``Server``).
+          warmup: bool = True, background_warmup: bool = True, role=None) -> None:
+    """Blocking entry point of ``--mode serve`` (``warmup``,
+    ``background_warmup`` and ``role`` as in ``Server``).
 
     Raises:
       ValueError: bad TLS files, an unbindable host or port (gRPC or
         metrics), or a model that fails to load; the message names the flag.
     """
-    server = Server(config, load_engine, model_name, warmup, background_warmup)
+    server = Server(config, load_engine, model_name, warmup, background_warmup, role)
     clean = asyncio.run(server.run())
     ae = server.async_engine
-    if ae is not None and clean and server.exit_code == 0 and ae.engine.runner.channel is not None:
-        from jaxserve.engine import multihost
+    if ae is not None and clean and server.exit_code == 0 and multihost.in_job():
         try:  # release the other processes of a multi-host job, then leave it
             ae.engine.stop_followers()
             multihost.shutdown()

@@ -1,14 +1,14 @@
 """The ``jaxserve.v1.Generation`` servicer (grpc.aio) over an ``AsyncEngine``.
 
-Every request is checked here before it reaches the engine, cheapest check
-first (``jaxserve.server.checks`` gives the order): a bad one ends with
-INVALID_ARGUMENT and a message that names the field, before any tokenizing.
-Large texts and chats are tokenized in worker processes
-(``tokenize_pool``), so the event loop keeps serving other requests and
-health checks meanwhile. Register it with ``checks.add_generation_servicer``, whose
-deserializer turns undecodable bytes into INVALID_ARGUMENT. The servicer
-exists before the model has loaded (so health and reflection answer at
-once); until ``set_engine`` its methods answer UNAVAILABLE.
+Every request is checked before it reaches the engine, cheapest check
+first: the wire checks of ``jaxserve.server.checks`` (which give the order),
+then the front end both APIs share (``jaxserve.server.frontend``: the
+engine's limits, tokenizing on worker processes for large texts, the prompt
+length). A bad request ends with INVALID_ARGUMENT and a message that names
+the field. Register the servicer with ``checks.add_generation_servicer``,
+whose deserializer turns undecodable bytes into INVALID_ARGUMENT. The
+servicer exists before the model has loaded (so health and reflection
+answer at once); until ``Frontend.set_engine`` its methods answer UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 
 import grpc
-import jinja2
 
 from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams
 from jaxserve.server import jaxserve_pb2 as pb
@@ -32,7 +31,6 @@ from jaxserve.server.async_engine import (
     StreamAborted,
 )
 from jaxserve.server.checks import (
-    INLINE_TOKENIZE_CHARS,
     CumulativeChoice,
     InvalidRequest,
     check_decoded,
@@ -40,13 +38,11 @@ from jaxserve.server.checks import (
     check_request_id,
     header_request_id,
     length_delimited,
-    max_text_bytes,
 )
-from jaxserve.server.tokenize_pool import TokenizerPool
+from jaxserve.server.frontend import Frontend, chat_messages
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "logprobs",
              "prompt_logprobs", "repetition_penalty")
 
@@ -80,163 +76,40 @@ def position_logprobs_proto(chosen: int, entry: dict) -> pb.PositionLogprobs:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    """Implements ``jaxserve.v1.Generation``.
+    """Implements ``jaxserve.v1.Generation`` over ``frontend`` (its engine,
+    model name, prompt limits and tokenizer pool serve both APIs)."""
 
-    Args:
-      model_name: what ``ModelInfo`` reports as the name.
-      max_prompt_len: longest prompt accepted, tokens (None: the engine's
-        max_model_len - 1).
-      tokenize_workers: processes that tokenize large prompts (0: tokenize
-        everything on the event loop).
-      max_pending_tokenize: large prompts tokenizing or queued for it at
-        once; beyond it a request gets RESOURCE_EXHAUSTED.
-    """
-
-    def __init__(self, model_name: str, max_prompt_len: int | None = None, *,
-                 tokenize_workers: int = 2, max_pending_tokenize: int = 64):
-        self.model_name = model_name
-        self.max_prompt_len = max_prompt_len
-        self.max_text_bytes: int | None = None
-        self.engine: AsyncEngine | None = None
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
         self._live_ids: set[str] = set()
         self._ids = itertools.count()
-        self.tokenize_workers = tokenize_workers
-        self.tokenizer_pool: TokenizerPool | None = None
-        self._max_pending = max_pending_tokenize
-        self._pending = 0
-
-    def set_engine(self, engine: AsyncEngine) -> None:
-        """Start serving (the model has loaded)."""
-        if self.max_prompt_len is None:
-            self.max_prompt_len = engine.engine.max_model_len - 1
-        tok = engine.engine.tokenizer
-        if tok is not None:
-            self.max_text_bytes = max_text_bytes(tok, self.max_prompt_len)
-            if self.tokenize_workers and self.tokenizer_pool is None:
-                self.tokenizer_pool = TokenizerPool(tok, self.tokenize_workers)
-        self.engine = engine
 
     async def _ready(self, context) -> AsyncEngine:
-        if self.engine is None:
+        engine = self.frontend.engine
+        if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
-        return self.engine
+        return engine
 
-    # ---- request checks -----------------------------------------------------
-
-    def _messages(self, chat: pb.ChatMessages, field: str) -> list[dict]:
-        if not chat.messages:
-            raise InvalidRequest(f"{field}.messages: at least one message is needed")
-        out = []
-        for i, m in enumerate(chat.messages):
-            if m.role not in CHAT_ROLES:
-                raise InvalidRequest(f"{field}.messages[{i}].role: unknown role {m.role!r}; "
-                                     f"expected one of {', '.join(CHAT_ROLES)}")
-            out.append({"role": m.role, "content": m.content})
-        return out
-
-    def _check_text_size(self, size_chars: int, text_bytes, field: str) -> None:
-        """Refuse text that cannot fit ``max_prompt_len`` tokens, before
-        tokenizing it; ``text_bytes()`` gives its UTF-8 length when needed."""
-        bound = self.max_text_bytes
-        if bound is None or 4 * size_chars <= bound:
-            return
-        size = size_chars if size_chars > bound else text_bytes()
-        if size > bound:
-            raise InvalidRequest(
-                f"{field}: {size:,} bytes of text cannot fit max_prompt_len="
-                f"{self.max_prompt_len} tokens (the limit is {bound:,} bytes)")
-
-    async def _off_loop(self, inline, pooled, size_chars: int):
-        """``inline()`` for small inputs (or without a pool), else ``await pooled()``."""
-        inline_below = min(INLINE_TOKENIZE_CHARS, max(256, (self.max_text_bytes or 0) // 8))
-        if size_chars < inline_below or self.tokenizer_pool is None:
-            return inline()
-        if self._pending >= self._max_pending:
-            raise QueueFullError(f"{self._pending} large prompts are being tokenized "
-                                 f"(at most {self._max_pending})")
-        self._pending += 1
-        try:
-            return await pooled()
-        finally:
-            self._pending -= 1
-
-    async def _chat_ids(self, chat: pb.ChatMessages, field: str) -> list[int]:
-        return await self.chat_ids(self._messages(chat, field), field)
-
-    async def chat_ids(self, messages: list[dict], field: str) -> list[int]:
-        """Token ids of a conversation (role/content dicts, checked) rendered
-        with the chat template and the generation prompt; large ones on the
-        tokenizer pool.
-
-        Raises:
-          InvalidRequest: no tokenizer, too much text for ``max_prompt_len``,
-            or the template rejected it (the message starts with ``field``).
-          QueueFullError: too many large prompts are being tokenized.
-        """
-        tok = self.engine.engine.tokenizer
-        if tok is None:
-            raise InvalidRequest(f"{field}: this model has no tokenizer or chat template")
-        chars = sum(len(m["content"]) for m in messages)
-        self._check_text_size(chars, lambda: sum(len(m["content"].encode()) for m in messages),
-                              field)
-
-        try:
-            return await self._off_loop(
-                lambda: tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True),
-                lambda: self.tokenizer_pool.chat_ids(messages), chars)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
-
-    async def text_ids(self, text: str, field: str, add_special_tokens: bool = True):
-        """Token ids of ``text`` (large ones on the tokenizer pool).
-
-        Raises:
-          InvalidRequest: too much text for ``max_prompt_len`` (names ``field``).
-          QueueFullError: too many large prompts are being tokenized.
-        """
-        tok = self.engine.engine.tokenizer
-        self._check_text_size(len(text), lambda: len(text.encode()), field)
-        return await self._off_loop(
-            lambda: tok.encode(text, add_special_tokens=add_special_tokens),
-            lambda: self.tokenizer_pool.encode(text, add_special_tokens), len(text))
-
-    def check_ids(self, ids, field: str) -> list[int]:
-        """``ids`` as ints. Raises ``InvalidRequest`` (naming ``field``) for
-        ids outside the vocabulary."""
-        vocab = self.engine.engine.model_config.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise InvalidRequest(f"{field}: token ids {bad[:5]} are outside the "
-                                 f"vocabulary [0, {vocab})")
-        return [int(i) for i in ids]
+    @staticmethod
+    def _messages(chat: pb.ChatMessages, field: str) -> list[dict]:
+        return chat_messages(((m.role, m.content) for m in chat.messages), f"{field}.messages")
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        fe = self.frontend
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("prompt: set one of text, token_ids or chat")
         if kind == "text":
-            if not request.text:
-                raise InvalidRequest("prompt.text: is empty")
-            if self.engine.engine.tokenizer is None:
-                raise InvalidRequest("prompt.text: this model has no tokenizer; send token_ids")
-            ids = await self.text_ids(request.text, "prompt.text")
-        elif kind == "token_ids":
-            if not request.token_ids.ids:
-                raise InvalidRequest("prompt.token_ids: is empty")
-            ids = self.check_ids(request.token_ids.ids, "prompt.token_ids")
-        else:
-            ids = await self._chat_ids(request.chat, "prompt.chat")
-        if len(ids) > self.max_prompt_len:
-            raise InvalidRequest(f"prompt: {len(ids)} tokens is more than max_prompt_len="
-                                 f"{self.max_prompt_len}")
-        return ids
+            return await fe.text_prompt(request.text, "prompt.text")
+        if kind == "token_ids":
+            return fe.ids_prompt(request.token_ids.ids, "prompt.token_ids")
+        return await fe.chat_prompt(self._messages(request.chat, "prompt.chat"), "prompt.chat")
 
     # ---- Generate -----------------------------------------------------------
 
     async def _reject(self, context, code: grpc.StatusCode, error: Exception) -> None:
-        if self.engine is not None:
-            self.engine.metrics.rejected.labels(code.name).inc()
+        if self.frontend.engine is not None:
+            self.frontend.engine.metrics.rejected.labels(code.name).inc()
         await context.abort(code, str(error))
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -250,14 +123,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if request.output_kind not in pb.OutputKind.values():
                 raise InvalidRequest(f"output_kind: unknown value {request.output_kind}")
             params = sampling_params_from_proto(request.sampling)
-            engine.check_limits(params)
+            self.frontend.check_limits(params, "sampling.")
             check_output_size(params, request.output_kind)
-            if params.stop_token_ids:
-                self.check_ids(params.stop_token_ids, "sampling.stop_token_ids")
             engine.check_queue(params)  # before tokenizing: a full queue costs nothing
             ids = await self._prompt_ids(request)
             if request.WhichOneof("prompt") == "chat":  # a transcript's turn end
-                params = params.with_stop(engine.engine.tokenizer.chat_stop)
+                params = params.with_stop(engine.tokenizer.chat_stop)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, e)
         except QueueFullError as e:
@@ -410,19 +281,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         engine = await self._ready(context)
-        tok = engine.engine.tokenizer
+        fe = self.frontend
         try:
             check_decoded(request)
-            if tok is None:
-                raise InvalidRequest("input: this model has no tokenizer")
             kind = request.WhichOneof("input")
             if kind is None:
                 raise InvalidRequest("input: set one of text or chat")
             if kind == "text":
-                ids = await self.text_ids(request.text, "input.text",
-                                           request.add_special_tokens)
+                ids = await fe.text_ids(request.text, "input.text", request.add_special_tokens)
             else:
-                ids = await self._chat_ids(request.chat, "input.chat")
+                ids = await fe.chat_ids(self._messages(request.chat, "input.chat"), "input.chat")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
@@ -430,23 +298,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except BrokenProcessPool as e:  # as in Generate: the retry's pool died too
             log.error("tokenizer workers died twice in a row: %s", e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the tokenizer workers died; retry")
+        tok = engine.tokenizer
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
-        engine = await self._ready(context)
-        tok = engine.engine.tokenizer
+        await self._ready(context)
         try:
             check_decoded(request)
-            if tok is None:
-                raise InvalidRequest("token_ids: this model has no tokenizer")
-            if len(request.token_ids) > engine.engine.max_model_len:
-                raise InvalidRequest(f"token_ids: {len(request.token_ids)} ids is more than "
-                                     f"max_model_len={engine.engine.max_model_len}")
-            ids = self.check_ids(request.token_ids, "token_ids")
+            text = self.frontend.detokenize(request.token_ids, "token_ids",
+                                            request.skip_special_tokens)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.DetokenizeResponse(
-            text=tok.decode(ids, skip_special_tokens=request.skip_special_tokens))
+        return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context):
         engine = await self._ready(context)
@@ -454,17 +317,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             check_decoded(request)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        e = engine.engine
-        import jax  # already loaded by the engine
-        cfg = e.config
-        return pb.ModelInfoResponse(
-            name=self.model_name, architecture=e.model_config.architecture,
-            max_model_len=e.max_model_len, dtype=cfg.dtype,
-            kv_cache_dtype=str(e.runner.kv_dtype), mesh=dict(e.mesh.shape),
-            backend=jax.default_backend(), num_devices=e.mesh.size,
-            vocab_size=e.model_config.vocab_size,
-            page_size=e.allocator.page_size, num_pages=e.allocator.num_pages,
-            attention_impl=e.attention_impl, max_prompt_len=self.max_prompt_len)
+        return pb.ModelInfoResponse(name=self.frontend.model_name,
+                                    max_prompt_len=self.frontend.max_prompt_len,
+                                    **engine.model_info())
 
 
 __all__ = ["GenerationServicer", "InvalidRequest", "MAX_LOGPROBS", "position_logprobs_proto",
