@@ -64,7 +64,7 @@ def run(engine: Engine, *, trials: int = 3, system_len: int = 1000,
     """
     if engine.tokenizer is None:
         raise ValueError("the prefix-cache benchmark needs a model with a tokenizer")
-    if not engine.allocator.enable_prefix_caching:
+    if not engine.prefix_caching:
         raise ValueError("prefix caching is off (--enable_prefix_caching=false)")
     tok = engine.tokenizer
     turns = [tok.encode("\nUser: What is the main idea of the text above? Answer briefly.\n"
@@ -81,7 +81,7 @@ def run(engine: Engine, *, trials: int = 3, system_len: int = 1000,
             cold.append(c_ms)
             warm.append(w_ms)
             cached.append(w_cached)
-        engine.allocator.reset_prefix_cache()
+        engine.reset_prefix_cache()
     return PrefixResult(trials, system_len, cold, warm, cached)
 
 

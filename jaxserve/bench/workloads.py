@@ -134,8 +134,30 @@ CREATIVE_TASKS = (
     "Write a dialogue between a librarian and a lost dragon.",
 )
 
+# The speculative decoding benchmark's prompts (``speculation``): copy-heavy
+# tasks over a passage of the corpus, and short chat questions.
+COPY_TASKS = (
+    ("repeat", "Repeat the following text exactly, word for word, without adding anything."),
+    ("edit", "Rewrite the following text with British spellings changed to American ones "
+             "(harbour -> harbor, colour -> color, organised -> organized). Change nothing "
+             "else."),
+    ("summarise", "Summarise the following text in a few sentences."),
+)
+CHAT_QUESTIONS = (
+    "What causes the seasons on Earth?", "How do I boil an egg?",
+    "Give me three tips for learning a new language.", "Why is the sky blue?",
+    "What is the difference between weather and climate?", "How does a bicycle stay upright?",
+    "Write a haiku about autumn.", "What should I pack for a weekend camping trip?",
+    "Explain what a prime number is.", "How can I sleep better at night?",
+    "What is photosynthesis?", "Suggest a name for a small bakery.",
+    "How do vaccines work?", "What are the planets of the solar system?",
+    "Why do cats purr?", "How do I make a good cup of tea?",
+)
+
+
 SYSTEM_HEADER = ("You are a helpful assistant for a public library. Answer questions politely, "
                  "briefly and only from the reference text below.\n\nReference text:\n")
+DOCS_INTRO = "Use the documents below to answer the question.\n\nDocument 1: "
 SENTENCES = [s.strip() + "." for s in CORPUS.split(". ") if s.strip()]
 
 
@@ -171,7 +193,7 @@ class BenchRequest:
     output_len: int
 
 
-class _Text:
+class Text:
     """Token ids of corpus text, cut to lengths (random ids without a tokenizer)."""
 
     def __init__(self, tokenizer, vocab_size: int, rng: np.random.Generator):
@@ -223,7 +245,7 @@ def make_requests(tokenizer, vocab_size: int, workload: str, num_prompts: int, *
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     rng = np.random.default_rng(seed)
-    text = _Text(tokenizer, vocab_size, rng)
+    text = Text(tokenizer, vocab_size, rng)
     if workload == "mixed":
         # Blocks of one request of each shape, each block in a random order, so
         # every prefix of 4k requests (a smaller level) holds each shape k times.
@@ -251,11 +273,27 @@ def make_requests(tokenizer, vocab_size: int, workload: str, num_prompts: int, *
                 ids = (head + text.encode(task + " ") + text.shuffled(n))[:n]
             else:
                 if name == "rag":
-                    head += text.encode("Use the documents below to answer the question.\n\n"
-                                        "Document 1: ")
-                tail = text.encode(f"\n\nQuestion: {question}\nAnswer:")
-                body = text.shuffled(n)
-                ids = (head + body)[:max(0, n - len(tail))] + tail
-                ids = ids[-n:]  # a very small scale: keep the question's end
+                    head += text.encode(DOCS_INTRO)
+                ids = question_prompt(text, question, n, head)
         out.append(BenchRequest(name, [int(t) for t in ids], out_len))
     return out
+
+
+def question_prompt(text: Text, question: str, n: int, head: list[int] = ()) -> list[int]:
+    """``n`` token ids: ``head``, shuffled corpus text, then ``question`` as
+    ``"Question: ... Answer:"``, the text cut so the question fits (at a very
+    small ``n`` the question's end is kept)."""
+    tail = text.encode(f"\n\nQuestion: {question}\nAnswer:")
+    body = text.shuffled(n)
+    ids = (list(head) + body)[:max(0, n - len(tail))] + tail
+    return [int(t) for t in ids[-n:]]
+
+
+def passage(tok, rng, n: int) -> str:
+    """Corpus sentences in a random order until the text has >= ``n`` tokens."""
+    order, text = rng.permutation(len(SENTENCES)), ""
+    for i in np.concatenate([order, order]):
+        text += SENTENCES[i] + " "
+        if (len(tok.encode(text, add_special_tokens=False)) if tok else len(text) // 4) >= n:
+            break
+    return text.strip()
