@@ -32,7 +32,7 @@ Workloads (greedy unless said; one request at a time unless said):
   speculation costs when the policy cannot turn it off). Figure: TPOT.
 * **W_rare** (drafts rarely right): ``--rare_requests`` (32) requests of
   ``workloads``' ``chat`` shape (~118 tokens of shuffled corpus text and a
-  question, as the writer's W1), all added at once and drained with
+  question, as the throughput benchmark's W1), all added at once and drained with
   ``engine.step``; temperature 1.0, one seed per request, EOS ignored,
   ``--rare_max_tokens``. Why temperature 1: greedy decoding of a 135M model
   falls into loops that prompt lookup predicts well, and random-token

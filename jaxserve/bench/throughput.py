@@ -155,7 +155,7 @@ def add_arguments(ap, sweep_only: bool) -> None:
     if not sweep_only:
         ap.add_argument("--sweep", action="store_true", help="run the decode sweep too, into "
                         "the same report")
-        ap.add_argument("--peers", default="hf,llama.cpp", help="hf, llama.cpp, both, or none")
+        ap.add_argument("--peers", default="hf,llama.cpp", help="hf, llama.cpp (a comma list), or none")
         ap.add_argument("--formats", default="none", help="weight formats for W1/W2, e.g. "
                         "none,int8,w8a8,int4,gguf, or q:kv pairs; f32 (none) always runs")
         ap.add_argument("--kv_cache_dtypes", default="auto", help="KV cache dtypes crossed "
