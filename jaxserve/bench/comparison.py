@@ -136,7 +136,7 @@ def run_jaxserve(engine, w1, w2, t0: float, warmup: bool = True) -> tuple[dict, 
                            preemptions=run.preemptions)
         records[name] = run.records
         log(t0, f"jaxserve {name}: {json.dumps(_brief(entry[name]))}; XLA compilations "
-                 f"{before} -> {after}")
+                f"{before} -> {after}")
     return entry, records
 
 

@@ -192,8 +192,8 @@ def run(build, pairs, w1, w2, ref: dict, kv_cache_mib: int, t0: float,
         entry = describe(llm.engine, q, kv, kv_cache_mib)
         entry["load_s"] = time.monotonic() - t
         comparison.log(t0, f"format {q} / KV {kv}: {entry['weight_bytes']['total'] / 1e6:.1f} MB "
-                        f"of weights ({entry['weight_bytes']['projections'] / 1e6:.1f} MB "
-                        f"projections), {entry['kv_pages']} KV pages")
+                       f"of weights ({entry['weight_bytes']['projections'] / 1e6:.1f} MB "
+                       f"projections), {entry['kv_pages']} KV pages")
         figs, records = comparison.run_jaxserve(llm.engine, w1, w2, t0, warmup=warmup)
         figs["how"] = f"jaxserve, weights {q}, KV cache {kv}"
         for w in ("w1", "w2"):

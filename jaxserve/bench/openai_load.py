@@ -447,7 +447,7 @@ async def run_openai(base_url: str, model: str, requests: list[BenchRequest], co
         finishes[str(st.finish_reason)] += 1
         rec.token_ids = ids
         short += rec.ok and rec.output_tokens < req.output_len
-    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))
+    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))  # noqa: E731
     run = serving.LevelRun(
         concurrency, request_rate, records, [], series,
         int(m1.get("jaxserve_kv_cache_pages_total", 0)),

@@ -382,7 +382,7 @@ async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
     stop.set()
     await poller
     m1 = await asyncio.get_running_loop().run_in_executor(None, scrape, metrics_url)
-    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))
+    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))  # noqa: E731
     return LevelRun(concurrency, request_rate, records, [], series,
                     int(m1.get("jaxserve_kv_cache_pages_total", 0)),
                     d("jaxserve_cached_prompt_tokens_total"),

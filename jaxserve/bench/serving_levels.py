@@ -29,7 +29,7 @@ def slices(requests: list[BenchRequest], counts: list[int]) -> list[list[BenchRe
 
 
 def request_dict(r: stats.RequestRecord, t0: float) -> dict:
-    rel = lambda t: None if t is None else round(t - t0, 6)
+    rel = lambda t: None if t is None else round(t - t0, 6)  # noqa: E731
     return {"id": r.request_id, "workload": r.workload, "prompt_tokens": r.prompt_tokens,
             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
             "send_s": rel(r.send_time), "first_token_s": rel(r.chunk_times[0]) if r.chunk_times

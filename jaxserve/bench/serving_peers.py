@@ -91,7 +91,7 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
                 "requests": [request_dict(r, recs[0].send_time) for r in recs]})
             s = entry["levels"][-1]["summary"]
             log(f"peer {name} C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
-                 f"{s['output_throughput']:.1f} output tok/s")
+                f"{s['output_throughput']:.1f} output tok/s")
         entry["token_agreement"] = same / total if total else None
         del model  # free its memory before the next peer loads
 
@@ -137,8 +137,8 @@ def _run_llama_cpp_server(entry: dict, opts: BenchOptions, per_level, jax_record
                 "requests": [request_dict(r, run.t0) for r in recs]})
             s = entry["levels"][-1]["summary"]
             log(f"peer llama_cpp_server C={c}: {s['completed']} requests in "
-                 f"{s['duration_s']:.1f} s, {s['output_throughput']:.1f} output tok/s, "
-                 f"{run.http['short_outputs']} short")
+                f"{s['duration_s']:.1f} s, {s['output_throughput']:.1f} output tok/s, "
+                f"{run.http['short_outputs']} short")
         entry["token_agreement"] = same / total if total else None
     finally:
         tok.close()
@@ -182,7 +182,7 @@ def _run_colocated(entry: dict, opts: BenchOptions, per_level, jax_records,
                                             "token_agreement": a / b if b else None})
                     s = entry["levels"][-1]["summary"]
                     log(f"peer colocated C={c}: {s['completed']} requests in "
-                         f"{s['duration_s']:.1f} s, {s['output_throughput']:.1f} output tok/s")
+                        f"{s['duration_s']:.1f} s, {s['output_throughput']:.1f} output tok/s")
                 entry["token_agreement"] = same / total if total else None
         asyncio.run(go())
     finally:

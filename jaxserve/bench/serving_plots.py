@@ -18,7 +18,9 @@ import numpy as np
 
 from jaxserve.bench.serving_report import engine_levels, label, main_label
 
+
 def latency(result, path, plt):
+    """``latency_throughput.png``."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name, levels in engine_levels(result).items():
         xs = [lv["summary"]["output_throughput"] or 0 for lv in levels]
@@ -41,6 +43,7 @@ def latency(result, path, plt):
 
 
 def timeline(result, path, plt):
+    """``timeline.png``."""
     levels = result["levels"]
     heights = [max(2.0, 0.18 * len(lv["requests"]) + 1) for lv in levels]
     fig, axes = plt.subplots(len(levels), 1, figsize=(12, sum(heights)), squeeze=False,
@@ -70,6 +73,7 @@ def timeline(result, path, plt):
 
 
 def roofline(result, path, plt):
+    """``roofline.png``."""
     roof = result["roofline"]
     c = roof["ceilings"]
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -82,12 +86,12 @@ def roofline(result, path, plt):
     style = {"decode": ("tab:blue", "o", "decode (B rows)"),
              "prefill": ("tab:orange", "s", "prefill (tokens)"),
              "mixed": ("tab:green", "^", "mixed (tokens)")}
-    for phase, (color, marker, label) in style.items():
+    for phase, (color, marker, name) in style.items():
         ps = [p for p in pts if p["phase"] == phase]
         if not ps:
             continue
         ax.scatter([p["intensity"] for p in ps], [p["flops_per_s"] for p in ps], c=color,
-                   marker=marker, label=label, s=[12 + 4 * min(p["steps"], 40) for p in ps])
+                   marker=marker, label=name, s=[12 + 4 * min(p["steps"], 40) for p in ps])
         for p in ps:
             ax.annotate(str(p["group"]), (p["intensity"], p["flops_per_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, -3))
@@ -101,6 +105,7 @@ def roofline(result, path, plt):
 
 
 def kv_pages(result, path, plt):
+    """``kv_pages.png``."""
     fig, ax = plt.subplots(figsize=(9, 4))
     for lv in result["levels"]:
         series = lv["kv"]["series"]

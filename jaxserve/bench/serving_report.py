@@ -248,7 +248,7 @@ def markdown(result: dict) -> str:
                 continue
             s = row["summary"]
             mode = row.get("mode", "continuous batching")
-            g = lambda d, k="p50": d[k] if d else None
+            g = lambda d, k="p50": d[k] if d else None  # noqa: E731
             lines.append(
                 f"| {c} | {label(result, name)} | {mode} | {_f(s['output_throughput'])} "
                 f"| {_f(g(s['ttft_ms']), '{:.0f}')} | {_f(g(s['tpot_ms']))} | "

@@ -65,7 +65,7 @@ MAX_RERUNS = 2  # times a level that compiled is run again
 
 def base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) -> dict:
     return {
-        "benchmark": "jaxserve serving benchmark (python -m jaxserve.main --mode bench)",
+        "benchmark": "jaxserve serving benchmark (python -m jaxserve.bench serve)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {"workload": opts.workload, "model": opts.model, "dtype": opts.dtype,
                    "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype,
@@ -125,7 +125,7 @@ def run_inprocess(llm, opts: BenchOptions):
         # shapes are cached now), at most MAX_RERUNS times.
         while run.compilations and opts.warmup and reruns < MAX_RERUNS:
             log(f"C={c}: XLA compiled {run.compilations} time(s) during the level; "
-                 "running it again")
+                "running it again")
             run = serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed)
             reruns += 1
         all_steps += run.steps
@@ -136,8 +136,8 @@ def run_inprocess(llm, opts: BenchOptions):
         result["levels"].append(lv)
         s = lv["summary"]
         log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
-             f"{s['output_throughput']:.1f} output tok/s, TTFT p50 "
-             f"{s['ttft_ms']['p50']:.0f} ms, {run.compilations} compilations")
+            f"{s['output_throughput']:.1f} output tok/s, TTFT p50 "
+            f"{s['ttft_ms']['p50']:.0f} ms, {run.compilations} compilations")
     if opts.peak_flops and opts.peak_bytes:
         ceil = roofline.Ceilings(opts.peak_flops, opts.peak_bytes, "given (--peak_tflops, "
                                  "--peak_gbps)")
@@ -209,7 +209,7 @@ def run_grpc(opts: BenchOptions):
                     result["levels"].append(level_dict(run, opts.slo))
                     s = result["levels"][-1]["summary"]
                     log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
-                         f"{s['failed']} failed")
+                        f"{s['failed']} failed")
         asyncio.run(go())
     finally:
         for proc in procs:
@@ -312,7 +312,7 @@ def run_openai(opts: BenchOptions):
                 result["levels"].append(level_dict(run, opts.slo, mode))
                 s = result["levels"][-1]["summary"]
                 log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
-                     f"{s['failed']} failed, {run.http['short_outputs']} short")
+                    f"{s['failed']} failed, {run.http['short_outputs']} short")
         asyncio.run(go())
     finally:
         if tok is not None:

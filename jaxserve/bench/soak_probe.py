@@ -161,7 +161,7 @@ def malloc_probe(proc, path: str) -> dict | None:
         time.sleep(0.1)
         if len(got := lines()) > n0:
             r = json.loads(got[-1])
-            mb = lambda x: x / 2**20
+            mb = lambda x: x / 2**20  # noqa: E731
             return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
                     "trim_s": r.get("trim_s"), "in_use_mb": mb(r["before"]["uordblks"]),
                     "free_mb": mb(r["before"]["fordblks"]),

@@ -197,7 +197,7 @@ def markdown(res: dict) -> str:
              "## Calls by case and status code", "",
              "| case | expected codes (count) | unexpected codes (count) | lost | hanging |",
              "|---|---|---|---|---|"]
-    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"  # noqa: E731
     for case in EXPECTED:
         if case in c["by_case"]:
             d = c["by_case"][case]

@@ -107,7 +107,7 @@ def run_once(engine: Engine, prompts, output_len: int) -> BenchResult:
     n_in = sum(len(p) for p in prompts)
     ttft = [o.metrics.ttft_ms for o in finals]
     tpot = [o.metrics.tpot_ms for o in finals if o.metrics.tpot_ms is not None]
-    q = lambda xs, f: float(np.percentile(xs, f)) if xs else float("nan")
+    q = lambda xs, f: float(np.percentile(xs, f)) if xs else float("nan")  # noqa: E731
     return BenchResult(
         num_requests=len(prompts), input_tokens=n_in, output_tokens=n_out, wall_s=wall,
         output_tok_s=n_out / wall, total_tok_s=(n_in + n_out) / wall,
@@ -172,7 +172,9 @@ def add_arguments(ap, sweep_only: bool) -> None:
     ap.add_argument("--contexts", default=None, help=f"sweep: tokens in each row's cache "
                     f"(default {decode_sweep.DEFAULT_CONTEXTS}; smoke 16,40)")
     ap.add_argument("--sweep_format", default="none", help="sweep: weight format")
-    ap.set_defaults(sweep=True, workloads=False) if sweep_only else \
+    if sweep_only:
+        ap.set_defaults(sweep=True, workloads=False)
+    else:
         ap.set_defaults(workloads=True)
 
 
