@@ -278,7 +278,8 @@ def run_openai(opts: BenchOptions):
                                  scale=scale)
         warm = make_requests(tok, vocab, opts.workload, sum(counts), seed=opts.seed + 1000,
                              scale=scale) if opts.warmup else []
-        prompt_as = openai_load.prompt_as(base, model["id"], requests[0].prompt_ids, tok, opts.api_key)
+        prompt_as = openai_load.prompt_as(base, model["id"], requests[0].prompt_ids, tok,
+                                          opts.api_key)
         per_level = slices(requests, counts)
         server = {"api": "openai", "base_url": base, "model": model["id"],
                   "owned_by": model.get("owned_by"), "spawned": proc is not None,

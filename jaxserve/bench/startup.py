@@ -242,7 +242,7 @@ def run_llama_cpp_server(gguf: str, timeout_s: float = 300.0) -> dict:
     one non-streamed completion."""
     t0 = time.monotonic()
     proc, base = peers_mod.spawn_llama_cpp_server(gguf, LLAMA_CPP_N_CTX, timeout_s=timeout_s,
-                                        poll_s=POLL_S)
+                                                  poll_s=POLL_S)
     try:
         ready_s = time.monotonic() - t0
         rss, rss_tree = process_rss_bytes(proc.pid), tree_rss_bytes(proc.pid)
