@@ -58,11 +58,14 @@ def mem_available() -> int | None:
     return _meminfo("MemAvailable")
 
 
-def describe() -> dict:
+def describe(devices: bool = True) -> dict:
     """The machine (see the module docstring): ``cpu_model``, ``avx_flags``
     and ``amx_flags`` (sorted), ``cpu_count``, ``mem_total_bytes``,
     ``mem_available_bytes``, ``load_average_start``, ``platform``,
-    ``python``, ``jax``, ``jax_backend``, ``devices``, ``xla_flags``."""
+    ``python``, ``jax``, ``xla_flags`` and, with ``devices``, ``jax_backend``
+    and ``devices``. ``devices=False`` leaves JAX's backends alone: a driver
+    that spawns servers (start-up, soak) must not take the accelerator's
+    memory first."""
     model, flags = platform.processor() or "?", []
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
@@ -73,14 +76,16 @@ def describe() -> dict:
             flags = sorted(m[1].split())
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"cpu_model": model, "avx_flags": [f for f in flags if f.startswith("avx")],
-            "amx_flags": [f for f in flags if f.startswith("amx")], "cpu_count": os.cpu_count(),
-            "mem_total_bytes": _meminfo("MemTotal"), "mem_available_bytes": mem_available(),
-            "load_average_start": load_average(), "platform": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__,
-            "jax_backend": jax.default_backend(),
-            "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    out = {"cpu_model": model, "avx_flags": [f for f in flags if f.startswith("avx")],
+           "amx_flags": [f for f in flags if f.startswith("amx")], "cpu_count": os.cpu_count(),
+           "mem_total_bytes": _meminfo("MemTotal"), "mem_available_bytes": mem_available(),
+           "load_average_start": load_average(), "platform": platform.platform(),
+           "python": platform.python_version(), "jax": jax.__version__,
+           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if devices:
+        out["jax_backend"] = jax.default_backend()
+        out["devices"] = [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()]
+    return out
 
 
 def environment(extra: dict | None = None) -> dict:

@@ -97,7 +97,7 @@ from jaxserve.server.client import Client
 
 def soak(a) -> dict:
     """The whole soak (see the module docstring); returns the result dict."""
-    mach = machine.describe()
+    mach = machine.describe(devices=False)
     proc, counter, pid, saved_stderr, probe_file = None, None, a.server_pid, sys.stderr, None
     flags = list(a.engine_flags)
     if not a.target:

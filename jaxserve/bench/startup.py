@@ -319,7 +319,7 @@ def run(opts: StartupOptions, output_dir: str) -> tuple[dict, list[str]]:
     gguf = _gguf_of(opts.model)  # fetches an alias now, not inside the timed start
     result = {"benchmark": "startup", "model": opts.model, "model_file": gguf,
               "engine_flags": list(opts.engine_flags), "prompt": PROMPT,
-              "max_tokens": MAX_TOKENS, "machine": machine.describe(),
+              "max_tokens": MAX_TOKENS, "machine": machine.describe(devices=False),
               "environment": machine.environment(), "engines": {}, "skipped": {}}
     cache = tempfile.mkdtemp(prefix="jaxserve-startup-xla-")
     try:
