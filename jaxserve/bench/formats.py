@@ -50,6 +50,7 @@ import numpy as np
 
 from checkpoints.loader import load_checkpoint
 from jaxserve.bench import comparison
+from jaxserve.bench import peers as peers_mod
 from jaxserve.bench.report import fmt as _f
 from jaxserve.bench.report import ratio as _ratio
 from jaxserve.bench.report import targets_table
@@ -59,7 +60,6 @@ from pallas_kernels.ragged_paged_attention.quant import is_quantized
 KV_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 BASELINE = ("none", "auto")
 LABEL = {"none": "f32", "int8": "int8", "w8a8": "w8a8", "int4": "int4", "gguf": "gguf"}
-AGREEMENT_TOKENS = 16
 # The projections' attribute names in every model family (``quant.is_projection``'s
 # q/k/v/o and gate/up/down, experts' stacked ones included).
 PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -304,7 +304,8 @@ def markdown(result: dict) -> list[str]:
               f"of {_f(qr['formats'][0].get('w2_context_mean'), '{:.0f}')} tokens) / TPOT / "
               "the matvec bytes/s; floor = those bytes at the matvec bytes/s. compiles = XLA "
               "compilations in the timed W1 + W2 (must be 0); agree = first "
-              f"{AGREEMENT_TOKENS} greedy tokens equal f32 jaxserve's (W1 share, W2).", "",
+              f"{peers_mod.AGREEMENT_TOKENS} greedy tokens equal f32 jaxserve's (W1 share, "
+              "W2).", "",
               f"| weights | KV | W1 tok/s | {head} | W2 TTFT ms | {head} | W2 TPOT ms | "
               f"{head} | floor ms | MBU | compiles | agree |",
               "|---|---|" + "---:|" * (3 * (1 + len(vs_cols)) + 3) + "---|"]

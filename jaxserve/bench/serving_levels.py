@@ -1,8 +1,7 @@
 """The serving benchmark's JSON, level by level: ``level_dict`` (one
 concurrency level's figures, ``stats.summarize`` and the engine's counters,
 every request's timestamps relative to the level's start), ``request_dict``,
-the per-level request slices and the drawn shapes; and ``agreement``, how
-many requests' first ``AGREEMENT_TOKENS`` greedy tokens two engines share.
+the per-level request slices and the drawn shapes.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import sys
 
 from jaxserve.bench import serving, stats
 from jaxserve.bench.workloads import SHAPES, BenchRequest
-
-AGREEMENT_TOKENS = 16
 
 
 def log(msg: str) -> None:
@@ -76,14 +73,3 @@ def shapes(requests: list[BenchRequest]) -> dict:
                       "output_tokens": sum(r.output_len for r in rs) / len(rs)}
     return out
 
-
-def agreement(peer_recs, jax_recs) -> tuple[int, int]:
-    """(requests whose first AGREEMENT_TOKENS tokens match, requests compared)."""
-    same = n = 0
-    for a, b in zip(peer_recs, jax_recs):
-        if a.token_ids is None or b.token_ids is None:
-            continue
-        k = min(AGREEMENT_TOKENS, len(a.token_ids), len(b.token_ids))
-        same += a.token_ids[:k] == b.token_ids[:k]
-        n += 1
-    return same, n

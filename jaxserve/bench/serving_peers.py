@@ -23,7 +23,7 @@ import time
 
 from jaxserve.bench import openai_load, serving, stats
 from jaxserve.bench import peers as peers_mod
-from jaxserve.bench.serving_levels import agreement, level_dict, log, request_dict, slices
+from jaxserve.bench.serving_levels import level_dict, log, request_dict, slices
 from jaxserve.bench.serving_options import BenchOptions
 from jaxserve.bench.workloads import BenchRequest, make_requests
 from jaxserve.server.client import AsyncClient, Client
@@ -81,7 +81,7 @@ def run_peers(result: dict, opts: BenchOptions, per_level: list[list[BenchReques
             arrivals = None if math.isinf(opts.request_rate) else recs[0].send_time + \
                 serving.arrival_offsets(len(recs), opts.request_rate, opts.seed)
             recs = peers_mod.client_view(recs, c, arrivals)  # jaxserve's arrivals
-            a, b = agreement(recs, jax_records[j])
+            a, b = peers_mod.agreement(recs, jax_records[j])
             same, total = same + a, total + b
             entry["levels"].append({
                 "concurrency": c,
@@ -128,7 +128,7 @@ def _run_llama_cpp_server(entry: dict, opts: BenchOptions, per_level, jax_record
             run = asyncio.run(openai_load.run_openai(base, model, reqs, c, opts.request_rate,
                                                      opts.seed, **kw))
             recs = run.records
-            a, b = agreement(recs, jax_records[j])
+            a, b = peers_mod.agreement(recs, jax_records[j])
             same, total = same + a, total + b
             entry["levels"].append({
                 "concurrency": c, "mode": f"HTTP, up to {c} streams open (served one at a time)",
@@ -175,7 +175,7 @@ def _run_colocated(entry: dict, opts: BenchOptions, per_level, jax_records,
                 for j, (c, reqs) in enumerate(zip(opts.concurrency, per_level)):
                     run = await serving.run_grpc(client, reqs, c, opts.request_rate,
                                                  opts.seed, metrics_url)
-                    a, b = agreement(run.records, jax_records[j])
+                    a, b = peers_mod.agreement(run.records, jax_records[j])
                     same, total = same + a, total + b
                     entry["levels"].append({**level_dict(run, opts.slo),
                                             "mode": "continuous batching, colocated",
