@@ -44,12 +44,11 @@ import numpy as np
 
 from checkpoints.loader import load_checkpoint
 from jaxserve import LLM
-from jaxserve.bench import comparison, decode_sweep, formats, machine, report
+from jaxserve.bench import comparison, decode_sweep, formats, machine, report, workloads
 from jaxserve.bench import peers as peers_mod
 from jaxserve.bench.comparison import HOW, SMOKE_SHAPES, Shapes, log
 from jaxserve.bench.device import SMOKE
 from jaxserve.bench.report import fmt as _f
-from jaxserve.bench.workloads import CORPUS
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams
 
@@ -72,20 +71,10 @@ class BenchResult:
 
 
 def make_prompts(engine: Engine, num_requests: int, input_len: int, seed: int) -> list[list[int]]:
-    """Token-id prompts of about ``input_len`` tokens (+-10%), from real text."""
-    rng = np.random.default_rng(seed)
-    if engine.tokenizer is not None:
-        base = engine.tokenizer.encode(CORPUS * (2 + input_len // 500),
-                                       add_special_tokens=False)
-    else:
-        base = list(rng.integers(0, engine.model_config.vocab_size, size=4 * input_len + 64))
-    lo, hi = max(1, int(input_len * 0.9)), max(1, int(input_len * 1.1))
-    prompts = []
-    for _ in range(num_requests):
-        n = int(rng.integers(lo, hi + 1))
-        start = int(rng.integers(0, len(base) - n))
-        prompts.append([int(t) for t in base[start:start + n]])
-    return prompts
+    """Token-id prompts of about ``input_len`` tokens (+-10%), from real text
+    (``workloads.corpus_slices``)."""
+    return workloads.corpus_slices(engine.tokenizer, engine.model_config.vocab_size,
+                                   num_requests, input_len, seed)
 
 
 def run_once(engine: Engine, prompts, output_len: int) -> BenchResult:

@@ -24,6 +24,14 @@ engine produces the same shapes.
 ``scale`` multiplies every prompt and output length (``--scale 0.2`` for a
 quick look on a slow machine; results then describe that smaller shape).
 A model without a tokenizer gets seeded random token ids of the same lengths.
+
+Every other benchmark's prompts come from here too, from the same text:
+W1 and W2 (``comparison``: ``chat``-shaped requests, ``question_prompt`` with
+``DOCS_INTRO``), the speculative decoding benchmark's copy tasks, chat
+questions and passages (``COPY_TASKS``, ``CHAT_QUESTIONS``, ``passage``), the
+prefix-cache benchmark's system prompts and turns (``system_prompt``,
+``PREFIX_TURNS``), the offline throughput pass's corpus slices
+(``corpus_slices``) and the soak run's sentences (``SENTENCES``).
 """
 
 from __future__ import annotations
@@ -297,3 +305,39 @@ def passage(tok, rng, n: int) -> str:
         if (len(tok.encode(text, add_special_tokens=False)) if tok else len(text) // 4) >= n:
             break
     return text.strip()
+
+
+# The prefix-cache benchmark's prompts (``prefix_cache``): a long system
+# prompt per trial, then one of two user turns.
+PREFIX_TURNS = ("\nUser: What is the main idea of the text above? Answer briefly.\nAssistant:",
+                "\nUser: Name two machines the text mentions, and say why they mattered.\n"
+                "Assistant:")
+
+
+def system_prompt(tokenizer, trial: int, system_len: int) -> list[int]:
+    """``system_len`` token ids: a trial-specific opening line (so trials share
+    no page) and ``CORPUS`` text."""
+    head = tokenizer.encode(f"System prompt #{trial}. You are a careful assistant. "
+                            "Reference text:\n")
+    body = tokenizer.encode(CORPUS * (1 + system_len // 500))
+    return (head + body)[:system_len]
+
+
+def corpus_slices(tokenizer, vocab_size: int, num_requests: int, input_len: int,
+                  seed: int) -> list[list[int]]:
+    """The offline throughput pass's prompts (``python -m jaxserve.main --mode
+    bench``): slices of ``CORPUS`` (repeated, tokenized once) of about
+    ``input_len`` tokens (+-10%) at seeded random offsets; random ids of V
+    ``vocab_size`` without a tokenizer."""
+    rng = np.random.default_rng(seed)
+    if tokenizer is not None:
+        base = tokenizer.encode(CORPUS * (2 + input_len // 500), add_special_tokens=False)
+    else:
+        base = list(rng.integers(0, vocab_size, size=4 * input_len + 64))
+    lo, hi = max(1, int(input_len * 0.9)), max(1, int(input_len * 1.1))
+    prompts = []
+    for _ in range(num_requests):
+        n = int(rng.integers(lo, hi + 1))
+        start = int(rng.integers(0, len(base) - n))
+        prompts.append([int(t) for t in base[start:start + n]])
+    return prompts
