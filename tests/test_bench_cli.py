@@ -106,7 +106,7 @@ def test_device_script_smoke(tmp_path):
     assert r["prefill"][0]["q_len"] == 64
     assert r["workloads"]["chat"]["summary"]["completed"] == 2
     assert "decode" in r["workloads"]["chat"]["roofline"]
-    # Quantization (issue 17): every form at every M, bytes as stored.
+    # Weight formats: every form at every M, bytes as stored.
     mm = r["quant_matmul"]
     assert [(p["form"], p["M"]) for p in mm] == [(f, m) for f in device.QUANT_FORMS
                                                  for m in (1, 8)]

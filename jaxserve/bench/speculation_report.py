@@ -34,7 +34,7 @@ def summarize_workload(result: dict) -> None:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's targets over the configurations that ran:
+    """The targets (``TARGETS``) over the configurations that ran:
     {"target", "value", "limit", "met"}."""
     rows = []
     for w, (method, fig, lim) in TARGETS.items():
