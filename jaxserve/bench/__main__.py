@@ -17,7 +17,10 @@ one place engine flags are defined): they run ``python -m jaxserve.main
 flag (``--dtype``, ``--kv_cache_mib``, ``--quantization``, ...) and every
 serving-benchmark flag (``--workload``, ``--concurrency``, ``--backend``,
 ``--peers``, ...) is accepted as documented there; ``serve`` runs the
-``mixed`` workload unless ``--workload`` is given. ``startup`` and ``soak``
+``mixed`` workload unless ``--workload`` is given. So do ``throughput
+--offline`` (``--mode bench``'s offline pass: N requests at once on the
+engine those flags build) and ``latency --prefix_cache`` (TTFT of a cached
+against a cold 1,000-token system prompt). ``startup`` and ``soak``
 pass the flags after ``--`` to the servers they spawn. The others take the
 options listed by ``python -m jaxserve.bench COMMAND --help``. Each writes
 its JSON, ``report.md`` and PNGs through ``report.write``; a bad option is one
@@ -57,8 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         p[name].add_argument("flags", nargs="*", help="flags of python -m jaxserve.main "
                              "(python -m jaxserve.main --helpfull lists them)")
     throughput.add_arguments(p["throughput"], sweep_only=False)
+    p["throughput"].add_argument("--offline", action="store_true", help="instead: python -m "
+                                 "jaxserve.main --mode bench (the offline pass on the engine "
+                                 "its flags build; every flag of jaxserve.main is accepted)")
     throughput.add_arguments(p["sweep"], sweep_only=True)
     speculation.add_arguments(p["latency"])
+    p["latency"].add_argument("--prefix_cache", action="store_true", help="instead: python -m "
+                              "jaxserve.main --mode bench --bench_workload prefix_cache (cached "
+                              "against cold TTFT; every flag of jaxserve.main is accepted)")
     p["startup"].add_argument("--output", required=True, help="folder, new or empty")
     p["startup"].add_argument("--model", default="smollm2-135m", help="alias, .gguf, HF folder")
     p["startup"].add_argument("--peers", default="hf,llama_cpp", help="hf, llama_cpp, or none")
@@ -71,11 +80,30 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _main_flags(mode: str, flags: list[str]) -> list[str]:
-    """The ``jaxserve.main`` command line of ``serve`` / ``eval``."""
-    if mode == "bench" and not any(f.split("=")[0] == "--workload" for f in flags):
-        flags = ["--workload", "mixed", *flags]
-    return [sys.executable, "-m", "jaxserve.main", "--mode", mode, *flags]
+def main_command(argv: list[str]) -> list[str] | None:
+    """The ``python -m jaxserve.main`` command line that runs ``argv``, for the
+    benchmarks whose engine ``jaxserve.main``'s flags build: ``serve``
+    (``--mode bench --workload W``, ``mixed`` unless given), ``eval``
+    (``--mode eval``), ``throughput --offline`` (``--mode bench``: the offline
+    pass) and ``latency --prefix_cache`` (``--mode bench --bench_workload
+    prefix_cache``); None for the others (and for ``--help``)."""
+    cmd, rest = argv[0] if argv else None, [f for f in argv[1:] if f != "--"]
+    if any(f in ("-h", "--help") for f in rest):
+        return None
+    if cmd == "serve":
+        workload = any(f.split("=")[0] == "--workload" for f in rest)
+        mode = ["bench"] + ([] if workload else ["--workload", "mixed"])
+    elif cmd == "eval":
+        mode = ["eval"]
+    elif cmd == "throughput" and "--offline" in rest:
+        mode = ["bench"]
+        rest.remove("--offline")
+    elif cmd == "latency" and "--prefix_cache" in rest:
+        mode = ["bench", "--bench_workload", "prefix_cache"]
+        rest.remove("--prefix_cache")
+    else:
+        return None
+    return [sys.executable, "-m", "jaxserve.main", "--mode", *mode, *rest]
 
 
 def _startup(a) -> int:
@@ -95,10 +123,8 @@ def main(argv=None, parts: dict | None = None) -> int:
     ``Engine`` keyword arguments used by ``latency`` instead of loading
     ``--model``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["serve"], ["eval"]) and argv[1:2] not in (["-h"], ["--help"]):
-        # jaxserve.main owns the engine flags: its parser reads them all
-        flags = [f for f in argv[1:] if f != "--"]
-        return subprocess.call(_main_flags("bench" if argv[0] == "serve" else "eval", flags))
+    if (cmd := main_command(argv)) is not None:  # jaxserve.main's parser reads the engine flags
+        return subprocess.call(cmd)
     ap = _parser()
     a = ap.parse_args(argv)
     try:
