@@ -1,5 +1,6 @@
 """The serving benchmark end to end on a tiny random GGUF (``python -m
-jaxserve.main --mode bench --workload ...``): the JSON holds every figure, the
+jaxserve.bench serve --workload ...``, which runs ``python -m jaxserve.main
+--mode bench``): the JSON holds every figure, the
 Markdown report has the side-by-side table with HF transformers, the PNGs are
 written; bad options fail before the model loads; the GPU script runs its
 ``--smoke`` config on CPU."""
@@ -18,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "jaxserve.main", "--mode", "bench", *args],
+    return subprocess.run([sys.executable, "-m", "jaxserve.bench", "serve", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,7 +77,8 @@ def test_bench_cli_rejects_bad_options_before_loading(tmp_path):
     res = _cli("--model", "no-such-model", "--workload", "chat", "--output", str(tmp_path),
                timeout=120)
     assert res.returncode == 2 and "not an empty folder" in res.stderr, res.stderr[-2000:]
-    from jaxserve.bench import peers, suite
+    from jaxserve.bench import peers
+    from jaxserve.bench import serving_options as suite
     with pytest.raises(ValueError, match="--concurrency"):
         suite.parse_levels("0,2")
     with pytest.raises(ValueError, match="unknown peer"):
@@ -92,9 +94,10 @@ def test_bench_cli_rejects_bad_options_before_loading(tmp_path):
 
 def test_device_script_smoke(tmp_path):
     from jaxserve.bench import device
+    from jaxserve.bench.__main__ import main
     out = tmp_path / "device.json"
-    assert device.main(["--smoke", "--decode_batches", "1,4", "--prefill_lens", "64",
-                        "--workloads", "chat", "--output", str(out)]) == 0
+    assert main(["device", "--smoke", "--decode_batches", "1,4", "--prefill_lens", "64",
+                 "--workloads", "chat", "--output", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["smoke"] and r["ceilings"]["flops_per_s"] > 0
     assert [p["num_seqs"] for p in r["decode"]] == [1, 4]
@@ -103,7 +106,7 @@ def test_device_script_smoke(tmp_path):
     assert r["prefill"][0]["q_len"] == 64
     assert r["workloads"]["chat"]["summary"]["completed"] == 2
     assert "decode" in r["workloads"]["chat"]["roofline"]
-    # Quantization (issue 17): every form at every M, bytes as stored.
+    # Weight formats: every form at every M, bytes as stored.
     mm = r["quant_matmul"]
     assert [(p["form"], p["M"]) for p in mm] == [(f, m) for f in device.QUANT_FORMS
                                                  for m in (1, 8)]
@@ -122,8 +125,8 @@ def test_device_script_refuses_cpu_without_smoke(capsys):
     import jax
     if jax.default_backend() in ("gpu", "tpu"):
         pytest.skip("an accelerator is present")
-    from jaxserve.bench import device
-    assert device.main([]) == 1
+    from jaxserve.bench.__main__ import main
+    assert main(["device"]) == 1
     assert "no GPU" in capsys.readouterr().out
 
 
@@ -161,19 +164,21 @@ def test_inprocess_driver_open_loop_records_every_token_and_step():
 
 
 def test_serving_bench_json_names_quantization_and_weight_bytes(tmp_path):
-    """In-process ``suite.run`` of an int8-weight, int8-KV engine: the JSON's
+    """In-process ``serving_run.run`` of an int8-weight, int8-KV engine: the JSON's
     config names both (from the engine), the env holds the weight bytes as
     stored and the KV bytes per token, and the report names the format."""
     from conftest import XLA_CACHE
     from jaxserve import LLM
-    from jaxserve.bench import quant_bench, suite
+    from jaxserve.bench import formats as quant_bench
+    from jaxserve.bench import serving_options, serving_run
     engine_args = {"model_config": ModelConfig(vocab_size=256), "params": None, "page_size": 8,
                    "num_pages": 64, "max_num_seqs": 2, "max_num_batched_tokens": 32,
                    "compilation_cache_dir": XLA_CACHE}
     llm = LLM(**engine_args, quantization="int8", kv_cache_dtype="int8")
-    opts = suite.BenchOptions(workload="chat", concurrency=(1,), num_prompts=1, peers=(),
-                              scale=0.05, warmup=False, peak_flops=1e12, peak_bytes=1e10)
-    r, paths = suite.run(opts, str(tmp_path / "res"), llm)
+    opts = serving_options.BenchOptions(workload="chat", concurrency=(1,), num_prompts=1,
+                                        peers=(), scale=0.05, warmup=False, peak_flops=1e12,
+                                        peak_bytes=1e10)
+    r, paths = serving_run.run(opts, str(tmp_path / "res"), llm)
     assert r["config"]["quantization"] == "int8" and r["config"]["kv_cache_dtype"] == "int8"
     wb = r["env"]["weight_bytes"]
     f32 = LLM(**engine_args).engine
@@ -190,7 +195,8 @@ def test_serving_bench_json_names_quantization_and_weight_bytes(tmp_path):
 def test_inprocess_driver_reports_speculation():
     from conftest import XLA_CACHE
     from jaxserve import LLM
-    from jaxserve.bench import serving, suite
+    from jaxserve.bench import serving
+    from jaxserve.bench import serving_levels as suite
     from jaxserve.bench.workloads import make_requests
     engine = LLM(model_config=ModelConfig(vocab_size=256), params=None, page_size=8,
                  num_pages=128, compilation_cache_dir=XLA_CACHE,  # random weights: loops
@@ -206,6 +212,6 @@ def test_inprocess_driver_reports_speculation():
     assert sp["accepted_tokens"] == s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
     assert sp["acceptance_rate"] == sp["accepted_tokens"] / sp["draft_tokens"]
     assert sp["mean_acceptance_length"] == 1 + sp["accepted_tokens"] / sp["drafts"]
-    lv = suite._level_dict(run, {})
+    lv = suite.level_dict(run, {})
     assert lv["speculation"] == sp
     assert serving.LevelRun(1, 1.0, [], [], [], 0, 0, 0, 0, None, 0.0).spec_dict() is None

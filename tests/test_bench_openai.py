@@ -143,13 +143,15 @@ def test_run_openai_matches_llm_generate(server, tiny_gguf):
 
 @pytest.mark.slow
 def test_suite_openai_target_with_llama_cpp_server_peer(server, tiny_gguf, tmp_path):
-    from jaxserve.bench import peers, suite
+    from jaxserve.bench import peers
+    from jaxserve.bench import serving_options, serving_run
     base, _ = server
     with_peer = peers.available("llama_cpp_server") is None
-    opts = suite.BenchOptions(workload="chat", concurrency=(1, 3), num_prompts=3,
-                              backend="openai", target=base, model=tiny_gguf, scale=0.05,
-                              warmup=False, peers=("llama_cpp_server",) if with_peer else ())
-    r, paths = suite.run(opts, str(tmp_path / "res"))
+    opts = serving_options.BenchOptions(
+        workload="chat", concurrency=(1, 3), num_prompts=3, backend="openai", target=base,
+        model=tiny_gguf, scale=0.05, warmup=False,
+        peers=("llama_cpp_server",) if with_peer else ())
+    r, paths = serving_run.run(opts, str(tmp_path / "res"))
     assert r["config"]["backend"] == "openai" and r["config"]["target"] == base
     assert r["env"]["server"]["prompt_as"] == "ids" and r["env"]["server"]["owned_by"] == \
         "jaxserve"

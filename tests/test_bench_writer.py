@@ -1,9 +1,9 @@
-"""The issue-16 writer benchmark (``python -m jaxserve.bench.writer``): its
+"""The decode benchmark (``python -m jaxserve.bench throughput --sweep``): its
 ``--smoke`` run writes the JSON with every sweep point and its roofline, the
 workloads' figures and the targets, the report and the plot; the smoothness
 flag and the memory cap are checked on made-up numbers; ``--formats`` /
-``--kv_cache_dtypes`` (issue 17) run W1/W2 once per pair with weight bytes,
-KV pages at one budget, MBU and the issue-17 targets."""
+``--kv_cache_dtypes`` run W1/W2 once per pair with weight bytes, KV pages at
+one budget, MBU and the format targets."""
 
 import json
 
@@ -11,9 +11,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_writer_smoke(tmp_path, capsys):
-    from jaxserve.bench import writer
+    from jaxserve.bench.__main__ import main
     out = tmp_path / "w"
-    assert writer.main(["--smoke", "--output", str(out)]) == 0
+    assert main(["throughput", "--sweep", "--smoke", "--output", str(out)]) == 0
     r = json.loads((out / "result.json").read_text())
     assert r["smoke"] and r["machine"]["cpu_count"] >= 1 and r["machine"]["jax"]
     assert r["limits"]["matmul_flops_per_s"] > 0 and r["limits"]["matvec_bytes_per_s"] > 0
@@ -30,8 +30,8 @@ def test_writer_smoke(tmp_path, capsys):
     assert r["workloads"]["prompts"]["w2"]["prompt_tokens"] == 40
     assert {t["target"]: t["met"] for t in r["targets"]}["XLA compilations in timed passes"]
     md = (out / "report.md").read_text()
-    assert md.startswith(f"# jaxserve writer benchmark (issue 16) on {r['machine']['cpu_model']}")
-    assert "## Decode sweep" in md and "## W1 and W2" in md and "## Issue 16 targets" in md
+    assert md.startswith(f"# jaxserve decode benchmark on {r['machine']['cpu_model']}")
+    assert "## Decode sweep" in md and "## W1 and W2" in md and "## Targets" in md
     assert (out / "sweep.png").read_bytes()[:8] == PNG
     assert "## W1 and W2" in capsys.readouterr().out
 
@@ -39,10 +39,10 @@ def test_writer_smoke(tmp_path, capsys):
 def test_writer_smoke_formats(tmp_path, capsys):
     """Every (format, KV dtype) pair once, warmed up, 0 compilations timed;
     int8 weights and KV shrink what the issue says they shrink."""
-    from jaxserve.bench import writer
+    from jaxserve.bench.__main__ import main
     out = tmp_path / "q"
-    assert writer.main(["--smoke", "--skip_sweep", "--formats", "none,int8", "--kv_cache_dtypes",
-                        "auto,int8", "--output", str(out)]) == 0
+    assert main(["throughput", "--smoke", "--formats", "none,int8", "--kv_cache_dtypes",
+                 "auto,int8", "--output", str(out)]) == 0
     r = json.loads((out / "result.json").read_text())
     fm = r["quant"]["formats"]
     assert [(e["quantization"], e["kv_cache_dtype"]) for e in fm] == [
@@ -66,15 +66,15 @@ def test_writer_smoke_formats(tmp_path, capsys):
     assert got["W2 TPOT int8 (KV int8) / llama.cpp's"]["met"] is None  # no peers in smoke
     assert got["weight bytes int8 / f32, projections"]["met"] is True
     md = (out / "report.md").read_text()
-    assert "## Weight formats and KV cache dtypes (issue 17)" in md and "## Issue 17 targets" in md
+    assert "## Weight formats and KV cache dtypes" in md and "## Weight format targets" in md
     assert "| int8 | int8 |" in md and "| none | auto |" in md
-    assert "## Issue 17 targets" in capsys.readouterr().out
+    assert "## Weight format targets" in capsys.readouterr().out
 
 
 def test_quant_formats_parse_and_targets():
     import pytest
 
-    from jaxserve.bench import quant_bench
+    from jaxserve.bench import formats as quant_bench
     assert quant_bench.parse_formats("int8,none", "int8") == [
         ("none", "auto"), ("int8", "int8"), ("none", "int8")]
     assert quant_bench.parse_formats("int8,w8a8:int8", "auto") == [
@@ -99,7 +99,7 @@ def test_quant_formats_parse_and_targets():
 
 
 def test_smoothness_flag_and_memory_cap(monkeypatch):
-    from jaxserve.bench import writer
+    from jaxserve.bench import decode_sweep as writer
     from jaxserve.bench.device import SMOKE
     pts = [{"ctx": 8, "rows": n, "step_ms": t} for n, t in ((1, 10.0), (2, 20.0), (4, 20.0),
                                                             (8, 40.0))]
@@ -110,7 +110,7 @@ def test_smoothness_flag_and_memory_cap(monkeypatch):
     assert not pts[2]["smooth_flag"] and pts[3]["smooth_ratio"] is None
     assert "smooth_ratio" not in pts[4]
     per_page = writer.kv_bytes_per_token(SMOKE) * 16
-    monkeypatch.setattr(writer, "_mem_available", lambda: writer.MEMORY_RESERVE + 20 * per_page)
+    monkeypatch.setattr(writer, "mem_available", lambda: writer.MEMORY_RESERVE + 20 * per_page)
     want, got, why = writer.sweep_pages(SMOKE, [4], [64], 16)
     assert (want, got, why) == (16, 16, None)
     want, got, why = writer.sweep_pages(SMOKE, [64], [4096], 16)
@@ -120,7 +120,7 @@ def test_smoothness_flag_and_memory_cap(monkeypatch):
 def test_writer_hf_peer_on_a_tiny_folder(tmp_path, tiny_hf):
     """``run_peer("hf")``: W1 as one static batch and W2, exactly each
     request's output length, agreement with the reference records."""
-    from jaxserve.bench import writer
+    from jaxserve.bench import comparison as writer
     from jaxserve.bench.workloads import BenchRequest
     tiny_hf.save_pretrained(tmp_path / "hf")
     w1 = [BenchRequest("chat", [5 + i, 7, 9, 11 + i], 4) for i in range(3)]
@@ -134,13 +134,13 @@ def test_writer_hf_peer_on_a_tiny_folder(tmp_path, tiny_hf):
 
 def test_gguf_format_takes_the_files_blocks(tiny_gguf):
     """``GgufParams("gguf")`` loads the GGUF again with its blocks kept, so the
-    writer's ``gguf`` engine holds the file's Q8_0 (int8 + an f32 scale per 32
+    run's ``gguf`` engine holds the file's Q8_0 (int8 + an f32 scale per 32
     inputs: 1.125 of f32's 4 bytes per projection weight); other formats get
     the float params."""
     from checkpoints.loader import load_checkpoint
     from conftest import XLA_CACHE
     from jaxserve import LLM
-    from jaxserve.bench import quant_bench
+    from jaxserve.bench import formats as quant_bench
     ck = load_checkpoint(tiny_gguf, show_progress=False)
     parts = quant_bench.GgufParams({"model_config": ck.config, "params": ck.params,
                                     "tokenizer": ck.tokenizer}, tiny_gguf, smoke=False)

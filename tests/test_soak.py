@@ -1,4 +1,4 @@
-"""The soak benchmark end to end, briefly (``python -m jaxserve.bench.soak``
+"""The soak benchmark end to end, briefly (``python -m jaxserve.bench soak``
 for ~20 s on the tiny GGUF, 2 client processes): every call is accounted for
 in the counters, only expected status codes, no lost or hanging stream, every
 KV page free at the end, the server stopped by SIGTERM with status 0, and the
@@ -20,7 +20,7 @@ def test_soak_smoke_accounts_for_every_call(tiny_gguf, tmp_path):
     # The drift limit is generous: a 20 s run is all warm-up (each new shape
     # compiles and holds its executable), which is not what this checks.
     res = subprocess.run(
-        [sys.executable, "-m", "jaxserve.bench.soak", "--minutes", "0.33", "--clients", "2",
+        [sys.executable, "-m", "jaxserve.bench", "soak", "--minutes", "0.33", "--clients", "2",
          "--model", tiny_gguf, "--sample_s", "2", "--settle_s", "10", "--burst", "24",
          "--max_rss_drift", "10", "--output", str(out), "--",
          "--num_pages", "128", "--page_size", "8"],

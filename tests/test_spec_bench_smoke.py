@@ -1,4 +1,4 @@
-"""The speculative decoding benchmark (``python -m jaxserve.bench.spec_bench``)
+"""The speculative decoding benchmark (``python -m jaxserve.bench latency``)
 in ``--quick`` mode on a tiny random model given as engine parts: every
 workload and configuration runs, the JSON and the report carry the figures,
 and every ratio to ``off`` is finite and positive."""
@@ -22,11 +22,11 @@ SPEC_KEYS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptanc
 
 @pytest.mark.slow
 def test_spec_bench_quick(tmp_path, capsys):
-    from jaxserve.bench import spec_bench
+    from jaxserve.bench.__main__ import main
     out = tmp_path / "spec"
-    assert spec_bench.main(["--quick", "--warmup", "request", "--output", str(out),
-                            "--chat_drafts", "int8", "--compilation_cache_dir", XLA_CACHE],
-                           parts=dict(model_config=TINY, params=None)) == 0
+    assert main(["latency", "--quick", "--warmup", "request", "--output", str(out),
+                 "--chat_drafts", "int8", "--compilation_cache_dir", XLA_CACHE],
+                parts=dict(model_config=TINY, params=None)) == 0
     r = json.loads((out / "result.json").read_text())
     assert r["quick"] and r["machine"]["cpu_model"] and r["machine"]["jax"]
     assert "avx_flags" in r["machine"]
@@ -69,8 +69,8 @@ def test_spec_bench_quick(tmp_path, capsys):
 
 
 def test_spec_bench_flags_refused():
-    from jaxserve.bench import spec_bench
+    from jaxserve.bench.__main__ import main
     for argv in (["--workloads", "copy,nope"], ["--chat_drafts", "gguf"],
                  ["--num_requests", "0"]):
         with pytest.raises(SystemExit):
-            spec_bench.main(argv)
+            main(["latency", *argv])

@@ -1,4 +1,4 @@
-"""GPU benchmark: ``python -m jaxserve.bench.device [--output device.json]``.
+"""GPU benchmark: ``python -m jaxserve.bench device [--output device.json]``.
 
 On one accelerator, a Llama-3-8B-shaped model (32 layers, D 4096, 32 query /
 8 kv heads of 128, SwiGLU 14336, vocab 128256) with random bf16 weights:
@@ -8,7 +8,7 @@ On one accelerator, a Llama-3-8B-shaped model (32 layers, D 4096, 32 query /
    tokens in its cache: the median of ``--iters`` steps, its bytes moved
    (weights + KV read + KV written) and MBU, FLOPs and MFU;
 3. prefill of one 1,024- and one 4,096-token prompt: median step, MFU, MBU;
-4. quantization (issue 17): one projection ``W x`` of ``--quant_shape``
+4. weight formats and KV cache dtypes: one projection ``W x`` of ``--quant_shape``
    (F x D, default 6144 x 2304) at M = ``--quant_ms`` columns (1, 8, 128):
    dense f32 and bf16 against ``quant.quantized_matmul`` of int8, w8a8 and
    int4 (group 32) weights (``lowering="auto"``, the engine's own form;
@@ -22,12 +22,11 @@ On one accelerator, a Llama-3-8B-shaped model (32 layers, D 4096, 32 query /
    the engine's scheduler, closed loop at ``--concurrency``, vLLM-style
    figures and the per-phase roofline of their steps.
 
-Steps 2 to 4 drive ``engine.runner.execute`` directly with hand-built
-batches (as ``Engine.last_token_logits`` does), so each point is exactly one
-shape: one XLA compilation per batch bucket / prompt length, then timed
-calls. The K/V they read are whatever the cache holds (zeros): timing does
-not depend on the values. Step 4 goes through ``Engine.step()`` like any
-request. The run is sized to finish within ``--budget_s`` (default 450 s,
+Steps 2 and 3 drive ``Engine.execute_batch`` with hand-built batches
+(``steps.time_step``), so each point is exactly one shape: one XLA
+compilation per batch bucket / prompt length, then timed calls. The K/V they
+read are whatever the cache holds (zeros): timing does not depend on the
+values. Step 5 goes through ``Engine.step()`` like any request. The run is sized to finish within ``--budget_s`` (default 450 s,
 for an 8-minute slot on one H200); a workload that would start with less
 than ``--workload_min_s`` left is skipped and the JSON says so. The JSON is
 rewritten after every section, so a run cut short keeps what it measured.
@@ -39,14 +38,24 @@ script refuses to run on CPU.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import json
-import statistics
-import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import LLM
+from jaxserve.bench import machine, roofline, serving, stats
+from jaxserve.bench.steps import time_step
+from jaxserve.bench.workloads import make_requests
 from jaxserve.config import ModelConfig
+from jaxserve.models import quant
+from pallas_kernels.bench import _case, median_time
+from pallas_kernels.ragged_paged_attention import kernel, kernel_xla
+from pallas_kernels.ragged_paged_attention import quant as kvq
 
 LLAMA3_8B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -58,47 +67,7 @@ SMOKE = ModelConfig(
     tie_word_embeddings=False)
 
 
-def _step_batch(engine, num_seqs: int, q_len: int, ctx: int, rng):
-    """A hand-built batch: ``num_seqs`` sequences each computing ``q_len``
-    tokens that end at position ``ctx`` (pages allocated); returns it and
-    the requests (free their pages after)."""
-    from jaxserve.engine.page_table import cdiv
-    from jaxserve.engine.request import Request, SamplingParams
-    from jaxserve.engine.scheduler import ScheduledBatch
-    reqs = []
-    for i in range(num_seqs):
-        ids = rng.integers(0, engine.model_config.vocab_size, size=ctx).tolist()
-        r = Request(f"_bench{i}", None, ids, SamplingParams(temperature=0), 0,
-                    engine.eos_token_ids)
-        r.page_ids = engine.allocator.allocate(cdiv(ctx, engine.allocator.page_size))
-        r.num_computed_tokens = ctx - q_len
-        reqs.append(r)
-    decode = num_seqs if q_len == 1 else 0
-    return ScheduledBatch(reqs, [q_len] * num_seqs, num_decode=decode), reqs
-
-
-def time_step(engine, num_seqs: int, q_len: int, ctx: int, iters: int, rng) -> dict:
-    """Median wall time of one step shape (after one compiling call), s, with
-    its compile time and shape."""
-    batch, reqs = _step_batch(engine, num_seqs, q_len, ctx, rng)
-    try:
-        t = time.monotonic()
-        engine.runner.execute(batch)
-        first = time.monotonic() - t
-        times = []
-        for _ in range(iters):
-            t = time.monotonic()
-            engine.runner.execute(batch)  # returns host arrays: synchronised
-            times.append(time.monotonic() - t)
-    finally:
-        for r in reqs:
-            engine.allocator.free(r.page_ids)
-    return {"num_seqs": num_seqs, "q_len": q_len, "ctx": ctx, "first_call_s": first,
-            "median_s": statistics.median(times), "iters": iters}
-
-
 def _figures(point: dict, cfg: ModelConfig, ceil, param_bytes: int, kv_bytes: int) -> dict:
-    from jaxserve.bench import roofline
     q = [point["q_len"]] * point["num_seqs"]
     kv = [point["ctx"]] * point["num_seqs"]
     f = roofline.step_flops(cfg, q, kv)
@@ -116,14 +85,6 @@ QUANT_FORMS = ("float32", "bfloat16", "int8", "w8a8", "int4")
 
 def quant_matmuls(F: int, D: int, ms, iters: int, act_dtype) -> list[dict]:
     """Median ms of ``W x`` (W [F, D], x [D, M]) per form and M; see step 4."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxserve.models import quant
-    from pallas_kernels.bench import median_time
     rng = np.random.default_rng(0)
     w = (0.02 * rng.standard_normal((F, D))).astype(np.float32)
     dense = jax.jit(lambda w, x: jnp.einsum("fd,dt->ft", w, x,
@@ -154,12 +115,6 @@ def quant_matmuls(F: int, D: int, ms, iters: int, act_dtype) -> list[dict]:
 def kv_attention(cases, iters: int, dense_dtype, rng) -> list[dict]:
     """Median ms of one layer's decode attention over ``dense_dtype`` vs
     int8 pages (N 32, K 8, H 128, L 16) per (rows, ctx); see step 4."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.bench import _case, median_time
-    from pallas_kernels.ragged_paged_attention import kernel, kernel_xla
-    from pallas_kernels.ragged_paged_attention import quant as kvq
     N, K, H, L = 32, 8, 128, 16
     accel = jax.default_backend() in ("gpu", "tpu")
     rows = []
@@ -194,9 +149,8 @@ def kv_attention(cases, iters: int, dense_dtype, rng) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.device",
-                                 description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
+    """The ``device`` subcommand's options."""
     ap.add_argument("--smoke", action="store_true", help="tiny f32 config, any backend")
     ap.add_argument("--output", default="device_bench.json", help="JSON file to write")
     ap.add_argument("--decode_batches", default=None, help="default 1,8,64,256 (smoke 1,2,4)")
@@ -216,15 +170,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget_s", type=float, default=450.0, help="whole-run time budget, s")
     ap.add_argument("--workload_min_s", type=float, default=120.0,
                     help="skip a workload that would start with less than this left, s")
-    a = ap.parse_args(argv)
+
+
+def run(a) -> int:
+    """The whole script (see the module docstring); 1 without a GPU unless
+    ``--smoke``."""
     t_start = time.monotonic()
-
-    import jax
-    import numpy as np
-
-    from jaxserve import LLM
-    from jaxserve.bench import report, roofline, serving, stats
-    from jaxserve.bench.workloads import make_requests
     on_accel = jax.default_backend() in ("gpu", "tpu")
     if not on_accel and not a.smoke:
         print(f"no GPU (backend {jax.default_backend()!r}); run on a GPU, or --smoke for a "
@@ -245,9 +196,9 @@ def main(argv=None) -> int:
     longest = max(prefill_lens + [ctx + 1, 256 if smoke else 1600])  # rag: ~1,320 + 50
     page_size = 16
     pages_needed = max(batches) * -(-ctx // page_size) + 2 * conc * -(-1400 // page_size) + 64
-    out: dict = {"benchmark": "jaxserve device benchmark (python -m jaxserve.bench.device)",
+    out: dict = {"benchmark": "jaxserve device benchmark (python -m jaxserve.bench device)",
                  "smoke": smoke, "model_config": dataclasses.asdict(cfg),
-                 "dtype": dtype, "env": report.environment(), "flags": vars(a), "sections": {}}
+                 "dtype": dtype, "env": machine.environment(), "flags": vars(a), "sections": {}}
 
     def save():
         out["wall_s"] = time.monotonic() - t_start
@@ -276,7 +227,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     kw = dict(param_bytes=np.dtype(jax.numpy.dtype(dtype)).itemsize,
-              kv_bytes=engine.runner.kv_dtype.itemsize)
+              kv_bytes=engine.kv_dtype.itemsize)
     out["decode"] = []
     for b in batches:
         p = _figures(time_step(engine, b, 1, ctx, iters, rng), cfg, ceil, **kw)
@@ -338,6 +289,3 @@ def main(argv=None) -> int:
     log(f"wrote {a.output}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -72,7 +72,7 @@ and running/waiting, and read before and after the level for the prefix
 cache, preemptions and speculation, as ``run_grpc`` does; None for a
 foreign server (those figures are then 0).
 
-``spawn_llama_cpp_server`` starts llama.cpp's server on a GGUF for the
+``peers.spawn_llama_cpp_server`` starts llama.cpp's server on a GGUF for the
 ``llama_cpp_server`` peer.
 """
 
@@ -83,11 +83,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -335,6 +330,20 @@ def accepts_token_ids(base_url: str, model: str, ids: list[int],
     return r.status_code == 200
 
 
+def prompt_as(base: str, model: str, ids: list[int], tok, api_key=None) -> str:
+    """"ids" when the server takes token-id prompts, else "text" (which needs ``tok``).
+
+    Raises:
+      ValueError: text only, and the server cannot detokenize.
+    """
+    if accepts_token_ids(base, model, ids[:1], api_key):  # no full page cached
+        return "ids"
+    if tok is None:
+        raise ValueError(f"{base} takes no token-id prompts and has no /tokenize route to "
+                         "make text ones")
+    return "text"
+
+
 def jaxserve_metrics(base_url: str) -> str | None:
     """``{base}/metrics`` when it is a jaxserve Prometheus page, else None."""
     url = base_url.rstrip("/") + "/metrics"
@@ -438,7 +447,7 @@ async def run_openai(base_url: str, model: str, requests: list[BenchRequest], co
         finishes[str(st.finish_reason)] += 1
         rec.token_ids = ids
         short += rec.ok and rec.output_tokens < req.output_len
-    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))
+    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))  # noqa: E731
     run = serving.LevelRun(
         concurrency, request_rate, records, [], series,
         int(m1.get("jaxserve_kv_cache_pages_total", 0)),
@@ -472,63 +481,3 @@ def _error_message(body: bytes) -> str:
     except ValueError:
         pass
     return text[:300]
-
-
-# ---- llama.cpp's server ---------------------------------------------------------
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the OS's pick; free until someone binds it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def spawn_llama_cpp_server(gguf_path: str | os.PathLike, n_ctx: int, port: int = 0,
-                           timeout_s: float = 300.0, n_threads: int | None = None,
-                           poll_s: float = 0.5):
-    """Start ``python -m llama_cpp.server`` on ``gguf_path`` and wait until
-    ``GET /v1/models`` answers; returns (process, base URL ``http://127.0.0.1:P``).
-
-    Settings: ``n_ctx`` tokens of context, ``n_threads`` (default all cores)
-    for decode and prompt batches as the in-process ``llama_cpp`` peer,
-    ``--interrupt_requests false`` (its default cancels a running stream when
-    another request arrives, which would cut every stream short at
-    concurrency > 1), ``--logits_all false`` (the server's default keeps
-    every prompt position's logits; the in-process peer does not). ``port``
-    0 picks a free one. ``poll_s``: seconds between two ``GET /v1/models``
-    (the start-up benchmark's time to ready is good to this). Its output is
-    kept (the last 40 lines) and shown only if it fails; stop it with
-    ``serving.stop_server``.
-
-    Raises:
-      RuntimeError: it exited, or did not answer within ``timeout_s``.
-    """
-    port = port or free_port()
-    threads = str(n_threads or os.cpu_count() or 1)
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path),
-           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx),
-           "--n_threads", threads, "--n_threads_batch", threads,
-           "--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail: collections.deque = collections.deque(maxlen=40)
-
-    def pump():
-        for line in proc.stdout:
-            tail.append(line)
-    threading.Thread(target=pump, daemon=True).start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(base + "/v1/models", timeout=2.0).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        exited = proc.poll() is not None
-        if exited or time.monotonic() > deadline:
-            why = f"exited with status {proc.returncode}" if exited else \
-                f"did not answer GET /v1/models within {timeout_s:.0f} s"
-            serving.stop_server(proc)
-            raise RuntimeError(f"llama_cpp.server on {gguf_path} {why}; its last output:\n"
-                               + "".join(tail))
-        time.sleep(poll_s)

@@ -40,7 +40,7 @@ and each level is a view of that run.
 
 ``llama_cpp_server``: ``python -m llama_cpp.server`` (``pip install
 'llama-cpp-python[server]'``) on the same GGUF, spawned by
-``openai_load.spawn_llama_cpp_server`` and driven over HTTP by
+``spawn_llama_cpp_server`` and driven over HTTP by
 ``openai_load.run_openai`` at every level's concurrency and arrivals, real
 clients like jaxserve's (no ``client_view``). Its ``/v1/completions`` takes
 only text prompts (``prompt: str | list[str]``), so each prompt is its ids
@@ -48,7 +48,17 @@ detokenized by the server and tokenized again by it (BOS added when the GGUF
 asks); it streams no usage and does not know ``ignore_eos``, so a request
 can end at EOS (counted as a short output). It serves one request at a time
 (a lock around the model); the others wait in their open streams. The
-driver lives in ``jaxserve.bench.suite`` (``_run_llama_cpp_server``).
+serving benchmark drives it from ``serving_peers``; the start-up benchmark
+times its start.
+
+Any other OpenAI-compatible server (vLLM, another jaxserve) is measured by
+giving its URL as the serving benchmark's ``--target`` (``--backend
+openai``): the same client as ``llama_cpp_server``'s.
+
+Shared by every benchmark that runs peers: ``available`` / ``version``
+(skip a missing package, name the one that ran), ``model_file`` (the file
+an alias names), ``agreement`` (first greedy tokens equal to jaxserve's) and
+the 2-token untimed warm-up ``warm_up``.
 
 ``token_ids`` of each record are kept so the report can say how often the
 peers' greedy tokens agree with jaxserve's.
@@ -56,15 +66,26 @@ peers' greedy tokens agree with jaxserve's.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import socket
+import subprocess
+import sys
+import threading
 import time
 
+import httpx
+
+from checkpoints.fetch import resolve_model
+from jaxserve.bench import serving
 from jaxserve.bench.stats import RequestRecord
 from jaxserve.bench.workloads import BenchRequest
+
+AGREEMENT_TOKENS = 16  # first greedy tokens compared with jaxserve's
 
 PEERS = ("hf", "llama_cpp", "llama_cpp_server", "colocated")
 HOW = {
@@ -127,6 +148,42 @@ def version(name: str) -> str:
     return v
 
 
+def model_file(model: str) -> str:
+    """The file (or HF folder) ``model`` names: a folder or file as given, an
+    alias fetched into the cache (``checkpoints.fetch.resolve_model``).
+
+    Raises:
+      ValueError: an unknown alias.
+    """
+    if os.path.isdir(model):
+        return model
+    return str(resolve_model(model))
+
+
+def agreement(peer_recs, jax_recs) -> tuple[int, int]:
+    """(requests whose first ``AGREEMENT_TOKENS`` tokens equal jaxserve's,
+    requests compared): pairs in order, those with both token lists; a
+    shorter output (a server that stopped at EOS) is compared on its length."""
+    same = n = 0
+    for a, b in zip(peer_recs, jax_recs or []):
+        if a.token_ids is None or b.token_ids is None:
+            continue
+        k = min(AGREEMENT_TOKENS, len(a.token_ids), len(b.token_ids))
+        same += a.token_ids[:k] == b.token_ids[:k]
+        n += 1
+    return same, n
+
+
+def warm_up(name: str, model, first: BenchRequest) -> None:
+    """A 2-token untimed request of ``first``'s prompt through an in-process
+    peer (``hf`` or ``llama_cpp``)."""
+    warm = [dataclasses.replace(first, output_len=2)]
+    if name == "hf":
+        run_hf(model, warm, 1)
+    else:
+        run_llama_cpp(model, warm)
+
+
 # ---- HF transformers ------------------------------------------------------------
 
 def load_hf(model_path: str | os.PathLike):
@@ -135,7 +192,7 @@ def load_hf(model_path: str | os.PathLike):
     Raises:
       ValueError: neither a ``.gguf`` file nor a folder.
     """
-    import torch
+    import torch  # here, not at the top: torch is an optional extra and slow to import
     import transformers
     p = pathlib.Path(model_path)
     if p.is_file() and p.suffix == ".gguf":
@@ -214,7 +271,7 @@ def run_hf(model, requests: list[BenchRequest], concurrency: int) -> list[Reques
     """Static batches of ``concurrency`` requests; see the module docstring.
     Records are in request order with ``send_time`` = their batch's start
     (``client_view`` makes them client-side)."""
-    import torch
+    import torch  # optional extra (see load_hf)
     from transformers.generation.streamers import BaseStreamer
 
     class Stamps(BaseStreamer):
@@ -261,7 +318,7 @@ def load_llama_cpp(gguf_path: str | os.PathLike, n_ctx: int):
     Raises:
       ValueError: not a ``.gguf`` file.
     """
-    import llama_cpp
+    import llama_cpp  # optional extra (.[peers], compiles llama.cpp): only when it runs
     p = pathlib.Path(gguf_path)
     if not (p.is_file() and p.suffix == ".gguf"):
         raise ValueError(f"the llama_cpp peer needs a .gguf file, got {gguf_path!r}")
@@ -291,3 +348,63 @@ def run_llama_cpp(llm, requests: list[BenchRequest]) -> list[RequestRecord]:
         rec.token_ids = toks
         records.append(rec)
     return records
+
+
+# ---- llama.cpp's server (python -m llama_cpp.server) ---------------------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS's pick; free until someone binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_llama_cpp_server(gguf_path: str | os.PathLike, n_ctx: int, port: int = 0,
+                           timeout_s: float = 300.0, n_threads: int | None = None,
+                           poll_s: float = 0.5):
+    """Start ``python -m llama_cpp.server`` on ``gguf_path`` and wait until
+    ``GET /v1/models`` answers; returns (process, base URL ``http://127.0.0.1:P``).
+
+    Settings: ``n_ctx`` tokens of context, ``n_threads`` (default all cores)
+    for decode and prompt batches as the in-process ``llama_cpp`` peer,
+    ``--interrupt_requests false`` (its default cancels a running stream when
+    another request arrives, which would cut every stream short at
+    concurrency > 1), ``--logits_all false`` (the server's default keeps
+    every prompt position's logits; the in-process peer does not). ``port``
+    0 picks a free one. ``poll_s``: seconds between two ``GET /v1/models``
+    (the start-up benchmark's time to ready is good to this). Its output is
+    kept (the last 40 lines) and shown only if it fails; stop it with
+    ``serving.stop_server``.
+
+    Raises:
+      RuntimeError: it exited, or did not answer within ``timeout_s``.
+    """
+    port = port or free_port()
+    threads = str(n_threads or os.cpu_count() or 1)
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path),
+           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx),
+           "--n_threads", threads, "--n_threads_batch", threads,
+           "--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: collections.deque = collections.deque(maxlen=40)
+
+    def pump():
+        for line in proc.stdout:
+            tail.append(line)
+    threading.Thread(target=pump, daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(base + "/v1/models", timeout=2.0).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        exited = proc.poll() is not None
+        if exited or time.monotonic() > deadline:
+            why = f"exited with status {proc.returncode}" if exited else \
+                f"did not answer GET /v1/models within {timeout_s:.0f} s"
+            serving.stop_server(proc)
+            raise RuntimeError(f"llama_cpp.server on {gguf_path} {why}; its last output:\n"
+                               + "".join(tail))
+        time.sleep(poll_s)

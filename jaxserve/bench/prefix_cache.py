@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from jaxserve.bench.workloads import CORPUS
+from jaxserve.bench.workloads import PREFIX_TURNS, system_prompt
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams
 
@@ -39,13 +39,6 @@ class PrefixResult:
         return statistics.median(self.warm_ttft_ms)
 
 
-def _system_prompt(engine: Engine, trial: int, system_len: int) -> list[int]:
-    tok = engine.tokenizer
-    head = tok.encode(f"System prompt #{trial}. You are a careful assistant. Reference text:\n")
-    body = tok.encode(CORPUS * (1 + system_len // 500))
-    return (head + body)[:system_len]
-
-
 def _ttft(engine: Engine, ids: list[int], output_len: int) -> tuple[float, int]:
     rid = engine.add_request(None, ids, SamplingParams(temperature=0, max_tokens=output_len,
                                                        ignore_eos=True))
@@ -64,16 +57,13 @@ def run(engine: Engine, *, trials: int = 3, system_len: int = 1000,
     """
     if engine.tokenizer is None:
         raise ValueError("the prefix-cache benchmark needs a model with a tokenizer")
-    if not engine.allocator.enable_prefix_caching:
+    if not engine.prefix_caching:
         raise ValueError("prefix caching is off (--enable_prefix_caching=false)")
     tok = engine.tokenizer
-    turns = [tok.encode("\nUser: What is the main idea of the text above? Answer briefly.\n"
-                        "Assistant:"),
-             tok.encode("\nUser: Name two machines the text mentions, and say why they "
-                        "mattered.\nAssistant:")]
+    turns = [tok.encode(t) for t in PREFIX_TURNS]
     cold, warm, cached = [], [], []
     for trial in range(-1, trials):  # trial -1 compiles
-        system = _system_prompt(engine, trial, system_len)
+        system = system_prompt(tok, trial, system_len)
         c_ms, c_cached = _ttft(engine, system + turns[0], output_len)
         w_ms, w_cached = _ttft(engine, system + turns[1], output_len)
         if trial >= 0:
@@ -81,7 +71,7 @@ def run(engine: Engine, *, trials: int = 3, system_len: int = 1000,
             cold.append(c_ms)
             warm.append(w_ms)
             cached.append(w_cached)
-        engine.allocator.reset_prefix_cache()
+        engine.reset_prefix_cache()
     return PrefixResult(trials, system_len, cold, warm, cached)
 
 

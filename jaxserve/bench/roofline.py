@@ -42,9 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from pallas_kernels.bench import median_time
 
 
 @dataclasses.dataclass
@@ -171,10 +174,6 @@ def measure_ceilings(dtype: str, *, matmul_n: int | None = None, copy_mib: int |
     """Peak FLOP/s (``n x n @ n x n`` in ``dtype``) and bytes/s (``x + 1`` over
     ``copy_mib`` MiB) of ``device`` (default the first). Sizes default to
     8192 / 4096 MiB on GPU and TPU, 2048 / 256 MiB on CPU."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.bench import median_time
     device = device or jax.devices()[0]
     big = device.platform in ("gpu", "cuda", "rocm", "tpu")
     n = matmul_n or (8192 if big else 2048)

@@ -46,10 +46,13 @@ import time
 import urllib.request
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.bench.roofline import StepRecord
 from jaxserve.bench.stats import RequestRecord
 from jaxserve.bench.workloads import BenchRequest
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server import jaxserve_pb2 as pb
 
 
 @dataclasses.dataclass
@@ -142,7 +145,6 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> np.ndarray:
 
 
 def _params(req: BenchRequest):
-    from jaxserve.engine.request import SamplingParams
     return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
 
 
@@ -158,9 +160,9 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    engine.allocator.reset_prefix_cache()
+    engine.reset_prefix_cache()
     s0 = engine.stats()
-    comp0 = engine.runner.num_compilations
+    comp0 = engine.num_compilations
     offsets = arrival_offsets(len(requests), request_rate, seed)
     t0 = time.monotonic()
     steps: list[StepRecord] = []
@@ -225,13 +227,24 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
                     s1.prefix_cache_hits - s0.prefix_cache_hits,
                     s1.prefix_cache_queries - s0.prefix_cache_queries,
                     s1.num_preemptions - s0.num_preemptions,
-                    engine.runner.num_compilations - comp0, t0, device_s, idle_s, host_s,
+                    engine.num_compilations - comp0, t0, device_s, idle_s, host_s,
                     overlapped, s1.spec_num_drafts - s0.spec_num_drafts,
                     s1.spec_num_draft_tokens - s0.spec_num_draft_tokens,
                     s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens)
 
 
 # ---- gRPC ----------------------------------------------------------------------
+
+class RpcTokenizer:
+    """``encode`` through a server's Tokenize RPC (``workloads.make_requests``'
+    tokenizer interface); ``client`` is a ``jaxserve.server.client.Client``."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.client.tokenize(text, add_special_tokens=add_special_tokens)
+
 
 def spawn_server(model: str, engine_flags: list[str], timeout_s: float = 900.0,
                  http: bool = False, cpus: list[int] | None = None, tag: str = "server"):
@@ -288,7 +301,6 @@ def stop_server(proc: subprocess.Popen) -> None:
 def scrape(url: str | None) -> dict[str, float]:
     """Unlabelled samples of a Prometheus ``/metrics`` page: {name: value}
     (parsed with ``prometheus_client.parser``; {} when unreachable)."""
-    from prometheus_client.parser import text_string_to_metric_families
     if not url:
         return {}
     try:
@@ -320,7 +332,6 @@ async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
     """Run ``requests`` against the server behind ``client`` (an
     ``AsyncClient``); see the module docstring. The server's prefix cache is
     not emptied between levels (no RPC for it): use fresh prompts per level."""
-    from jaxserve.server import jaxserve_pb2 as pb
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     offsets = arrival_offsets(len(requests), request_rate, seed)
@@ -371,7 +382,7 @@ async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
     stop.set()
     await poller
     m1 = await asyncio.get_running_loop().run_in_executor(None, scrape, metrics_url)
-    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))
+    d = lambda k: int(m1.get(k, 0) - m0.get(k, 0))  # noqa: E731
     return LevelRun(concurrency, request_rate, records, [], series,
                     int(m1.get("jaxserve_kv_cache_pages_total", 0)),
                     d("jaxserve_cached_prompt_tokens_total"),

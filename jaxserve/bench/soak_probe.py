@@ -3,20 +3,20 @@ process's memory (``process_memory``), the XLA executables it builds
 (``CompileCounter``, from ``JAX_LOG_COMPILES`` lines on its stderr), one
 sample of memory and ``/metrics`` counters (``sample``), glibc's heap before
 and after ``malloc_trim`` (``SITECUSTOMIZE`` loaded into the server by
-``--malloc_probe``, read with ``malloc_probe``), and the machine (``machine``:
-``lscpu`` model and AVX flags, named with every figure).
+``--malloc_probe``, read with ``malloc_probe``). The machine is named by
+``machine.describe``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import signal
-import subprocess
 import threading
 import time
+
+from jaxserve.bench.serving import scrape
 
 # glibc probe loaded into the server by --malloc_probe (PYTHONPATH sitecustomize):
 # SIGUSR1 -> append {"before": mallinfo2, "after": mallinfo2 after malloc_trim(0)}
@@ -64,7 +64,7 @@ def process_memory(pid: int) -> dict:
     the process is gone."""
     out = {}
     try:
-        import psutil
+        import psutil  # optional: /proc's VmRSS below serves without it
         out["rss"] = psutil.Process(pid).memory_info().rss / 2**20
     except ImportError:
         pass
@@ -122,27 +122,9 @@ class CompileCounter:
         return getattr(self.stream, name)
 
 
-def machine() -> dict:
-    """The CPU model, its AVX flags, the core count and the load average now."""
-    cpu = platform.processor() or ""
-    avx = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                    if ln.startswith("Model name")), cpu)
-        flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines()
-                      if ln.startswith("Flags")), [])
-        avx = " ".join(sorted(f for f in flags if f.startswith("avx"))) or "no AVX"
-    except OSError:
-        pass
-    return {"cpu": cpu, "avx": avx, "cpus": os.cpu_count(),
-            "load_start": [round(x, 2) for x in os.getloadavg()]}
-
-
 def sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter | None) -> dict:
     """One sample: times, the server's memory (``process_memory``), KV pages,
     running/waiting and token counters from ``/metrics``, executables so far."""
-    from jaxserve.bench.serving import scrape
     now = time.monotonic()
     s = {"t": now, "t_rel": now - t0, "wall": time.time()}
     if pid is not None:
@@ -179,7 +161,7 @@ def malloc_probe(proc, path: str) -> dict | None:
         time.sleep(0.1)
         if len(got := lines()) > n0:
             r = json.loads(got[-1])
-            mb = lambda x: x / 2**20
+            mb = lambda x: x / 2**20  # noqa: E731
             return {"rss_before_mb": mb(r["rss_before"]), "rss_after_mb": mb(r["rss_after"]),
                     "trim_s": r.get("trim_s"), "in_use_mb": mb(r["before"]["uordblks"]),
                     "free_mb": mb(r["before"]["fordblks"]),
@@ -188,5 +170,5 @@ def malloc_probe(proc, path: str) -> dict | None:
     return None
 
 
-__all__ = ["SITECUSTOMIZE", "CompileCounter", "machine", "malloc_probe", "process_memory",
+__all__ = ["SITECUSTOMIZE", "CompileCounter", "malloc_probe", "process_memory",
            "sample"]

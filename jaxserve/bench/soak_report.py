@@ -29,8 +29,8 @@ Functions:
   (MB per executable) and the rest (growth at a constant executable count).
 * ``criteria(result, max_drift)``: the failed pass criteria, as sentences.
 * ``markdown(result)`` -> ``report.md`` (cases in ``EXPECTED``'s order).
-* ``plot(result, path)`` -> ``soak.png`` (RSS, pages used, TTFT p50/p99,
-  errors per window; False when matplotlib is missing).
+* ``plot(result, path, plt)`` -> ``soak.png`` (RSS, pages used, TTFT p50/p99,
+  errors per window).
 """
 
 from __future__ import annotations
@@ -184,12 +184,12 @@ def _f(v, fmt="{:.1f}"):
 
 def markdown(res: dict) -> str:
     """The report: verdict, calls per case x code, end state, memory, latency over time."""
-    c, cfg = res["counters"], res["config"]
+    c, cfg, m = res["counters"], res["config"], res["machine"]
     lines = [(f"# Soak: {cfg['model'] or cfg['target']}, {res['duration_s'] / 60:.1f} min, "
              f"{cfg['clients']} clients x {cfg['inflight']} in flight"),
-             "", (f"Machine: {res['machine']['cpu']} ({res['machine']['cpus']} CPUs; "
-             f"{res['machine']['avx']}); load average at start/end "
-             f"{res['machine']['load_start']} / {res['machine']['load_end']}."),
+             "", (f"Machine: {m['cpu_model']} ({m['cpu_count']} CPUs; "
+             f"{' '.join(m['avx_flags']) or 'no AVX'}); load average at start/end "
+             f"{m['load_average_start']} / {m.get('load_average_end')}."),
              f"Server flags: `{' '.join(cfg['engine_flags']) or '(defaults)'}`"
              + (f"; env `{' '.join(cfg['server_env'])}`" if cfg["server_env"] else ""),
              "", "**PASSED**" if not res["failed"] else
@@ -197,7 +197,7 @@ def markdown(res: dict) -> str:
              "## Calls by case and status code", "",
              "| case | expected codes (count) | unexpected codes (count) | lost | hanging |",
              "|---|---|---|---|---|"]
-    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"  # noqa: E731
     for case in EXPECTED:
         if case in c["by_case"]:
             d = c["by_case"][case]
@@ -272,15 +272,9 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> bool:
+def plot(res: dict, path: str, plt) -> None:
     """``soak.png``: RSS, pages used, TTFT p50/p99 and errors per window
-    against minutes; False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    against minutes (``report.write`` gives matplotlib's ``plt``)."""
     trimmed = [s for s in res["samples"] if s.get("after_malloc_trim")]
     sm = [s for s in res["samples"] if not s.get("after_malloc_trim")]
     ws = res["windows"]
@@ -329,4 +323,3 @@ def plot(res: dict, path: str) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return True

@@ -1,4 +1,5 @@
-"""The start-up benchmark: ``python -m jaxserve.main --mode bench --workload startup``.
+"""The start-up benchmark: ``python -m jaxserve.bench startup`` (and
+``python -m jaxserve.main --mode bench --workload startup``).
 
 What a user waits for before the first answer, in one run on one machine:
 
@@ -8,7 +9,7 @@ What a user waits for before the first answer, in one run on one machine:
 2. jaxserve warm: the same command again on the folder the cold start filled.
 3. Peers where installed (``--peers``): ``llama_cpp`` or ``llama_cpp_server``
    starts llama.cpp's server (``python -m llama_cpp.server``, the same GGUF,
-   ``n_ctx`` 2,048, all cores: ``openai_load.spawn_llama_cpp_server``);
+   ``n_ctx`` 2,048, all cores: ``peers.spawn_llama_cpp_server``);
    ``hf`` loads the same file with ``AutoModelForCausalLM.from_pretrained(
    folder, gguf_file=name)`` (``peers.load_hf``: dequantized to f32) in a
    fresh Python process. A missing package is skipped with a line saying so.
@@ -35,10 +36,10 @@ imports included, as a user sees it):
   (gRPC stream; llama.cpp: one non-streamed ``/v1/completions``; HF: one
   ``generate`` from ``len(HF_PROMPT_IDS)`` token ids).
 
-The machine is named (``lscpu``'s model name, its AVX-512 and AMX flags, CPU
-count, memory) and ``result.json`` and ``report.md`` are written to the
-output folder, as the serving benchmark does (``report.environment`` for the
-versions). The temporary cache folder is deleted at the end; its size after
+The machine is named (``machine.describe``: ``lscpu``'s model name, its
+AVX-512 and AMX flags, CPU count, memory) and ``result.json`` and
+``report.md`` are written to the output folder by ``report.write``
+(``machine.environment`` for the versions). The temporary cache folder is deleted at the end; its size after
 the cold start is reported.
 """
 
@@ -55,9 +56,14 @@ import tempfile
 import threading
 import time
 
+import grpc
+import httpx
+
+from jaxserve.bench import machine, report, serving
 from jaxserve.bench import peers as peers_mod
-from jaxserve.bench import report, serving, suite
+from jaxserve.bench.serving_options import OPTIONAL_FLAGS, SERVER_FLAGS, SPEC_FLAGS
 from jaxserve.engine.compile_cache import parse_line, process_rss_bytes
+from jaxserve.server.client import Client
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
@@ -68,7 +74,7 @@ POLL_S = 0.05
 TARGETS = {"cold_ready_s": 30.0, "warm_ready_s": 5.0, "rss_gb": 1.5}
 
 # ``jaxserve.main`` flags read by ``options_from_flags``.
-FLAG_NAMES = tuple(dict.fromkeys(suite.SERVER_FLAGS + suite.SPEC_FLAGS + suite.OPTIONAL_FLAGS
+FLAG_NAMES = tuple(dict.fromkeys(SERVER_FLAGS + SPEC_FLAGS + OPTIONAL_FLAGS
                                  + ("model", "peers", "warmup")))
 
 
@@ -99,40 +105,16 @@ def options_from_flags(values: dict) -> StartupOptions:
     """
     def args(names):  # absl takes --name=value for every kind, bools included
         return [f"--{n}={values[n]}" for n in names]
-    flags = args(suite.SERVER_FLAGS) + args(["warmup"])
+    flags = args(SERVER_FLAGS) + args(["warmup"])
     if values["speculative_method"] != "none":
-        flags += args(suite.SPEC_FLAGS)
-    flags += args([n for n in suite.OPTIONAL_FLAGS if values[n] is not None])
+        flags += args(SPEC_FLAGS)
+    flags += args([n for n in OPTIONAL_FLAGS if values[n] is not None])
     return StartupOptions(model=values["model"], engine_flags=tuple(flags),
                           peers=tuple(peers_mod.parse_peers(values["peers"])))
 
 
 def _log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    """``lscpu``'s model name and its AVX-512 / AMX flags, CPUs, memory."""
-    out = {"cpu_model": None, "cpu_flags": [], "cpu_count": os.cpu_count(),
-           "mem_total_bytes": None}
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                              check=False).stdout
-        if m := re.search(r"^Model name:\s*(.+)$", text, re.MULTILINE):
-            out["cpu_model"] = m[1].strip()
-        if m := re.search(r"^Flags:\s*(.+)$", text, re.MULTILINE):
-            out["cpu_flags"] = sorted(f for f in m[1].split()
-                                      if f.startswith(("avx512", "amx")))
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    out["mem_total_bytes"] = int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return out
 
 
 def tree_rss_bytes(pid: int) -> int | None:
@@ -175,9 +157,6 @@ def run_jaxserve(model: str, engine_flags, cache_dir: str, tag: str,
       RuntimeError: it exited or was not SERVING within ``timeout_s`` (its
         last stderr lines in the message).
     """
-    import grpc
-
-    from jaxserve.server.client import Client
     cmd = [sys.executable, "-m", "jaxserve.main", "--mode", "serve", "--port", "0",
            "--metrics_port", "0", "--model", model, f"--compilation_cache_dir={cache_dir}",
            *engine_flags]
@@ -261,12 +240,9 @@ def run_jaxserve(model: str, engine_flags, cache_dir: str, tag: str,
 def run_llama_cpp_server(gguf: str, timeout_s: float = 300.0) -> dict:
     """llama.cpp's server on ``gguf``: time to its first ``/v1/models``, RSS,
     one non-streamed completion."""
-    import httpx
-
-    from jaxserve.bench.openai_load import spawn_llama_cpp_server
     t0 = time.monotonic()
-    proc, base = spawn_llama_cpp_server(gguf, LLAMA_CPP_N_CTX, timeout_s=timeout_s,
-                                        poll_s=POLL_S)
+    proc, base = peers_mod.spawn_llama_cpp_server(gguf, LLAMA_CPP_N_CTX, timeout_s=timeout_s,
+                                                  poll_s=POLL_S)
     try:
         ready_s = time.monotonic() - t0
         rss, rss_tree = process_rss_bytes(proc.pid), tree_rss_bytes(proc.pid)
@@ -327,8 +303,7 @@ def _gguf_of(model: str) -> str | None:
         return None
     if model.endswith(".gguf"):
         return model
-    from checkpoints.fetch import resolve_model
-    path = str(resolve_model(model))
+    path = peers_mod.model_file(model)
     return path if path.endswith(".gguf") else None
 
 
@@ -344,8 +319,8 @@ def run(opts: StartupOptions, output_dir: str) -> tuple[dict, list[str]]:
     gguf = _gguf_of(opts.model)  # fetches an alias now, not inside the timed start
     result = {"benchmark": "startup", "model": opts.model, "model_file": gguf,
               "engine_flags": list(opts.engine_flags), "prompt": PROMPT,
-              "max_tokens": MAX_TOKENS, "machine": machine(),
-              "environment": report.environment(), "engines": {}, "skipped": {}}
+              "max_tokens": MAX_TOKENS, "machine": machine.describe(devices=False),
+              "environment": machine.environment(), "engines": {}, "skipped": {}}
     cache = tempfile.mkdtemp(prefix="jaxserve-startup-xla-")
     try:
         for tag in ("cold", "warm"):
@@ -382,13 +357,7 @@ def run(opts: StartupOptions, output_dir: str) -> tuple[dict, list[str]]:
     for name, why in result["skipped"].items():
         _log(f"skipped {name}: {why}")
     result["wall_s"] = time.monotonic() - t0
-    os.makedirs(output_dir, exist_ok=True)
-    paths = [os.path.join(output_dir, "result.json"), os.path.join(output_dir, "report.md")]
-    with open(paths[0], "w") as f:
-        json.dump(result, f, indent=1)
-    with open(paths[1], "w") as f:
-        f.write(markdown(result))
-    return result, paths
+    return result, report.write(output_dir, result, markdown)
 
 
 # ---- the report --------------------------------------------------------------------
@@ -411,7 +380,8 @@ def markdown(result: dict) -> str:
     """The report: the machine, one row per engine, notes and skipped peers."""
     m = result["machine"]
     mem = f", {m['mem_total_bytes'] / 2**30:.0f} GiB" if m.get("mem_total_bytes") else ""
-    flags = " ".join(m["cpu_flags"]) or "no AVX-512 or AMX flags"
+    flags = " ".join([f for f in m["avx_flags"] if f.startswith("avx512")]
+                     + m["amx_flags"]) or "no AVX-512 or AMX flags"
     out = [f"# Start-up: {result['model']}", "",
            f"Machine: {m['cpu_model'] or '?'}, {m['cpu_count']} CPUs{mem}; {flags}.", "",
            "| engine | time to ready, s | every step program ready, s | programs at ready: "
@@ -466,5 +436,5 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["FLAG_NAMES", "StartupOptions", "machine", "markdown", "options_from_flags", "run",
+__all__ = ["FLAG_NAMES", "StartupOptions", "markdown", "options_from_flags", "run",
            "run_hf_load", "run_jaxserve", "run_llama_cpp_server", "tree_rss_bytes"]

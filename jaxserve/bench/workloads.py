@@ -24,6 +24,14 @@ engine produces the same shapes.
 ``scale`` multiplies every prompt and output length (``--scale 0.2`` for a
 quick look on a slow machine; results then describe that smaller shape).
 A model without a tokenizer gets seeded random token ids of the same lengths.
+
+Every other benchmark's prompts come from here too, from the same text:
+W1 and W2 (``comparison``: ``chat``-shaped requests, ``question_prompt`` with
+``DOCS_INTRO``), the speculative decoding benchmark's copy tasks, chat
+questions and passages (``COPY_TASKS``, ``CHAT_QUESTIONS``, ``passage``), the
+prefix-cache benchmark's system prompts and turns (``system_prompt``,
+``PREFIX_TURNS``), the offline throughput pass's corpus slices
+(``corpus_slices``) and the soak run's sentences (``SENTENCES``).
 """
 
 from __future__ import annotations
@@ -134,8 +142,30 @@ CREATIVE_TASKS = (
     "Write a dialogue between a librarian and a lost dragon.",
 )
 
+# The speculative decoding benchmark's prompts (``speculation``): copy-heavy
+# tasks over a passage of the corpus, and short chat questions.
+COPY_TASKS = (
+    ("repeat", "Repeat the following text exactly, word for word, without adding anything."),
+    ("edit", "Rewrite the following text with British spellings changed to American ones "
+             "(harbour -> harbor, colour -> color, organised -> organized). Change nothing "
+             "else."),
+    ("summarise", "Summarise the following text in a few sentences."),
+)
+CHAT_QUESTIONS = (
+    "What causes the seasons on Earth?", "How do I boil an egg?",
+    "Give me three tips for learning a new language.", "Why is the sky blue?",
+    "What is the difference between weather and climate?", "How does a bicycle stay upright?",
+    "Write a haiku about autumn.", "What should I pack for a weekend camping trip?",
+    "Explain what a prime number is.", "How can I sleep better at night?",
+    "What is photosynthesis?", "Suggest a name for a small bakery.",
+    "How do vaccines work?", "What are the planets of the solar system?",
+    "Why do cats purr?", "How do I make a good cup of tea?",
+)
+
+
 SYSTEM_HEADER = ("You are a helpful assistant for a public library. Answer questions politely, "
                  "briefly and only from the reference text below.\n\nReference text:\n")
+DOCS_INTRO = "Use the documents below to answer the question.\n\nDocument 1: "
 SENTENCES = [s.strip() + "." for s in CORPUS.split(". ") if s.strip()]
 
 
@@ -171,7 +201,7 @@ class BenchRequest:
     output_len: int
 
 
-class _Text:
+class Text:
     """Token ids of corpus text, cut to lengths (random ids without a tokenizer)."""
 
     def __init__(self, tokenizer, vocab_size: int, rng: np.random.Generator):
@@ -223,7 +253,7 @@ def make_requests(tokenizer, vocab_size: int, workload: str, num_prompts: int, *
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     rng = np.random.default_rng(seed)
-    text = _Text(tokenizer, vocab_size, rng)
+    text = Text(tokenizer, vocab_size, rng)
     if workload == "mixed":
         # Blocks of one request of each shape, each block in a random order, so
         # every prefix of 4k requests (a smaller level) holds each shape k times.
@@ -251,11 +281,63 @@ def make_requests(tokenizer, vocab_size: int, workload: str, num_prompts: int, *
                 ids = (head + text.encode(task + " ") + text.shuffled(n))[:n]
             else:
                 if name == "rag":
-                    head += text.encode("Use the documents below to answer the question.\n\n"
-                                        "Document 1: ")
-                tail = text.encode(f"\n\nQuestion: {question}\nAnswer:")
-                body = text.shuffled(n)
-                ids = (head + body)[:max(0, n - len(tail))] + tail
-                ids = ids[-n:]  # a very small scale: keep the question's end
+                    head += text.encode(DOCS_INTRO)
+                ids = question_prompt(text, question, n, head)
         out.append(BenchRequest(name, [int(t) for t in ids], out_len))
     return out
+
+
+def question_prompt(text: Text, question: str, n: int, head: list[int] = ()) -> list[int]:
+    """``n`` token ids: ``head``, shuffled corpus text, then ``question`` as
+    ``"Question: ... Answer:"``, the text cut so the question fits (at a very
+    small ``n`` the question's end is kept)."""
+    tail = text.encode(f"\n\nQuestion: {question}\nAnswer:")
+    body = text.shuffled(n)
+    ids = (list(head) + body)[:max(0, n - len(tail))] + tail
+    return [int(t) for t in ids[-n:]]
+
+
+def passage(tok, rng, n: int) -> str:
+    """Corpus sentences in a random order until the text has >= ``n`` tokens."""
+    order, text = rng.permutation(len(SENTENCES)), ""
+    for i in np.concatenate([order, order]):
+        text += SENTENCES[i] + " "
+        if (len(tok.encode(text, add_special_tokens=False)) if tok else len(text) // 4) >= n:
+            break
+    return text.strip()
+
+
+# The prefix-cache benchmark's prompts (``prefix_cache``): a long system
+# prompt per trial, then one of two user turns.
+PREFIX_TURNS = ("\nUser: What is the main idea of the text above? Answer briefly.\nAssistant:",
+                "\nUser: Name two machines the text mentions, and say why they mattered.\n"
+                "Assistant:")
+
+
+def system_prompt(tokenizer, trial: int, system_len: int) -> list[int]:
+    """``system_len`` token ids: a trial-specific opening line (so trials share
+    no page) and ``CORPUS`` text."""
+    head = tokenizer.encode(f"System prompt #{trial}. You are a careful assistant. "
+                            "Reference text:\n")
+    body = tokenizer.encode(CORPUS * (1 + system_len // 500))
+    return (head + body)[:system_len]
+
+
+def corpus_slices(tokenizer, vocab_size: int, num_requests: int, input_len: int,
+                  seed: int) -> list[list[int]]:
+    """The offline throughput pass's prompts (``python -m jaxserve.main --mode
+    bench``): slices of ``CORPUS`` (repeated, tokenized once) of about
+    ``input_len`` tokens (+-10%) at seeded random offsets; random ids of V
+    ``vocab_size`` without a tokenizer."""
+    rng = np.random.default_rng(seed)
+    if tokenizer is not None:
+        base = tokenizer.encode(CORPUS * (2 + input_len // 500), add_special_tokens=False)
+    else:
+        base = list(rng.integers(0, vocab_size, size=4 * input_len + 64))
+    lo, hi = max(1, int(input_len * 0.9)), max(1, int(input_len * 1.1))
+    prompts = []
+    for _ in range(num_requests):
+        n = int(rng.integers(lo, hi + 1))
+        start = int(rng.integers(0, len(base) - n))
+        prompts.append([int(t) for t in base[start:start + n]])
+    return prompts

@@ -1,35 +1,36 @@
-"""Issue 17's speed half inside the writer benchmark: jaxserve's W1 and W2
-once per (weight format, KV cache dtype), beside f32 and the peers.
+"""Weight formats and KV cache dtypes on W1 and W2
+(``python -m jaxserve.bench throughput --formats none,int8,w8a8,int4,gguf
+--kv_cache_dtypes auto,int8``): jaxserve's W1 and W2 once per (weight
+format, KV cache dtype), beside f32 and the peers.
 
-``python -m jaxserve.bench.writer --formats none,int8,w8a8,int4,gguf
---kv_cache_dtypes auto,int8`` runs every pair of the two lists (the f32 /
-``auto`` pair is the writer's own jaxserve run, done once). Each pair is one
-engine at a time: built with the writer's serving settings and the same
-``--kv_cache_mib`` budget, warmed up and run exactly as the f32 engine
-(``writer.run_jaxserve``: warm-up, W1 and W2 untimed, then timed, XLA
-compilations counted around every timed pass), then freed (``del``,
-``gc.collect``, ``jax.clear_caches``) before the next one loads. ``gguf``
-loads the GGUF again with its blocks kept (``keep_blocks=True``); a pair the
-engine refuses (``gguf`` of a random init, an fp8 KV cache the device lacks)
-is recorded as skipped with the engine's reason.
+Every pair of the two lists runs (the f32 / ``auto`` pair is the throughput
+run's own jaxserve run, done once). Each pair is one engine at a time: built
+with the run's serving settings and the same ``--kv_cache_mib`` budget,
+warmed up and run exactly as the f32 engine (``comparison.run_jaxserve``:
+warm-up, W1 and W2 untimed, then timed, XLA compilations counted around
+every timed pass), then freed (``del``, ``gc.collect``, ``jax.clear_caches``)
+before the next one loads. ``gguf`` loads the GGUF again with its blocks kept
+(``keep_blocks=True``); a pair the engine refuses (``gguf`` of a random init,
+an fp8 KV cache the device lacks) is recorded as skipped with the engine's
+reason.
 
 Figures per pair (``result["quant"]["formats"]``):
 
-* **weight bytes**: the whole model as stored (every array of the engine's
-  state: quantized ``q`` and its f32 scales and zeros, the f32 embedding /
-  LM head and norms) and the projections only (the tensors
-  ``quant.is_projection`` names: q/k/v/o, gate/up/down), each also as a
-  ratio to f32's. The issue's byte targets are evaluated on both.
+* **weight bytes**: the whole model as stored (every array of
+  ``Engine.weights``: quantized ``q`` and its f32 scales and zeros, the f32
+  embedding / LM head and norms) and the projections only (the arrays under
+  q/k/v/o and gate/up/down, the tensors ``quant.is_projection`` names), each
+  also as a ratio to f32's. The byte targets are evaluated on both.
 * **KV**: bytes per token over all layers (K and V, int8/fp8 scales
-  included: ``ModelRunner.kv_bytes_per_page / page_size``) and the pages the
-  same ``--kv_cache_mib`` budget holds.
+  included: one f32 per token per kv head) and the pages the same
+  ``--kv_cache_mib`` budget holds.
 * **W1** output tok/s, **W2** TTFT and TPOT, as ratios to f32 jaxserve, HF
   transformers (f32) and llama.cpp (the GGUF's own type, Q4_1 for
   ``smollm2-135m``); first-16-token agreement with f32 jaxserve.
 * **MBU** of W2's decode: bytes moved per decode step = the weights as
   stored (whole model) + the KV read at W2's mean decode context (prompt +
   output / 2 tokens, in the cache dtype with its scales), divided by TPOT and
-  by the matvec bytes/s the writer measured (``limits``). ``tpot_floor_ms``
+  by the matvec bytes/s the run measured (``limits``). ``tpot_floor_ms``
   is the same bytes at the matvec bytes/s.
 
 Targets (``targets``; printed, not tests): W2 TPOT of int8 / w8a8 <= 1.0x
@@ -41,14 +42,28 @@ f32's and of int4 <= 0.16x, whole model and projections each.
 from __future__ import annotations
 
 import gc
+import math
 import time
 
+import jax
+import numpy as np
+
+from checkpoints.loader import load_checkpoint
+from jaxserve.bench import comparison
+from jaxserve.bench import peers as peers_mod
+from jaxserve.bench.report import fmt as _f
+from jaxserve.bench.report import ratio as _ratio
+from jaxserve.bench.report import targets_table
 from jaxserve.config import QUANTIZATION_METHODS
+from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 KV_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 BASELINE = ("none", "auto")
 LABEL = {"none": "f32", "int8": "int8", "w8a8": "w8a8", "int4": "int4", "gguf": "gguf"}
-AGREEMENT_TOKENS = 16
+# The projections' attribute names in every model family (``quant.is_projection``'s
+# q/k/v/o and gate/up/down, experts' stacked ones included).
+PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj"})
 
 
 def parse_list(spec: str, choices, name: str) -> list[str]:
@@ -91,49 +106,50 @@ def parse_formats(formats: str, kv_dtypes: str) -> list[tuple[str, str]]:
     return [BASELINE] + [p for p in pairs if p != BASELINE]
 
 
-def _params(engine):
-    """(HF name, param) of each distinct weight of the engine's model (an
-    ``nnx.Param`` or a ``quant.QuantizedWeight``; stacked experts once)."""
-    from flax import nnx
-
-    from jaxserve import models
-    runner = engine.runner
-    model = nnx.merge(runner.graphdef, runner.state)  # views of the same arrays
-    family = models.family(model)
-    seen = set()
-    for name, (p, _) in family.hf_params(model).items():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield name, p
+def _leaves(engine):
+    """(path names, array) of every array of ``Engine.weights``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(engine.weights)
+    for path, x in flat:
+        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        yield [n for n in names if n != "value"], x
 
 
 def weight_bytes(engine) -> dict:
-    """{"total": every array of the state, "projections": the tensors
-    ``quant.is_projection`` names}, bytes as stored."""
-    from jaxserve.models import quant
-    proj = sum(p.nbytes if isinstance(p, quant.QuantizedWeight) else p.value.nbytes
-               for name, p in _params(engine) if quant.is_projection(name))
-    return {"total": quant.weight_bytes(engine.runner.state), "projections": int(proj)}
+    """{"total": every array of the state, "projections": the arrays of the
+    q/k/v/o and gate/up/down projections (a quantized one's values, scales
+    and zeros)}, bytes as stored."""
+    total = proj = 0
+    for names, x in _leaves(engine):
+        n = int(np.prod(x.shape)) * x.dtype.itemsize
+        total += n
+        proj += n if PROJECTIONS.intersection(names) else 0
+    return {"total": total, "projections": proj}
 
 
 def num_params(engine) -> int:
-    """Logical weight elements of the model (a quantized weight counts its
-    ``[..., F, D]`` shape, not its packed bytes)."""
-    import math
-
-    from jaxserve.models import quant
-    return sum(math.prod(p.shape) if isinstance(p, quant.QuantizedWeight) else p.value.size
-               for _, p in _params(engine))
+    """Logical weight elements of the model: a quantized projection counts
+    its ``[..., F, D]`` shape (its values ``q``, two int4 values per uint8,
+    not its scales and zeros), any other array its size."""
+    n = 0
+    for names, x in _leaves(engine):
+        quantized = PROJECTIONS.intersection(names[:-1]) and names[-1] in ("q", "scale", "zero")
+        if not quantized:
+            n += math.prod(x.shape)
+        elif names[-1] == "q":
+            n += math.prod(x.shape) * (2 if x.dtype == np.uint8 else 1)
+    return n
 
 
 def kv_bytes_per_token(engine) -> float:
-    """K and V of one token over all layers, scales included, bytes."""
-    r = engine.runner
-    return r.kv_bytes_per_page(engine.model_config, r.page_size, r.kv_dtype) / r.page_size
+    """K and V of one token over all layers, int8/fp8 scales (one f32 per
+    token per kv head) included, bytes."""
+    cfg, dt = engine.model_config, engine.kv_dtype
+    per_head = cfg.head_dim * dt.itemsize + (4 if is_quantized(dt) else 0)
+    return float(2 * cfg.num_layers * cfg.num_kv_heads * per_head)
 
 
 class GgufParams:
-    """The checkpoint's params for each quantization: the writer's float
+    """The checkpoint's params for each quantization: the run's float
     params, or (``gguf``) the GGUF loaded again with its blocks kept, once."""
 
     def __init__(self, parts: dict, model: str, smoke: bool):
@@ -144,7 +160,6 @@ class GgufParams:
         if quantization != "gguf" or self.smoke:
             return self.parts  # smoke: random init, which the engine refuses for gguf
         if self._blocks is None:
-            from checkpoints.loader import load_checkpoint
             self._blocks = load_checkpoint(self.model, show_progress=False,
                                            keep_blocks=True).params
         return dict(self.parts, params=self._blocks)
@@ -153,18 +168,16 @@ class GgufParams:
 def describe(engine, quantization: str, kv: str, kv_cache_mib: int) -> dict:
     """The format's static figures: weight bytes, KV bytes per token and pages."""
     return {"quantization": quantization, "kv_cache_dtype": kv,
-            "kv_dtype_stored": str(engine.runner.kv_dtype), "weight_bytes": weight_bytes(engine),
+            "kv_dtype_stored": str(engine.kv_dtype), "weight_bytes": weight_bytes(engine),
             "kv_bytes_per_token": kv_bytes_per_token(engine), "kv_cache_mib": kv_cache_mib,
-            "kv_pages": engine.allocator.num_pages}
+            "kv_pages": engine.num_pages}
 
 
 def run(build, pairs, w1, w2, ref: dict, kv_cache_mib: int, t0: float,
         warmup: bool = True) -> list[dict]:
-    """Every pair but the baseline (the writer ran it): ``build(quantization,
-    kv)`` makes the ``LLM``; one engine at a time, freed before the next."""
-    import jax
-
-    from jaxserve.bench import writer
+    """Every pair but the baseline (the throughput run ran it):
+    ``build(quantization, kv)`` makes the ``LLM``; one engine at a time,
+    freed before the next."""
     out = []
     for q, kv in pairs:
         if (q, kv) == BASELINE:
@@ -173,28 +186,24 @@ def run(build, pairs, w1, w2, ref: dict, kv_cache_mib: int, t0: float,
         try:
             llm = build(q, kv)
         except ValueError as e:
-            writer._log(t0, f"format {q} / KV {kv} skipped: {e}")
+            comparison.log(t0, f"format {q} / KV {kv} skipped: {e}")
             out.append({"quantization": q, "kv_cache_dtype": kv, "skipped": str(e)})
             continue
         entry = describe(llm.engine, q, kv, kv_cache_mib)
         entry["load_s"] = time.monotonic() - t
-        writer._log(t0, f"format {q} / KV {kv}: {entry['weight_bytes']['total'] / 1e6:.1f} MB "
-                        f"of weights ({entry['weight_bytes']['projections'] / 1e6:.1f} MB "
-                        f"projections), {entry['kv_pages']} KV pages")
-        figs, records = writer.run_jaxserve(llm.engine, w1, w2, t0, warmup=warmup)
+        comparison.log(t0, f"format {q} / KV {kv}: {entry['weight_bytes']['total'] / 1e6:.1f} MB "
+                       f"of weights ({entry['weight_bytes']['projections'] / 1e6:.1f} MB "
+                       f"projections), {entry['kv_pages']} KV pages")
+        figs, records = comparison.run_jaxserve(llm.engine, w1, w2, t0, warmup=warmup)
         figs["how"] = f"jaxserve, weights {q}, KV cache {kv}"
         for w in ("w1", "w2"):
-            figs[w]["agreement_vs_f32"] = writer._agreement(records[w], ref.get(w))
+            figs[w]["agreement_vs_f32"] = comparison.agreement(records[w], ref.get(w))
         entry.update(figs)
         out.append(entry)
         del llm, records
         gc.collect()
         jax.clear_caches()
     return out
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
 
 
 def summarize(result: dict) -> None:
@@ -228,7 +237,7 @@ def summarize(result: dict) -> None:
 
 
 def targets(formats: list[dict], llama: dict | None) -> list[dict]:
-    """Issue 17's speed and size targets over the pairs that ran (see the
+    """The formats' speed and size targets over the pairs that ran (see the
     module docstring): {"target", "value", "limit", "met"} (met None when a
     figure is missing, e.g. llama.cpp did not run)."""
     runs = [e for e in formats if "skipped" not in e]
@@ -259,19 +268,15 @@ def targets(formats: list[dict], llama: dict | None) -> list[dict]:
             for t, v, lim, op in rows]
 
 
-def _f(v, fmt="{:.1f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
 def markdown(result: dict) -> list[str]:
-    """The report's per-format tables and the issue-17 targets (lines)."""
+    """The report's per-format tables and the format targets (lines)."""
     qr = result.get("quant")
     if not qr:
         return []
     eng = result["workloads"]["engines"]
     peers = [k for k in ("hf", "llama_cpp") if k in eng and "skipped" not in eng[k]]
     names = {"hf": "HF", "llama_cpp": "llama.cpp"}
-    lines = ["## Weight formats and KV cache dtypes (issue 17)", "",
+    lines = ["## Weight formats and KV cache dtypes", "",
              "jaxserve once per (weights, KV dtype), one engine at a time, "
              + ("each warmed up like f32" if qr.get("warmup", True) else
                 "each compiled by its untimed pass (--no-format_warmup)")
@@ -299,7 +304,8 @@ def markdown(result: dict) -> list[str]:
               f"of {_f(qr['formats'][0].get('w2_context_mean'), '{:.0f}')} tokens) / TPOT / "
               "the matvec bytes/s; floor = those bytes at the matvec bytes/s. compiles = XLA "
               "compilations in the timed W1 + W2 (must be 0); agree = first "
-              f"{AGREEMENT_TOKENS} greedy tokens equal f32 jaxserve's (W1 share, W2).", "",
+              f"{peers_mod.AGREEMENT_TOKENS} greedy tokens equal f32 jaxserve's (W1 share, "
+              "W2).", "",
               f"| weights | KV | W1 tok/s | {head} | W2 TTFT ms | {head} | W2 TPOT ms | "
               f"{head} | floor ms | MBU | compiles | agree |",
               "|---|---|" + "---:|" * (3 * (1 + len(vs_cols)) + 3) + "---|"]
@@ -326,9 +332,4 @@ def markdown(result: dict) -> list[str]:
         cells = [_f(p["w1"]["output_tok_per_s"]), *blank, _f(p["w2"]["ttft_ms"], "{:.0f}"),
                  *blank, _f(p["w2"]["tpot_ms"]), *blank, "", "", "", ""]
         lines.append(f"| {names[k]} | {'f32' if k == 'hf' else 'GGUF'} | {' | '.join(cells)} |")
-    lines += ["", "## Issue 17 targets", "", "| target | value | limit | met |",
-              "|---|---:|---:|---|"]
-    for t in qr.get("targets", []):
-        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-        lines.append(f"| {t['target']} | {_f(t['value'], '{:.3g}')} | {t['limit']} | {met} |")
-    return lines + [""]
+    return lines + [""] + targets_table(qr.get("targets", []), "Weight format targets") + [""]
