@@ -128,7 +128,7 @@ def gemma3_hf_tokenizer(gemma3_path):
 def tiny_gguf(tmp_path_factory):
     """A tiny random Llama GGUF (vocab 320, 2 layers, 512 positions, with a
     tokenizer) for CLI and server tests; path as str."""
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     path = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
     write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512,

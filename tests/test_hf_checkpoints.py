@@ -199,7 +199,7 @@ def test_bf16_checkpoint_reads_exactly(tmp_path):
 
 
 def test_load_checkpoint_dispatches_gguf(tmp_path):
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", ModelConfig(vocab_size=300, num_layers=1))
     ckpt = load_checkpoint(tmp_path / "tiny.gguf", show_progress=False)

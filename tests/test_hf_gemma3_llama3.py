@@ -194,7 +194,7 @@ def test_llama3_gguf_rope_freqs_match_hf(folders, tmp_path):
     tensor: the same logits as the HF model with ``rope_type: llama3``."""
     import gguf
 
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve import LLM
     from jaxserve.config import ModelConfig
 

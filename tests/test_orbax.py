@@ -27,10 +27,10 @@ import pytest
 from conftest import XLA_CACHE
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from tiny_gguf import write_tiny_gguf
 
 from checkpoints import orbax_ckpt
 from checkpoints.loader import convert_to_orbax, load_checkpoint, load_model_config
-from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve import LLM
 from jaxserve.config import ModelConfig
 from jaxserve.models import MODEL_CLASSES, llama, moe

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 from conftest import XLA_CACHE
 from jax.sharding import PartitionSpec as P
+from tiny_gguf import write_tiny_gguf
 
 from checkpoints import orbax_ckpt
 from checkpoints.loader import convert_to_orbax, load_checkpoint
-from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.models import quant

@@ -5,6 +5,10 @@
 tokenizer (256 byte tokens, ChatML specials, a few merges) and a ChatML chat
 template, and returns the HF-layout float32 params that ``load_gguf`` must give
 back bit for bit (quantization is per row, so it commutes with the row permutation).
+
+A test fixture, not part of the product (it lived in ``checkpoints/`` until issue 31):
+tests import it as ``from tiny_gguf import write_tiny_gguf`` (pytest puts ``tests/``
+on ``sys.path``); ``conftest.tiny_gguf`` is the session's shared file.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import os
 import gguf
 import numpy as np
 
-from jaxserve.config import ModelConfig
 from checkpoints.tokenizer import bytes_to_unicode
+from jaxserve.config import ModelConfig
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 MERGES = ("Ġ t", "h e", "Ġt he", "l l", "ll o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d")
