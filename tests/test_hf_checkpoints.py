@@ -29,6 +29,8 @@ from checkpoints.loader import load_checkpoint
 from conftest import XLA_CACHE
 from jaxserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # transformers writes these models and is the reference
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there!",

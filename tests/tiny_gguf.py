@@ -50,6 +50,23 @@ def tiny_tokens(vocab_size: int) -> list[str]:
     return tokens
 
 
+def tokenizer_fields(vocab_size: int = 320) -> dict:
+    """The ``tokenizer.*`` GGUF metadata ``write_tiny_gguf`` writes, as
+    ``load_gguf_fields`` reads them back: ``Tokenizer.from_gguf_fields`` of
+    this dict is the tiny file's tokenizer, with no file."""
+    if vocab_size < _TOKEN_COUNT:
+        raise ValueError(f"vocab_size must be >= {_TOKEN_COUNT}, got {vocab_size}")
+    tokens = tiny_tokens(vocab_size)
+    return {"general.architecture": "llama", "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] * len(SPECIAL_TOKENS)
+            + [1] * (len(tokens) - len(SPECIAL_TOKENS)),
+            "tokenizer.ggml.merges": list(MERGES), "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 0,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": 2,
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML_TEMPLATE}
+
+
 def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
                     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
                     seed: int = 0, params: dict[str, np.ndarray] | None = None,
@@ -149,4 +166,4 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
 
 
 __all__ = ["CHATML_TEMPLATE", "MERGES", "SPECIAL_TOKENS", "permute_qk", "tiny_tokens",
-           "write_tiny_gguf"]
+           "tokenizer_fields", "write_tiny_gguf"]
