@@ -17,7 +17,8 @@ Torch-free tiny models (``tiny_models.py``; numpy weights, the real model code):
 References (slow or real_model tests only): ``tiny_hf`` (transformers' model on
 ``tiny_parts``' very weights), ``mixtral_folders`` (a tiny HF Mixtral and its
 Orbax conversion), and the real SmolLM2-135M / Gemma 3 270M GGUFs (fetched once
-into the cache).
+into the cache). A test taking one of them gets its mark from the fixture
+(``tiers.FIXTURE_MARKS``), so it cannot leak into the fast tier.
 
 The CPU backend is given 8 devices (before jax is imported) so sharding tests
 can build meshes; everything else runs on the first device as before.

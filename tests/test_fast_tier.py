@@ -55,7 +55,8 @@ def test_collecting_the_fast_tier_imports_neither_torch_nor_transformers():
 
 def test_the_collection_check_sees_a_leak_and_skips_deselected_modules(tmp_path):
     """``leaky_dep`` stands for torch: imported by a fast module, it is seen;
-    imported by a module marked slow, that module is never imported."""
+    imported by a module marked slow, that module is never imported; a test
+    taking ``tiny_hf`` is deselected (its fixture marks it slow)."""
     (tmp_path / "leaky_dep.py").write_text("")
     (tmp_path / "slow_dep.py").write_text("")
     (tmp_path / "test_fast_leak.py").write_text("import leaky_dep\n\n\ndef test_a():\n    pass\n")
@@ -69,6 +70,16 @@ def test_the_collection_check_sees_a_leak_and_skips_deselected_modules(tmp_path)
         def test_b():
             pass
         """))
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""\
+        import pytest
+
+
+        @pytest.fixture
+        def tiny_hf():
+            import torch
+            return torch
+        """))
+    (tmp_path / "test_hf_fixture.py").write_text("def test_d(tiny_hf):\n    pass\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: s\n    real_model: r\n")
     res, imported = collect(str(tmp_path), "-p", "tiers", "--rootdir", str(tmp_path),
                             "-c", str(tmp_path / "pytest.ini"),
@@ -78,6 +89,7 @@ def test_the_collection_check_sees_a_leak_and_skips_deselected_modules(tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert imported == {"leaky_dep"}
     assert "test_fast_leak.py::test_a" in res.stdout and "test_b" not in res.stdout
+    assert "test_d" not in res.stdout  # tiny_hf made it slow (tiers.FIXTURE_MARKS)
 
 
 @pytest.mark.parametrize("expr, ignored", [

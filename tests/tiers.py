@@ -6,13 +6,18 @@ transformers as a reference) and ``real_model`` (a real checkpoint fetched
 into the cache). The fast tier, ``pytest -m "not slow and not real_model"``
 (``FAST``), imports neither torch nor transformers and runs in minutes.
 
-Three hooks hold that:
+Four hooks hold that:
 
+- marks from fixtures: a test that takes (directly or through other fixtures)
+  one of ``FIXTURE_MARKS``' fixtures gets its mark, before ``-m`` selects: an
+  HF reference (``tiny_hf``, ...) makes it slow, a real checkpoint
+  (``smollm2_path``, ...) real_model, whether or not its file says so.
 - ``pytest_ignore_collect``: a test module whose ``pytestmark`` puts every one
   of its tests outside ``-m`` is not imported at all. Its marks are read from
   its source (``ast``), so an HF-only module with ``import torch`` at the top
   costs the fast tier nothing. It is skipped only if no combination of the
-  other marks its source names could bring a test back into ``-m``.
+  other marks its source names (or fixtures add) could bring a test back
+  into ``-m``.
 - the watch: after collection and after each test, the first moment a module
   of ``HEAVY`` shows up in ``sys.modules`` is kept in ``config.stash[HEAVY_SINCE]``
   (a node id, or "collection"), for ``test_fast_tier.py`` to report.
@@ -31,6 +36,12 @@ import pytest
 FAST = "not slow and not real_model"
 HEAVY = ("torch", "transformers")
 HEAVY_SINCE = pytest.StashKey[str]()
+# conftest fixtures -> the mark every test that uses them carries
+FIXTURE_MARKS = {
+    "tiny_hf": "slow", "mixtral_folders": "slow",  # torch + transformers
+    "smollm2_hf": "slow", "smollm2_hf_tokenizer": "slow", "gemma3_hf_tokenizer": "slow",
+    "smollm2_path": "real_model", "smollm2_llm": "real_model", "gemma3_path": "real_model",
+}
 
 
 def heavy_modules() -> list[str]:
@@ -85,7 +96,7 @@ def pytest_ignore_collect(collection_path, config):
     module, named = _source_marks(str(collection_path))
     if not module:
         return None
-    others = sorted(named - module)
+    others = sorted((named | set(FIXTURE_MARKS.values())) - module)
     if len(others) > 10:
         return None
     for r in range(len(others) + 1):
@@ -95,8 +106,14 @@ def pytest_ignore_collect(collection_path, config):
     return True
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``last`` run after all others."""
+    """Marks from fixtures (``FIXTURE_MARKS``); tests marked ``last`` run after all others."""
+    for item in items:
+        for name in sorted({FIXTURE_MARKS[f] for f in getattr(item, "fixturenames", ())
+                            if f in FIXTURE_MARKS}):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(name)
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
 
 
