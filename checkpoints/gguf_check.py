@@ -31,10 +31,12 @@ fails at once, allocating nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
 import struct
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
@@ -291,4 +293,46 @@ def check_gguf(path: str | os.PathLike) -> GGUFLayout:
         raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
-__all__ = ["GGUFLayout", "TensorExtent", "check_gguf", "check_gguf_buffer"]
+@contextlib.contextmanager
+def errors_name(path: str) -> Iterator[None]:
+    """Re-raise what reading ``path`` raises as a one-line ``ValueError`` that
+    starts with ``path``. ``check_gguf`` catches real corruption first with
+    precise messages; the non-ValueError branch is the last line of defence
+    against what ``gguf`` / numpy still raise on a header that passed it."""
+    try:
+        yield
+    except ValueError as e:
+        message = " ".join(str(e).split())
+        raise ValueError(message if message.startswith(f"{path}:")
+                         else f"{path}: {message}") from None
+    except (IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError,
+            AttributeError) as e:
+        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+
+
+def read_header(path: str) -> tuple[GGUFLayout, dict[str, Any]]:
+    """``check_gguf`` (which reads every metadata value while it checks the
+    header), and the metadata as ``gguf_loader.read_fields`` would give it, with
+    ``gguf.GGUFReader``'s three ``GGUF.*`` entries."""
+    layout = check_gguf(path)
+    fields = {"GGUF.version": layout.version, "GGUF.tensor_count": len(layout.tensors),
+              "GGUF.kv_count": len(layout.fields), **layout.fields}
+    return layout, fields
+
+
+def load_gguf_fields(path: str | os.PathLike) -> dict[str, Any]:
+    """Every metadata field of a GGUF file (as ``gguf_loader.read_fields`` returns them), after
+    ``check_gguf``. Reads the header only: ~0.4 s for Gemma 3's 262,144-token
+    vocabulary, where ``gguf.GGUFReader`` takes ~16 s.
+
+    Raises:
+      ValueError: a missing, truncated or corrupt file; the message starts with the path.
+    """
+    path = os.fspath(path)
+    with errors_name(path):
+        return read_header(path)[1]
+
+
+__all__ = ["GGUFLayout", "TensorExtent", "check_gguf", "check_gguf_buffer", "errors_name",
+           "load_gguf_fields", "read_header"]

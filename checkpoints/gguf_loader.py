@@ -60,7 +60,6 @@ header alone, for planning before anything loads.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -72,7 +71,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from tqdm.auto import tqdm
 
-from checkpoints.gguf_check import GGUFLayout, TensorExtent, check_gguf
+from checkpoints.gguf_check import (GGUFLayout, TensorExtent, check_gguf, errors_name,
+                                    load_gguf_fields, read_header)
 from checkpoints.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, RopeScaling
 
@@ -409,52 +409,11 @@ def tensor_types(path: str | os.PathLike) -> dict[str, GGMLQuantizationType]:
       ValueError: as ``check_gguf``, or an unknown tensor name.
     """
     path = os.fspath(path)
-    with _errors_name(path):
+    with errors_name(path):
         layout = check_gguf(path)
         arch = _architecture(layout.fields)
         return {name: t.ggml_type for t in layout.tensors
                 if (name := hf_name(t.name, arch)) is not None}
-
-
-@contextlib.contextmanager
-def _errors_name(path: str) -> Iterator[None]:
-    """Re-raise what reading ``path`` raises as a one-line ``ValueError`` that
-    starts with ``path``. ``check_gguf`` catches real corruption first with
-    precise messages; the non-ValueError branch is the last line of defence
-    against what ``gguf`` / numpy still raise on a header that passed it."""
-    try:
-        yield
-    except ValueError as e:
-        message = " ".join(str(e).split())
-        raise ValueError(message if message.startswith(f"{path}:")
-                         else f"{path}: {message}") from None
-    except (IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError,
-            AttributeError) as e:
-        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())})") from None
-
-
-def _read(path: str) -> tuple[GGUFLayout, dict[str, Any]]:
-    """``check_gguf`` (which reads every metadata value while it checks the
-    header), and the metadata as ``read_fields`` would give it, with
-    ``gguf.GGUFReader``'s three ``GGUF.*`` entries."""
-    layout = check_gguf(path)
-    fields = {"GGUF.version": layout.version, "GGUF.tensor_count": len(layout.tensors),
-              "GGUF.kv_count": len(layout.fields), **layout.fields}
-    return layout, fields
-
-
-def load_gguf_fields(path: str | os.PathLike) -> dict[str, Any]:
-    """Every metadata field of a GGUF file (as ``read_fields`` returns them), after
-    ``check_gguf``. Reads the header only: ~0.4 s for Gemma 3's 262,144-token
-    vocabulary, where ``gguf.GGUFReader`` takes ~16 s.
-
-    Raises:
-      ValueError: a missing, truncated or corrupt file; the message starts with the path.
-    """
-    path = os.fspath(path)
-    with _errors_name(path):
-        return _read(path)[1]
 
 
 def _tensor_bytes(path: str, layout: GGUFLayout) -> Iterator[tuple[TensorExtent, np.ndarray]]:
@@ -477,7 +436,7 @@ def _tensor_bytes(path: str, layout: GGUFLayout) -> Iterator[tuple[TensorExtent,
 def _open(path: str) -> tuple[GGUFLayout, dict[str, Any], ModelConfig]:
     """Check the file (``check_gguf``), read its metadata and config (with the
     ``rope_freqs`` tensor, the only one a config needs), and check its tensor
-    table against the config (inside ``_errors_name``). The last few files'
+    table against the config (inside ``errors_name``). The last few files'
     results are kept while their size and mtime stay the same (an engine
     reads the config, then the tensors: SmolLM2's header check takes ~0.35 s)."""
     st = os.stat(path)
@@ -488,7 +447,7 @@ def _open(path: str) -> tuple[GGUFLayout, dict[str, Any], ModelConfig]:
 @functools.lru_cache(maxsize=4)
 def _open_checked(path: str, size: int, mtime_ns: int):
     del size, mtime_ns  # the cache key: a rewritten file is read again
-    layout, fields = _read(path)
+    layout, fields = read_header(path)
     rope_freqs = next((dequantize_array(data, t.ggml_type, t.name)
                        for t, data in _tensor_bytes(path, layout)
                        if t.name == "rope_freqs.weight"), None)
@@ -537,7 +496,7 @@ def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
         table that does not match the metadata; the message starts with the path.
     """
     path = os.fspath(path)
-    with _errors_name(path):
+    with errors_name(path):
         return _open(path)[2]
 
 
@@ -563,7 +522,7 @@ def load_gguf(path: str | os.PathLike, dtype: Any = np.float32,
         inconsistent tokenizer; the message starts with the path.
     """
     path = os.fspath(path)
-    with _errors_name(path):
+    with errors_name(path):
         layout, fields, config = _open(path)
         arch = config.architecture
         params: dict[str, np.ndarray] = {}

@@ -204,7 +204,7 @@ class Tokenizer:
           ValueError: as ``from_gguf_fields``, or a truncated or corrupt file
             (``checkpoints.gguf_check``); the message starts with the path.
         """
-        from checkpoints.gguf_loader import load_gguf_fields  # local: gguf_loader imports us
+        from checkpoints.gguf_check import load_gguf_fields  # local: only GGUF needs gguf
 
         path = os.fspath(path)
         fields = load_gguf_fields(path)

@@ -1,5 +1,24 @@
-"""Shared fixtures: a tiny random Llama (HF reference + jaxserve copy) and the
-real SmolLM2-135M GGUF (fetched once into the cache).
+"""Shared fixtures and the test tiers.
+
+Tiers (``tiers.py``, README "Tests"): ``pytest -m "not slow and not real_model"``
+is the fast tier: it imports neither torch nor transformers (``test_fast_tier.py``
+checks) and needs no real checkpoint.
+
+Torch-free tiny models (``tiny_models.py``; numpy weights, the real model code):
+
+- ``tiny_parts`` / ``make_tiny_llm``: the tiny random Llama (vocab 256, 3
+  layers, EOS id 1, no tokenizer: prompts are token ids).
+- ``mock_parts`` / ``make_mock_llm``: the mock model for engine, engine-loop
+  and server tests that need text: a tiny Llama (vocab 320) with the tiny
+  GGUF's byte-level tokenizer and ChatML template, built without a file.
+- ``tiny_gguf``: a tiny random Llama GGUF file (``tiny_gguf.py``), for CLI and
+  server subprocesses.
+
+References (slow or real_model tests only): ``tiny_hf`` (transformers' model on
+``tiny_parts``' very weights), ``mixtral_folders`` (a tiny HF Mixtral and its
+Orbax conversion), and the real SmolLM2-135M / Gemma 3 270M GGUFs (fetched once
+into the cache). A test taking one of them gets its mark from the fixture
+(``tiers.FIXTURE_MARKS``), so it cannot leak into the fast tier.
 
 The CPU backend is given 8 devices (before jax is imported) so sharding tests
 can build meshes; everything else runs on the first device as before.
@@ -15,57 +34,67 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import time
 
-import numpy as np
 import pytest
+# The tier hooks (tiers.py's docstring): pytest finds them in this module's namespace.
+from tiers import (pytest_collection_finish, pytest_collection_modifyitems,  # noqa: F401
+                   pytest_ignore_collect, pytest_runtest_protocol)  # noqa: F401
+from tiny_models import hf_llama, mock_tokenizer, tiny_config, tiny_llama_params
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3,
-            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-            rms_norm_eps=1e-5, max_position_embeddings=512)
 XLA_CACHE = os.path.join(os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
                          "xla-tests")
+MOCK_VOCAB = 320  # the tiny GGUF tokenizer's 269 tokens, padded
 
 
-@pytest.fixture(scope="session")
-def tiny_hf():
-    """A random HF ``LlamaForCausalLM`` (f32, eval) with untied embeddings.
-
-    ``initializer_range`` is large so greedy outputs vary from token to token.
-    """
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"],
-        intermediate_size=TINY["intermediate_size"], num_hidden_layers=TINY["num_layers"],
-        num_attention_heads=TINY["num_heads"], num_key_value_heads=TINY["num_kv_heads"],
-        head_dim=TINY["head_dim"], rope_theta=TINY["rope_theta"],
-        rms_norm_eps=TINY["rms_norm_eps"], max_position_embeddings=TINY["max_position_embeddings"],
-        tie_word_embeddings=False, initializer_range=0.15, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval().to(torch.float32)
-    return model
-
-
-@pytest.fixture(scope="session")
-def tiny_parts(tiny_hf):
-    """Keyword arguments that build a jaxserve engine with ``tiny_hf``'s weights."""
-    from jaxserve.config import ModelConfig
-    cfg = ModelConfig(tie_word_embeddings=False, eos_token_ids=(1,), **TINY)
-    params = {k: v.detach().numpy().astype(np.float32) for k, v in tiny_hf.state_dict().items()}
-    return dict(model_config=cfg, params=params)
-
-
-@pytest.fixture
-def make_tiny_llm(tiny_parts):
-    """Factory: ``make_tiny_llm(**engine_args) -> LLM`` over the tiny model."""
+def _factory(parts):
+    """``make(**engine_args) -> LLM`` over ``parts`` (small KV cache, shared XLA cache)."""
     from jaxserve import LLM
 
     def make(**kw):
         kw.setdefault("num_pages", 128)
         kw.setdefault("page_size", 8)
         kw.setdefault("compilation_cache_dir", XLA_CACHE)
-        return LLM(**kw, **tiny_parts)
+        return LLM(**kw, **parts)
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_parts():
+    """Keyword arguments that build a jaxserve engine on the tiny random Llama
+    (``model_config``, HF-named numpy ``params``; no torch)."""
+    cfg = tiny_config()
+    return dict(model_config=cfg, params=tiny_llama_params(cfg))
+
+
+@pytest.fixture
+def make_tiny_llm(tiny_parts):
+    """Factory: ``make_tiny_llm(**engine_args) -> LLM`` over the tiny model."""
+    return _factory(tiny_parts)
+
+
+@pytest.fixture(scope="session")
+def mock_parts():
+    """The mock model: keyword arguments of an engine over a tiny random Llama
+    (``tiny_models.TINY`` with vocab 320, EOS ``<|im_end|>`` = 2) with the tiny GGUF's
+    tokenizer and ChatML template. Deterministic: same ids, same logits."""
+    cfg = tiny_config(vocab_size=MOCK_VOCAB, eos_token_ids=(2,))
+    tok = mock_tokenizer(MOCK_VOCAB)
+    return dict(model_config=cfg, params=tiny_llama_params(cfg, seed=1), tokenizer=tok,
+                chat_template=tok.chat_template)
+
+
+@pytest.fixture
+def make_mock_llm(mock_parts):
+    """Factory: ``make_mock_llm(**engine_args) -> LLM`` over the mock model (text in, text out)."""
+    return _factory(mock_parts)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_parts):
+    """transformers' f32 ``LlamaForCausalLM`` (eval) holding ``tiny_parts``'
+    weights: the HF reference. Imports torch: tests using it are slow."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return hf_llama(tiny_parts["model_config"], tiny_parts["params"])
 
 
 @pytest.fixture(scope="session")
@@ -128,12 +157,23 @@ def gemma3_hf_tokenizer(gemma3_path):
 def tiny_gguf(tmp_path_factory):
     """A tiny random Llama GGUF (vocab 320, 2 layers, 512 positions, with a
     tokenizer) for CLI and server tests; path as str."""
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     path = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
     write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=512,
                                       num_layers=2))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def untied_gguf(tmp_path_factory):
+    """A tiny random Llama Q8_0 GGUF with an untied LM head (vocab 320, D 64,
+    F 128, 4 heads, 2 kv heads), the source of the Orbax conversion tests; a Path."""
+    from tiny_gguf import write_tiny_gguf
+    from jaxserve.config import ModelConfig
+    path = tmp_path_factory.mktemp("untied-gguf") / "tiny.gguf"
+    write_tiny_gguf(path, ModelConfig(vocab_size=320, tie_word_embeddings=False))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -31,11 +31,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tiny_gguf import write_tiny_gguf
 
 from checkpoints import loader
 from checkpoints.gguf_check import check_gguf
 from checkpoints.gguf_loader import load_gguf, load_gguf_config
-from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve.config import ModelConfig
 
 # Smallest model write_tiny_gguf allows: vocab 269, one layer, Q8_0 rows of 32.

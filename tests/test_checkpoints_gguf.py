@@ -2,7 +2,7 @@
 
 Three layers:
   1. hand-built quant blocks vs the numpy formulas (no file);
-  2. a tiny random GGUF written by ``checkpoints.tiny_gguf`` (seconds);
+  2. a tiny random GGUF written by ``tests/tiny_gguf.py`` (seconds);
   3. ``@pytest.mark.real_model``: SmolLM2-135M-Instruct Q4_1 (fetched once through
      ``resolve_model("smollm2-135m")`` into the default cache) against
      transformers' own GGUF loader, tensor for tensor and id for id (the
@@ -14,10 +14,10 @@ import types
 import gguf
 import numpy as np
 import pytest
+from tiny_gguf import permute_qk, write_tiny_gguf
 
 from checkpoints.gguf_loader import (dequantize_tensor, hf_name, load_gguf,
                                      model_config_from_gguf, read_fields, unpermute_qk)
-from checkpoints.tiny_gguf import permute_qk, write_tiny_gguf
 from checkpoints.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig
 

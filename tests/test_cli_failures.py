@@ -192,7 +192,7 @@ def test_bad_quantization_flags_fail_before_weights_load(args, needles, smollm2_
 @pytest.fixture(scope="module")
 def other_vocab_gguf(tmp_path_factory):
     """A tiny random GGUF like ``tiny_gguf`` but with 300 tokens, not 320."""
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     path = tmp_path_factory.mktemp("vocab-300") / "tiny300.gguf"
     write_tiny_gguf(path, ModelConfig(vocab_size=300, max_position_embeddings=512, num_layers=2))

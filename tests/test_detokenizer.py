@@ -1,5 +1,7 @@
 """IncrementalDetokenizer with the real SmolLM2 tokenizer (byte-level BPE; no model).
 
+The tests that take ``tok`` read the SmolLM2 GGUF (fetched once): ``real_model``.
+
 Every stream is checked step by step: after each ``add`` the deltas so far
 concatenate to ``output_text`` and are a prefix of the independently computed
 final text, so a delta that is later cut (an unheld stop-string prefix) or a
@@ -66,6 +68,7 @@ def char_offsets(tok, ids):
     # Raw substring match, as vLLM: "the" inside the word "there" stops.
     ("Look over there now", "the", (2, 2), "Look over "),
 ])
+@pytest.mark.real_model
 def test_stop_string_positions(tok, text, stop, tokens, expected):
     ids = encode(tok, text)
     off = char_offsets(tok, ids)
@@ -77,12 +80,14 @@ def test_stop_string_positions(tok, text, stop, tokens, expected):
     assert d.stopped_on == stop and stopped_at == last
 
 
+@pytest.mark.real_model
 def test_earliest_of_several_stop_strings_wins(tok):
     # Both complete with " world"; "lo w" starts first though listed second.
     d, stopped_at = stream(tok, encode(tok, "Hello world"), ["world", "lo w"], "Hel")
     assert d.stopped_on == "lo w" and stopped_at == 1
 
 
+@pytest.mark.real_model
 def test_stop_string_far_into_a_long_output(tok):
     text = "a b c. " * 400 + "the end"
     d, _ = stream(tok, encode(tok, text), ["c. the"], "a b c. " * 399 + "a b ")
@@ -94,6 +99,7 @@ def test_no_tokenizer():
     assert d.add(5) == "" and d.finish() == "" and d.output_text == ""
 
 
+@pytest.mark.real_model
 def test_prompt_ending_inside_a_character_does_not_leak(tok):
     ids = encode(tok, "The answer is 日本語")
     # The first token boundary inside "日" (its UTF-8 bytes span several tokens).
@@ -111,6 +117,7 @@ def test_prompt_ending_inside_a_character_does_not_leak(tok):
     assert "".join(deltas) == d.output_text == expected
 
 
+@pytest.mark.real_model
 def test_output_ending_inside_a_character(tok):
     # Cut by max_tokens inside "語": finish() releases the orphan bytes as the
     # U+FFFD that decode gives them; until then they are held back.
@@ -123,6 +130,7 @@ def test_output_ending_inside_a_character(tok):
     assert streamed + d.finish() == d.output_text == expected
 
 
+@pytest.mark.real_model
 def test_min_tokens_ignores_a_held_back_stop_string(tok):
     # " quick" (check_stop False) completes "quick", also a prefix of
     # "quick brown fox", so it is held back; it must still be ignored later.
@@ -143,11 +151,13 @@ def test_min_tokens_ignores_a_held_back_stop_string(tok):
     # min_tokens == number of tokens to the stop: the stop token is checked.
     (" the quick brown fox jumps", "quick", 2, " the ", "quick"),
 ])
+@pytest.mark.real_model
 def test_min_tokens(tok, text, stop, min_tokens, expected, stopped):
     d, _ = stream(tok, encode(tok, text), [stop], expected, min_tokens=min_tokens)
     assert d.stopped_on == stopped
 
 
+@pytest.mark.real_model
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=texts)
 def test_stream_equals_decode(tok, text):
@@ -173,6 +183,7 @@ def reference(tok, ids, stop, min_tokens):
     return tok.decode(ids), None
 
 
+@pytest.mark.real_model
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), text=texts.filter(bool))
 def test_stream_with_stop_strings(tok, data, text):
@@ -200,6 +211,7 @@ def test_stream_with_stop_strings(tok, data, text):
     # the earliest match wins, as without include_stop_str
     (" the quick brown fox jumps", ["fox", "quick"], " the quick"),
 ])
+@pytest.mark.real_model
 def test_include_stop_str_keeps_the_stop_string(tok, text, stop, expected):
     d = IncrementalDetokenizer(tok, stop, include_stop_str=True)
     acc = ""
@@ -212,6 +224,7 @@ def test_include_stop_str_keeps_the_stop_string(tok, text, stop, expected):
     assert acc == d.output_text == expected
 
 
+@pytest.mark.real_model
 def test_skip_special_tokens_false_keeps_them(tok):
     eos = tok.encode("<|im_end|>", add_special_tokens=False)
     assert len(eos) == 1  # SmolLM2's chat end marker is one special token

@@ -29,7 +29,7 @@ MIN_PREFILL = 256
 @pytest.fixture(scope="module")
 def tiny2k(tmp_path_factory):
     """A tiny random Llama GGUF with 2,048 positions and 4 kv heads (so tp=4 splits them)."""
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     path = tmp_path_factory.mktemp("disagg") / "tiny2k.gguf"
     cfg = ModelConfig(vocab_size=320, max_position_embeddings=2048, num_layers=2,
@@ -302,7 +302,7 @@ def test_prefill_worker_with_other_weights_is_never_used(tiny2k, reference, tmp_
     """A prefill worker serving a model of the same shapes but other weights
     fails the decode worker's fingerprint check: it is logged, long prompts
     run locally (``no_worker``) with the right tokens, none is handed off."""
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, tiny2k[1], seed=1)
     prefill = ServerProcess(["--model", str(other), *ENGINE, "--role", "prefill"])

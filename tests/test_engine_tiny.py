@@ -1,27 +1,19 @@
 """Engine properties on the tiny random Llama (seconds): stopping rules, abort,
 request validation, preemption, and sampling (seeded, filtered, distribution).
 
-Greedy references come from HF transformers (``tiny_hf``). The tiny model has
-no tokenizer, so prompts are token ids; its EOS id is 1.
+Greedy references come from HF transformers (``tiny_hf``; those tests are
+slow: they import torch). The tiny model has no tokenizer, so prompts are
+token ids; its EOS id is 1.
 """
 
 import numpy as np
 import pytest
-import torch
+from tiny_models import hf_greedy
 
 from jaxserve import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 7, 7, 31]
 PROMPTS = [PROMPT, [200], list(range(10, 60)), [42] * 19, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3] * 3]
-
-
-def hf_greedy(hf, ids, n, **kw):
-    """HF greedy continuation of ``ids``: exactly ``n`` tokens, or fewer if ``kw`` sets an EOS."""
-    kw.setdefault("min_new_tokens", n)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kw)
-    return out[0, len(ids):].tolist()
 
 
 def greedy(n, **kw):
@@ -41,6 +33,7 @@ def drain(engine):
     return final
 
 
+@pytest.mark.slow
 def test_stop_token_id_stops_with_stop_reason(tiny_hf, make_tiny_llm):
     ref = hf_greedy(tiny_hf, PROMPT, 24)
     k = first_new(ref, 4, 20)
@@ -49,6 +42,7 @@ def test_stop_token_id_stops_with_stop_reason(tiny_hf, make_tiny_llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", ref[k])
 
 
+@pytest.mark.slow
 def test_max_tokens_finishes_with_length(tiny_hf, make_tiny_llm):
     out = make_tiny_llm().generate(PROMPT, greedy(5))[0].outputs[0]
     assert out.token_ids == hf_greedy(tiny_hf, PROMPT, 5)
@@ -59,6 +53,7 @@ def test_max_tokens_finishes_with_length(tiny_hf, make_tiny_llm):
     ([200], 4, "stop"),  # the stop id comes back after min_tokens
     (PROMPT, 6, "length"),  # it never comes back
 ])
+@pytest.mark.slow
 def test_min_tokens_holds_back_stop_id(tiny_hf, make_tiny_llm, prompt, min_tokens, finish):
     stop = hf_greedy(tiny_hf, prompt, 1)[0]  # greedy's first token
     # HF bans its EOS for the first min_new_tokens steps, as min_tokens does.
@@ -72,6 +67,7 @@ def test_min_tokens_holds_back_stop_id(tiny_hf, make_tiny_llm, prompt, min_token
     assert out.stop_reason == (stop if finish == "stop" else None)
 
 
+@pytest.mark.slow
 def test_abort_finishes_with_abort_and_frees_pages(tiny_hf, make_tiny_llm):
     llm = make_tiny_llm()
     engine, alloc = llm.engine, llm.engine.allocator
@@ -104,6 +100,7 @@ def test_duplicate_request_id_rejected(make_tiny_llm):
     assert drain(engine)["x"].prompt_token_ids == PROMPT
 
 
+@pytest.mark.slow
 def test_preemption_keeps_greedy_exact(tiny_hf, make_tiny_llm):
     n = 32
     refs = [hf_greedy(tiny_hf, p, n) for p in PROMPTS]
@@ -140,6 +137,7 @@ def test_token_ids_outside_vocab_rejected(make_tiny_llm, bad):
     SamplingParams(top_k=1, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True),
     SamplingParams(top_p=1e-6, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
 ], ids=["top_k=1", "top_p=1e-6"])
+@pytest.mark.slow
 def test_degenerate_filters_equal_greedy(tiny_hf, make_tiny_llm, params):
     outs = make_tiny_llm().generate(PROMPTS[:3], params)
     for p, out in zip(PROMPTS, outs):

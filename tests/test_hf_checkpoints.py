@@ -29,6 +29,8 @@ from checkpoints.loader import load_checkpoint
 from conftest import XLA_CACHE
 from jaxserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # transformers writes these models and is the reference
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there!",
@@ -199,7 +201,7 @@ def test_bf16_checkpoint_reads_exactly(tmp_path):
 
 
 def test_load_checkpoint_dispatches_gguf(tmp_path):
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", ModelConfig(vocab_size=300, num_layers=1))
     ckpt = load_checkpoint(tmp_path / "tiny.gguf", show_progress=False)

@@ -30,6 +30,8 @@ from checkpoints.hf_loader import load_hf, model_config_from_hf
 from jaxserve import SamplingParams
 from jaxserve.config import RopeScaling
 
+pytestmark = pytest.mark.slow  # transformers writes these models and is the reference
+
 GEMMA3 = dict(head_dim=32, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
               query_pre_attn_scalar=48, final_logit_softcapping=3.0,
               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
@@ -194,7 +196,7 @@ def test_llama3_gguf_rope_freqs_match_hf(folders, tmp_path):
     tensor: the same logits as the HF model with ``rope_type: llama3``."""
     import gguf
 
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve import LLM
     from jaxserve.config import ModelConfig
 

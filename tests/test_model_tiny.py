@@ -1,10 +1,16 @@
-"""Tiny random Llama: jaxserve vs HF transformers, logits and greedy tokens."""
+"""Tiny random Llama: jaxserve vs HF transformers, logits and greedy tokens.
+
+Every test compares with transformers (``tiny_hf``), so the module is slow.
+"""
 
 import numpy as np
 import pytest
 import torch
+from tiny_models import hf_greedy
 
 from jaxserve import SamplingParams
+
+pytestmark = pytest.mark.slow  # torch and transformers are the reference
 
 PROMPTS = [
     [5, 17, 99, 3, 250, 7, 7, 31],
@@ -18,13 +24,6 @@ PROMPTS = [
 def hf_last_logits(hf, ids):
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0, -1].numpy()
-
-
-def hf_greedy(hf, ids, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
 
 
 def test_last_token_logits_match_hf_batched(tiny_hf, make_tiny_llm):

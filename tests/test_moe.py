@@ -38,6 +38,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.models import moe
 from sharding.mesh import parse_mesh_spec
 
+pytestmark = pytest.mark.slow  # transformers writes these models and is the reference
+
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
               rms_norm_eps=1e-6, num_experts_per_tok=2)

@@ -30,9 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoints import orbax_ckpt
 from checkpoints.loader import convert_to_orbax, load_checkpoint, load_model_config
-from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve import LLM
-from jaxserve.config import ModelConfig
 from jaxserve.models import MODEL_CLASSES, llama, moe
 from sharding.mesh import parse_mesh_spec
 from sharding.rules import hf_shardings
@@ -48,10 +46,8 @@ def make_llm(model, mesh: str | None = None, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_gguf(path, ModelConfig(vocab_size=320, tie_word_embeddings=False))
-    return path
+def gguf_path(untied_gguf):
+    return untied_gguf
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +137,7 @@ def test_engine_logits_match_gguf(gguf_path, gguf_orbax, restored, mesh):
     assert llm.get_tokenizer() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, "tp=2,ep=2"])
 def test_mixtral_logits_match_hf_folder(mixtral_folders, restored, mesh):
     hf, orbax_dir = mixtral_folders

@@ -17,10 +17,10 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from tiny_gguf import permute_qk, write_tiny_gguf
 
 from checkpoints import gguf_loader
 from checkpoints.gguf_loader import blocks_to_quantized, load_gguf, tensor_types, unpermute_qk
-from checkpoints.tiny_gguf import permute_qk, write_tiny_gguf
 from jaxserve.config import ModelConfig
 from jaxserve.models import quant
 

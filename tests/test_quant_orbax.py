@@ -32,9 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoints import orbax_ckpt
 from checkpoints.loader import convert_to_orbax, load_checkpoint
-from checkpoints.tiny_gguf import write_tiny_gguf
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
 from jaxserve.models import quant
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 31], list(range(10, 40)), [200]]
@@ -54,11 +52,9 @@ def greedy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(untied_gguf):
     """A tiny Q8_0 GGUF (D 64, F 128, 4 heads, 2 kv heads, untied LM head)."""
-    path = tmp_path_factory.mktemp("qgguf") / "tiny.gguf"
-    write_tiny_gguf(path, ModelConfig(vocab_size=320, tie_word_embeddings=False))
-    return path
+    return untied_gguf
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +186,7 @@ def test_cli_convert_int8(source, tmp_path):
     assert orbax_ckpt._metadata_tree(out)[f"{DOWN}:q"].dtype == np.int8
 
 
+@pytest.mark.slow
 def test_mixtral_int8_experts_stored_quantized(mixtral_folders, tmp_path):
     hf, _ = mixtral_folders
     out = tmp_path / "mixtral-int8"

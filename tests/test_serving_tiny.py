@@ -3,18 +3,19 @@ prefix caching, preemption, abort in every state, n choices, logprobs,
 penalties and edge values.
 
 The tiny model has no tokenizer (prompts are token ids) and EOS id 1. Greedy
-references come from HF transformers on the same weights (``tiny_hf``).
+references come from HF transformers on the same weights (``tiny_hf``; those
+tests are slow: they import torch).
 """
 
 import dataclasses
 
 import numpy as np
 import pytest
-import torch
+from tiny_models import hf_greedy
 
 from jaxserve import LLM, SamplingParams
 from conftest import XLA_CACHE
-from test_engine_tiny import PROMPTS, drain, first_new, greedy, hf_greedy
+from test_engine_tiny import PROMPTS, drain, first_new, greedy
 
 L = 16  # page size of these tests
 
@@ -46,6 +47,7 @@ def assert_all_pages_free(engine):
 
 # ---- 1. chunked prefill -------------------------------------------------------
 
+@pytest.mark.slow
 def test_chunked_prefill_same_tokens_and_decodes_never_stall(tiny_hf, long_parts):
     prompt = long_prompt(1000)
     want = hf_greedy(tiny_hf, prompt, 12)
@@ -85,6 +87,7 @@ def test_chunked_prefill_same_tokens_and_decodes_never_stall(tiny_hf, long_parts
 
 # ---- 2. prefix caching ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_prefix_cache_hits_are_exact_and_page_aligned(tiny_hf, long_parts):
     llm = make(long_parts)
     engine = llm.engine
@@ -141,6 +144,7 @@ def test_prefix_cache_evicts_least_recently_used(long_parts):
     assert_all_pages_free(llm.engine)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_same_cold_warm_and_any_order(tiny_hf, long_parts):
     llm = make(long_parts)
     p1, p2 = long_prompt(70, seed=11), long_prompt(33, seed=12)
@@ -148,6 +152,7 @@ def test_prompt_logprobs_same_cold_warm_and_any_order(tiny_hf, long_parts):
     cold = llm.generate([p1, p2], params)
     llm.generate([p1, p2], greedy(3))  # fills the prefix cache
     warm = llm.generate([p2, p1], params)[::-1]  # other arrival order, warm cache
+    import torch
     with torch.no_grad():
         ref = torch.log_softmax(tiny_hf(torch.tensor([p1])).logits[0].double(), -1).numpy()
     for c, w in zip(cold, warm):
@@ -168,6 +173,7 @@ def test_prompt_logprobs_same_cold_warm_and_any_order(tiny_hf, long_parts):
         assert len(d) in (2, 3)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_of_a_chunked_prompt_beside_a_decode(tiny_hf, long_parts):
     llm = make(long_parts, max_num_batched_tokens=64)
     engine = llm.engine
@@ -177,6 +183,7 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_a_decode(tiny_hf, long_parts
     engine.add_request("plp", prompt, greedy(2, prompt_logprobs=1))
     out = drain(engine)["plp"]
     assert engine.stats().num_steps >= 1 + 300 // 63
+    import torch
     with torch.no_grad():
         ref = torch.log_softmax(tiny_hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
     plp = out.prompt_logprobs
@@ -189,6 +196,7 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_a_decode(tiny_hf, long_parts
 
 # ---- 3. preemption ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_preemption_of_several_sequences_is_exact(tiny_hf, long_parts):
     prompts = [long_prompt(n, seed=n) for n in (30, 45, 60, 20, 75, 38)]
     n = 40
@@ -353,6 +361,7 @@ def test_n_choices_share_prompt_pages(long_parts):
     assert_all_pages_free(llm.engine)
 
 
+@pytest.mark.slow
 def test_ignore_eos_and_min_tokens(tiny_hf, tiny_parts):
     prompt = [200]
     ref = hf_greedy(tiny_hf, prompt, 30)
@@ -372,12 +381,14 @@ def test_ignore_eos_and_min_tokens(tiny_hf, tiny_parts):
     assert out.token_ids == want and eos not in out.token_ids[:k + 3]
 
 
+@pytest.mark.slow
 def test_logprobs_top5_under_greedy(tiny_hf, make_tiny_llm):
     llm = make_tiny_llm()
     prompt = PROMPTS[0]
     out = llm.generate(prompt, greedy(6, logprobs=5))[0].outputs[0]
     assert len(out.logprobs) == 6
     ids = prompt + out.token_ids
+    import torch
     with torch.no_grad():
         ref = torch.log_softmax(tiny_hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
     for i, (tok, d) in enumerate(zip(out.token_ids, out.logprobs)):
@@ -397,6 +408,7 @@ def test_logprobs_top5_under_greedy(tiny_hf, make_tiny_llm):
 
 # ---- 9. edge values ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_edge_lengths(tiny_hf, make_tiny_llm):
     llm = make_tiny_llm(max_model_len=64)
     out = llm.generate(PROMPTS[0], greedy(1))[0].outputs[0]

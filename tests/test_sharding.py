@@ -286,7 +286,7 @@ def test_mesh_checked_against_file_config_before_any_tensor_is_read(tmp_path, mo
     """A GGUF file whose MLP width (128) tp=3 does not divide: the error comes
     from its metadata alone, before ``load_checkpoint`` reads a tensor."""
     import checkpoints.loader
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, ModelConfig(vocab_size=320, intermediate_size=128))
 

@@ -127,7 +127,7 @@ def test_background_warmup_never_makes_a_step_wait(make_tiny_llm):
 @pytest.fixture(scope="module")
 def long_gguf(tmp_path_factory):
     """A tiny random Llama GGUF with room for 2,000-token prompts."""
-    from checkpoints.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
     path = tmp_path_factory.mktemp("long-gguf") / "tiny.gguf"
     write_tiny_gguf(path, ModelConfig(vocab_size=320, max_position_embeddings=2304,

@@ -28,6 +28,8 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # transformers' tokenizers are the reference
+
 
 # ------------------------------------------------------------------ helpers
 

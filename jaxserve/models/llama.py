@@ -38,14 +38,7 @@ from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 
 
-def _param(shape, names, dtype, rngs: nnx.Rngs | None, scale: float = 0.02, ones=False):
-    if ones:
-        value = jnp.ones(shape, dtype)
-    elif rngs is None:
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+_param = quant.param  # gemma3 and moe import it from here
 
 
 @jax.tree_util.register_dataclass

@@ -452,14 +452,26 @@ class QuantizedWeight(nnx.Module):
         return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.parts() if a is not None)
 
 
+def param(shape, names, dtype, rngs: nnx.Rngs | None, scale: float = 0.02, ones=False):
+    """A plain ``nnx.Param`` of ``shape`` with logical axis ``names``: ones
+    (``ones``), zeros (no ``rngs``: filled by ``load_params``) or random
+    N(0, scale^2) cast to ``dtype``."""
+    if ones:
+        value = jnp.ones(shape, dtype)
+    elif rngs is None:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
 def weight(shape, names, dtype, rngs, fmt: TensorFormat | None, adopt: bool = False,
            scale: float = 0.02):
     """A projection weight: an ``nnx.Param`` (``fmt`` None) or a
     ``QuantizedWeight``; random init (``rngs``) draws N(0, scale^2) and
     quantizes it."""
-    from jaxserve.models.llama import _param  # llama imports this module
     if fmt is None:
-        return _param(shape, names, dtype, rngs, scale=scale)
+        return param(shape, names, dtype, rngs, scale=scale)
     w = QuantizedWeight(shape, names, fmt, adopt=adopt)
     if rngs is not None and fmt.bits != 0:
         value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -500,4 +512,4 @@ def is_projection(hf_name: str) -> bool:
 __all__ = ["DENSE", "INT8", "Q4", "Q8_0", "W8A8", "QuantizedTensor", "QuantizedWeight",
            "TensorFormat", "check_shapes", "dequantize", "is_projection", "linear", "method_format",
            "pack_int4_np", "quantize_act_np", "quantize_np", "quantized_matmul",
-           "reference_linear", "unpack_int4_np", "weight", "weight_bytes"]
+           "param", "reference_linear", "unpack_int4_np", "weight", "weight_bytes"]

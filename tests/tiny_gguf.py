@@ -5,6 +5,10 @@
 tokenizer (256 byte tokens, ChatML specials, a few merges) and a ChatML chat
 template, and returns the HF-layout float32 params that ``load_gguf`` must give
 back bit for bit (quantization is per row, so it commutes with the row permutation).
+
+A test fixture, not part of the product (it lived in ``checkpoints/`` until issue 31):
+tests import it as ``from tiny_gguf import write_tiny_gguf`` (pytest puts ``tests/``
+on ``sys.path``); ``conftest.tiny_gguf`` is the session's shared file.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import os
 import gguf
 import numpy as np
 
-from jaxserve.config import ModelConfig
 from checkpoints.tokenizer import bytes_to_unicode
+from jaxserve.config import ModelConfig
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 MERGES = ("Ġ t", "h e", "Ġt he", "l l", "ll o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d")
@@ -44,6 +48,23 @@ def tiny_tokens(vocab_size: int) -> list[str]:
     tokens += [m.replace(" ", "") for m in MERGES]
     tokens += [f"<|extra_{i}|>" for i in range(vocab_size - len(tokens))]
     return tokens
+
+
+def tokenizer_fields(vocab_size: int = 320) -> dict:
+    """The ``tokenizer.*`` GGUF metadata ``write_tiny_gguf`` writes, as
+    ``load_gguf_fields`` reads them back: ``Tokenizer.from_gguf_fields`` of
+    this dict is the tiny file's tokenizer, with no file."""
+    if vocab_size < _TOKEN_COUNT:
+        raise ValueError(f"vocab_size must be >= {_TOKEN_COUNT}, got {vocab_size}")
+    tokens = tiny_tokens(vocab_size)
+    return {"general.architecture": "llama", "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] * len(SPECIAL_TOKENS)
+            + [1] * (len(tokens) - len(SPECIAL_TOKENS)),
+            "tokenizer.ggml.merges": list(MERGES), "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 0,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": 2,
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML_TEMPLATE}
 
 
 def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
@@ -145,4 +166,4 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
 
 
 __all__ = ["CHATML_TEMPLATE", "MERGES", "SPECIAL_TOKENS", "permute_qk", "tiny_tokens",
-           "write_tiny_gguf"]
+           "tokenizer_fields", "write_tiny_gguf"]
