@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import zlib
 import os
 import pathlib
 from typing import Any, Mapping
@@ -54,29 +53,15 @@ from typing import Any, Mapping
 import numpy as np
 from tqdm.auto import tqdm
 
+from checkpoints.orbax_metadata import (CONFIG_FILE, FORMAT_VERSION, INFO_FILE, PARAMS_DIR, PARTS,
+                                    TOKENIZER_FILE, TOKENIZER_META_FILE, SavedQuantization,
+                                    assemble_parts, check_params_files, crc32, file_sizes,
+                                    is_orbax_checkpoint, json_safe, load_orbax_config, part_shapes,
+                                    read_info, read_json, resolve_quantization, saved_quantization)
 from jaxserve.config import ModelConfig
 
-FORMAT_VERSION = 1
-_INFO, _CONFIG, _PARAMS = "jaxserve_orbax.json", "model_config.json", "params"
 CHUNK_BYTES = 4 << 20  # largest chunk of a saved tensor
-_TOKENIZER, _TOKENIZER_META = "tokenizer.json", "tokenizer_meta.json"
 _GROUP_BYTES = 1 << 30  # tensors restored per Orbax call (and per progress-bar update)
-_PARTS = ("q", "scale", "zero")  # a quantized tensor's parts, stored as "<name>:<part>"
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedQuantization:
-    """How a quantized checkpoint stores its projections (module docstring).
-
-    Attributes:
-      method: the ``EngineConfig.quantization`` it was converted with (never "none").
-      group_size: its ``quantization_group_size``.
-      formats: HF name -> ``quant.TensorFormat`` of every tensor stored as parts.
-    """
-
-    method: str
-    group_size: int
-    formats: dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -99,31 +84,6 @@ class OrbaxCheckpoint:
     chat_template: str | None
     metadata: dict[str, Any]
     quantization: SavedQuantization | None = None
-
-
-def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a folder with ``model_config.json`` and ``params/``."""
-    path = pathlib.Path(path).expanduser()
-    return (path / _CONFIG).is_file() and (path / _PARAMS).is_dir()
-
-
-def _json_safe(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in metadata.items()
-            if isinstance(v, (str, int, float, bool, type(None), dict))}
-
-
-def _file_sizes(folder: pathlib.Path) -> dict[str, int]:
-    return {os.fspath(p.relative_to(folder)): p.stat().st_size
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _crc32(path: pathlib.Path) -> int:
-    """CRC32 (``zlib``) of a file, read in 16 MiB blocks (nothing is kept)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
@@ -160,7 +120,7 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
             params[name] = np.asarray(a)
             continue
         formats[name] = dataclasses.asdict(a.fmt)
-        params |= {f"{name}:{part}": np.asarray(getattr(a, part)) for part in _PARTS
+        params |= {f"{name}:{part}": np.asarray(getattr(a, part)) for part in PARTS
                    if getattr(a, part) is not None}
     if formats and quantization == "none":
         raise ValueError(f"{out}: tensor {next(iter(formats))!r} is quantized, but "
@@ -171,234 +131,27 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
     # every host read every whole tensor).
     save_args = {name: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES) for name in params}
     with ocp.PyTreeCheckpointer() as ckptr:
-        ckptr.save(out / _PARAMS, args=ocp.args.PyTreeSave(params, save_args=save_args))
-    written = [out / _PARAMS, out / _CONFIG]
-    (out / _CONFIG).write_text(json.dumps(dataclasses.asdict(checkpoint.config), indent=1))
+        ckptr.save(out / PARAMS_DIR, args=ocp.args.PyTreeSave(params, save_args=save_args))
+    written = [out / PARAMS_DIR, out / CONFIG_FILE]
+    (out / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(checkpoint.config), indent=1))
     tok = checkpoint.tokenizer
     if tok is not None:
-        tok.backend.save(os.fspath(out / _TOKENIZER))
+        tok.backend.save(os.fspath(out / TOKENIZER_FILE))
         meta = {"special_ids": {"bos": tok.bos_token_id, "eos": tok.eos_token_id,
                                 "unk": tok.unk_token_id, "pad": tok.pad_token_id},
                 "chat_template": checkpoint.chat_template}
-        (out / _TOKENIZER_META).write_text(json.dumps(meta, indent=1))
-        written += [out / _TOKENIZER, out / _TOKENIZER_META]
-    sizes = _file_sizes(out / _PARAMS)
+        (out / TOKENIZER_META_FILE).write_text(json.dumps(meta, indent=1))
+        written += [out / TOKENIZER_FILE, out / TOKENIZER_META_FILE]
+    sizes = file_sizes(out / PARAMS_DIR)
     info = {"format_version": FORMAT_VERSION, "source": source,
-            "metadata": _json_safe(checkpoint.metadata or {}),
+            "metadata": json_safe(checkpoint.metadata or {}),
             "params_files": sizes,
-            "params_crc32": {rel: _crc32(out / _PARAMS / rel) for rel in sizes}}
+            "params_crc32": {rel: crc32(out / PARAMS_DIR / rel) for rel in sizes}}
     if quantization != "none":
         info["quantization"] = {"method": quantization, "group_size": group_size,
                                 "formats": formats}
-    (out / _INFO).write_text(json.dumps(info, indent=1, default=str))
-    return written + [out / _INFO]
-
-
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    """A JSON object file.
-
-    Raises:
-      ValueError: missing, unreadable, not JSON or not an object (names the file).
-    """
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: missing; not a jaxserve Orbax checkpoint") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: cannot read: {' '.join(str(e).split())[:200]}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _read_info(folder: pathlib.Path) -> dict[str, Any]:
-    """``jaxserve_orbax.json``, checked: ``format_version`` an int no newer than
-    ``FORMAT_VERSION``; ``source`` a string; ``metadata`` an object;
-    ``params_files`` (relative path -> size) and ``params_crc32`` (relative
-    path -> CRC32) objects of non-negative ints whose paths stay inside
-    ``params/``. ``{}`` when the file is absent (a folder another tool wrote).
-
-    Raises:
-      ValueError: the file is unreadable or any of the above is wrong (names the file).
-    """
-    path = folder / _INFO
-    if not path.is_file():
-        return {}
-    info = _read_json(path)
-
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: {what} (corrupt file)")
-    version = info.get("format_version", FORMAT_VERSION)
-    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
-        raise bad(f"format_version {version!r:.40} is not an int <= {FORMAT_VERSION}")
-    if not isinstance(info.get("source", ""), str):
-        raise bad("source is not a string")
-    if not isinstance(info.get("metadata", {}), dict):
-        raise bad("metadata is not an object")
-    for key in ("params_files", "params_crc32"):
-        table = info.get(key, {})
-        if not isinstance(table, dict):
-            raise bad(f"{key} is not an object")
-        for rel, value in table.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise bad(f"{key}[{rel!r:.80}] = {value!r:.40} is not a non-negative int")
-            parts = pathlib.PurePosixPath(rel).parts
-            if not parts or rel.startswith("/") or ".." in parts:
-                raise bad(f"{key} names {rel!r:.80}, which is not a path inside params/")
-    if "quantization" in info:
-        info["quantization"] = _parse_quantization(info["quantization"], bad)
-    return info
-
-
-def _parse_quantization(value, bad) -> SavedQuantization:
-    """``jaxserve_orbax.json``'s ``quantization`` object as a ``SavedQuantization``.
-
-    Raises:
-      ``bad(what)``: an unknown method, a bad group size, or a format that is
-        not a ``TensorFormat``'s fields.
-    """
-    from jaxserve.config import QUANTIZATION_METHODS
-    from jaxserve.models import quant
-
-    if not isinstance(value, dict):
-        raise bad("quantization is not an object")
-    method, group_size, formats = (value.get(k) for k in ("method", "group_size", "formats"))
-    if method not in QUANTIZATION_METHODS or method == "none":
-        raise bad(f"quantization.method {method!r:.40} is not one of "
-                  f"{[m for m in QUANTIZATION_METHODS if m != 'none']}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        raise bad(f"quantization.group_size {group_size!r:.40} is not a positive int")
-    if not isinstance(formats, dict):
-        raise bad("quantization.formats is not an object")
-    parsed = {}
-    for name, fields in formats.items():
-        try:
-            if not isinstance(fields, dict):
-                raise TypeError("not an object")
-            parsed[name] = quant.TensorFormat(**fields)
-        except (TypeError, ValueError) as e:
-            raise bad(f"quantization.formats[{name!r:.80}] is not a TensorFormat: "
-                      f"{' '.join(str(e).split())[:120]}") from None
-    return SavedQuantization(method, group_size, parsed)
-
-
-def saved_quantization(path: str | os.PathLike) -> SavedQuantization | None:
-    """How an Orbax checkpoint folder stores its projections, from
-    ``jaxserve_orbax.json`` alone; None for an unquantized checkpoint.
-
-    Raises:
-      ValueError: a corrupt ``jaxserve_orbax.json`` (names it).
-    """
-    return _read_info(pathlib.Path(path).expanduser()).get("quantization")
-
-
-def resolve_quantization(path: str | os.PathLike, config):
-    """``config`` (an ``EngineConfig``) with the quantization of the Orbax
-    checkpoint at ``path``: a quantized checkpoint's method and group size
-    replace ``"none"``; an unquantized one keeps ``config``'s (int8 / w8a8 /
-    int4 then quantize the restored floats as they load). Reads only
-    ``jaxserve_orbax.json``.
-
-    Raises:
-      ValueError: an explicit method other than the checkpoint's (or an
-        int4 group size other than its), or ``"gguf"`` for an unquantized
-        checkpoint (no GGUF blocks to keep); names the folder and both.
-    """
-    saved = saved_quantization(path)
-    if saved is None:
-        if config.quantization == "gguf":
-            raise ValueError(f"{path}: quantization='gguf' keeps a GGUF file's own blocks, but "
-                             f"this Orbax checkpoint is unquantized; convert the .gguf with "
-                             f"--quantization gguf, or use int8, w8a8 or int4")
-        return config
-    if config.quantization not in ("none", saved.method):
-        raise ValueError(f"{path}: the checkpoint is quantized {saved.method!r}, but "
-                         f"quantization={config.quantization!r} was asked; pass "
-                         f"{saved.method!r} or 'none' (the checkpoint's), or convert the "
-                         f"source again with --quantization {config.quantization}")
-    if config.quantization == "int4" and config.quantization_group_size != saved.group_size:
-        raise ValueError(f"{path}: the checkpoint is int4 in groups of {saved.group_size}, but "
-                         f"quantization_group_size={config.quantization_group_size} was asked")
-    return dataclasses.replace(config, quantization=saved.method,
-                               quantization_group_size=saved.group_size)
-
-
-def part_shapes(fmt, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Stored part name (``"q"``, ``"scale"``, ``"zero"``) -> shape of a
-    ``[..., F, D]`` weight in ``fmt`` (as ``quant.QuantizedTensor`` holds it)."""
-    *lead, F, D = shape
-    out = {"q": (*lead, F, D // 2) if fmt.bits == 4 else tuple(shape)}
-    if fmt.bits:
-        out["scale"] = (*lead, F, fmt.groups(D))
-    if fmt.zero_point:
-        out["zero"] = out["scale"]
-    return out
-
-
-def _assemble(params: dict[str, Any], formats: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with each complete set of ``<name>:<part>`` arrays replaced
-    by one ``quant.QuantizedTensor`` under ``name`` (in the same order)."""
-    from jaxserve.models import quant
-
-    out: dict[str, Any] = {}
-    for key, arr in params.items():
-        name, _, part = key.rpartition(":")
-        if part not in _PARTS or name not in formats:
-            out[key] = arr
-        elif name not in out:
-            fmt = formats[name]
-            q = params[f"{name}:q"]
-            shape = (*q.shape[:-1], 2 * q.shape[-1]) if fmt.bits == 4 else tuple(q.shape)
-            out[name] = quant.QuantizedTensor(fmt, shape, q, params.get(f"{name}:scale"),
-                                              params.get(f"{name}:zero"))
-    return out
-
-
-def load_orbax_config(path: str | os.PathLike) -> ModelConfig:
-    """The ``ModelConfig`` of an Orbax checkpoint folder from
-    ``model_config.json`` alone (no tensor is read).
-
-    Raises:
-      ValueError: the file is missing, not JSON, or not a valid ``ModelConfig``.
-    """
-    file = pathlib.Path(path).expanduser() / _CONFIG
-    fields = _read_json(file)
-    try:
-        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
-                              for k, v in fields.items()})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{file}: {e}") from None
-
-
-def check_params_files(path: str | os.PathLike, crc: bool = True) -> None:
-    """Check every file under ``<path>/params`` against the sizes and (with
-    ``crc``) CRC32s recorded at save time (the CRC pass streams every file
-    once: about 1 s per GB here; no copy is kept).
-
-    Raises:
-      ValueError: ``params/`` is missing, or a recorded file is missing, has
-        another size (truncated or overwritten) or another CRC32 (corrupted
-        in place); the message names the file.
-    """
-    folder = pathlib.Path(path).expanduser()
-    params = folder / _PARAMS
-    if not params.is_dir():
-        raise ValueError(f"{params}: missing; not an Orbax checkpoint folder")
-    info = _read_info(folder)  # {} when written by another tool: Orbax's errors will do
-    for rel, size in info.get("params_files", {}).items():
-        file = params / rel
-        if not file.is_file():
-            raise ValueError(f"{file}: missing from the Orbax checkpoint")
-        if file.stat().st_size != size:
-            raise ValueError(f"{file}: {file.stat().st_size} bytes, {size} when saved "
-                             f"(truncated or corrupted)")
-    for rel, saved in (info.get("params_crc32", {}) if crc else {}).items():
-        file = params / rel
-        if not file.is_file():
-            raise ValueError(f"{file}: missing from the Orbax checkpoint")
-        if _crc32(file) != saved:
-            raise ValueError(f"{file}: CRC32 differs from the one recorded when saved "
-                             f"(the file is corrupted)")
+    (out / INFO_FILE).write_text(json.dumps(info, indent=1, default=str))
+    return written + [out / INFO_FILE]
 
 
 def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None = None,
@@ -433,7 +186,7 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
     folder = pathlib.Path(path).expanduser().absolute()
     check_params_files(folder)
     tree = _metadata_tree(folder)
-    saved = _read_info(folder).get("quantization")
+    saved = read_info(folder).get("quantization")
     formats = saved.formats if saved is not None else {}
     with ocp.PyTreeCheckpointer() as ckptr:
         if shardings is not None:
@@ -441,20 +194,20 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
             if missing:
                 stored = f" (stored quantized: restore {missing[0]}:q and its other parts)" \
                     if f"{missing[0]}:q" in tree else ""
-                raise ValueError(f"{folder / _PARAMS}: the checkpoint lacks tensor "
+                raise ValueError(f"{folder / PARAMS_DIR}: the checkpoint lacks tensor "
                                  f"{missing[0]!r} ({len(missing)} missing){stored}")
             for name in shardings:
                 base, _, part = name.rpartition(":")
-                lacking = [f"{base}:{p}" for p in _PARTS if part in _PARTS and base in formats
+                lacking = [f"{base}:{p}" for p in PARTS if part in PARTS and base in formats
                            and f"{base}:{p}" in tree and f"{base}:{p}" not in shardings]
                 if lacking:
-                    raise ValueError(f"{folder / _PARAMS}: restoring {name!r} needs "
+                    raise ValueError(f"{folder / PARAMS_DIR}: restoring {name!r} needs "
                                      f"{lacking[0]!r} too (the parts of one quantized tensor)")
             tree = {name: tree[name] for name in shardings}
 
         def args(name):
             base, _, part = name.rpartition(":")
-            cast = None if part in _PARTS and base in formats else dtype  # parts as saved
+            cast = None if part in PARTS and base in formats else dtype  # parts as saved
             if shardings is None:
                 return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
             return ocp.ArrayRestoreArgs(sharding=shardings[name], dtype=cast)
@@ -475,12 +228,12 @@ def restore_orbax(path: str | os.PathLike, shardings: Mapping[str, Any] | None =
                     item={n: tree[n] for n in names}, restore_args={n: args(n) for n in names},
                     partial_restore=True)
                 try:
-                    params |= ckptr.restore(folder / _PARAMS, args=restore)
+                    params |= ckptr.restore(folder / PARAMS_DIR, args=restore)
                 except Exception as e:  # noqa: BLE001
-                    raise ValueError(f"{folder / _PARAMS}: cannot restore tensors {names[0]!r}.."
+                    raise ValueError(f"{folder / PARAMS_DIR}: cannot restore tensors {names[0]!r}.."
                                      f"{names[-1]!r}: {e}") from None
                 bar.update(len(names))
-    return _assemble(params, formats)
+    return assemble_parts(params, formats)
 
 
 def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[Any, Any]],
@@ -536,7 +289,7 @@ def _metadata_tree(folder: pathlib.Path) -> dict[str, Any]:
     """
     import orbax.checkpoint as ocp
 
-    params = folder / _PARAMS
+    params = folder / PARAMS_DIR
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
             item = ckptr.metadata(params).item_metadata
@@ -562,9 +315,9 @@ def check_orbax_shapes(path: str | os.PathLike, config: ModelConfig) -> None:
     """
     from checkpoints.hf_loader import expected_tensors
 
-    params = pathlib.Path(path).expanduser().absolute() / _PARAMS
+    params = pathlib.Path(path).expanduser().absolute() / PARAMS_DIR
     tree = _metadata_tree(params.parent)
-    saved = _read_info(params.parent).get("quantization")
+    saved = read_info(params.parent).get("quantization")
     formats = saved.formats if saved is not None else {}
     expected = {}  # stored name -> shape
     for name, shape in expected_tensors(config).items():
@@ -594,20 +347,20 @@ def load_orbax_tokenizer(path: str | os.PathLike):
     from checkpoints.tokenizer import Tokenizer
 
     folder = pathlib.Path(path).expanduser()
-    if not (folder / _TOKENIZER).is_file():
+    if not (folder / TOKENIZER_FILE).is_file():
         return None, None
     try:
-        backend = tokenizers.Tokenizer.from_file(os.fspath(folder / _TOKENIZER))
+        backend = tokenizers.Tokenizer.from_file(os.fspath(folder / TOKENIZER_FILE))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
-        raise ValueError(f"{folder / _TOKENIZER}: cannot load tokenizer: {e}") from None
-    meta = _read_json(folder / _TOKENIZER_META)
+        raise ValueError(f"{folder / TOKENIZER_FILE}: cannot load tokenizer: {e}") from None
+    meta = read_json(folder / TOKENIZER_META_FILE)
     template, ids = meta.get("chat_template"), meta.get("special_ids", {})
     if template is not None and not isinstance(template, str):
-        raise ValueError(f"{folder / _TOKENIZER_META}: chat_template is not a string")
+        raise ValueError(f"{folder / TOKENIZER_META_FILE}: chat_template is not a string")
     if not isinstance(ids, dict) or not all(
             i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0)
             for i in ids.values()):
-        raise ValueError(f"{folder / _TOKENIZER_META}: special_ids is not an object of "
+        raise ValueError(f"{folder / TOKENIZER_META_FILE}: special_ids is not an object of "
                          "token ids")
     return Tokenizer(backend, ids, template), template
 
@@ -628,7 +381,7 @@ def load_orbax(path: str | os.PathLike, dtype: Any = np.float32,
     config = load_orbax_config(folder)
     check_params_files(folder, crc=False)  # sizes; restore_orbax checks the CRC32s too
     check_orbax_shapes(folder, config)
-    info = _read_info(folder)
+    info = read_info(folder)
     tokenizer, template = load_orbax_tokenizer(folder)
     params = restore_orbax(folder, shardings, dtype, show_progress) if with_params else None
     return OrbaxCheckpoint(config=config, params=params, tokenizer=tokenizer,
