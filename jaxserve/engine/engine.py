@@ -217,6 +217,7 @@ class Engine(EngineViews):
         self._pending = [o for o in self._pending if o.request_id not in request_ids]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued, running, in flight or has output to report."""
         return self.scheduler.has_unfinished() or bool(self._pending) or (
             self._in_flight is not None and self._in_flight.live)
 
