@@ -38,7 +38,7 @@ import pytest
 # The tier hooks (tiers.py's docstring): pytest finds them in this module's namespace.
 from tiers import (pytest_collection_finish, pytest_collection_modifyitems,  # noqa: F401
                    pytest_ignore_collect, pytest_runtest_protocol)  # noqa: F401
-from tiny_models import hf_llama, mock_tokenizer, tiny_config, tiny_llama_params
+from tiny_models import TINY_SEED, hf_llama, mock_tokenizer, tiny_config, tiny_llama_params
 
 XLA_CACHE = os.path.join(os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve")),
                          "xla-tests")
@@ -62,7 +62,7 @@ def tiny_parts():
     """Keyword arguments that build a jaxserve engine on the tiny random Llama
     (``model_config``, HF-named numpy ``params``; no torch)."""
     cfg = tiny_config()
-    return dict(model_config=cfg, params=tiny_llama_params(cfg))
+    return dict(model_config=cfg, params=tiny_llama_params(cfg, seed=TINY_SEED))
 
 
 @pytest.fixture

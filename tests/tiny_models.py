@@ -31,6 +31,12 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3,
             num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
             rms_norm_eps=1e-5, max_position_embeddings=512)
 INIT_STD = 0.15  # transformers' initializer_range of the tiny model
+# The tiny model is chaotic (near-tied logits), and a few tests need a draw
+# with particular behaviour, as the torch draw before it had: greedy's first
+# token comes back after a 4-token ban for one prompt and never for another
+# (test_engine_tiny's min_tokens), fp8 KV keeps the first greedy tokens
+# (test_kv_quant). This seed has them all.
+TINY_SEED = 29
 
 
 def tiny_config(**overrides) -> ModelConfig:
