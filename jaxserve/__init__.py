@@ -7,7 +7,7 @@ such as ``jaxserve.server.tokenize_pool`` (in a tokenizer worker process) or
 
 import importlib
 
-_EXPORTS = {"LLM": "jaxserve.engine.engine", "Engine": "jaxserve.engine.engine",
+_EXPORTS = {"LLM": "jaxserve.engine.llm", "Engine": "jaxserve.engine.engine",
             "SamplingParams": "jaxserve.engine.request",
             "RequestOutput": "jaxserve.engine.request",
             "CompletionOutput": "jaxserve.engine.request"}

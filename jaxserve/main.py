@@ -89,9 +89,7 @@ def _llm(config: EngineConfig):
     """The ``LLM`` facade over an ``Engine`` built from ``config`` (the flags'
     ``EngineConfig``; ``LLM(...)`` itself takes vLLM's keyword arguments)."""
     from jaxserve import LLM, Engine
-    llm = LLM.__new__(LLM)
-    llm.engine = Engine(config, devices=cli.engine_devices())
-    return llm
+    return LLM.from_engine(Engine(config, devices=cli.engine_devices()))
 
 
 def _bench(llm) -> None:

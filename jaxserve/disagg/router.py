@@ -34,7 +34,7 @@ import numpy as np
 from jaxserve.config import DisaggConfig
 from jaxserve.disagg.transfer import KVTransfer, TransferTimeout
 from jaxserve.disagg.worker import PrefillClient, params_to_dict
-from jaxserve.engine.engine import KVHandoffError
+from jaxserve.engine.kv_handoff import KVHandoffError
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine, RequestStream
 

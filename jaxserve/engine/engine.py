@@ -40,7 +40,6 @@ from jaxserve.engine.async_step import InFlightStep, StepInfo, StepPipeline, syn
 from jaxserve.engine.build import build_engine
 from jaxserve.engine.intake import Intake
 from jaxserve.engine.kv_handoff import KVHandoff, check_prefilled_params
-from jaxserve.engine.kv_handoff import KVHandoffError  # noqa: F401 - re-export (jaxserve.disagg)
 from jaxserve.engine.outputs import Group, OutputProcessor
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams
 from jaxserve.engine.views import EngineViews
@@ -110,7 +109,7 @@ class Engine(EngineViews):
         ``jax.devices()`` (the first one alone for the one-device default).
       draft_parts: ``{"model_config": ..., "params": ...}`` of a draft model
         given directly (tests), for ``speculative.method == "draft"``.
-      spec_policy: a ``spec_decode.SpecPolicy`` to use instead of the
+      spec_policy: a ``spec_policy.SpecPolicy`` to use instead of the
         learned one (tests with a fake cost model).
 
     Raises:
@@ -378,12 +377,3 @@ class Engine(EngineViews):
             self._steps.idle()
         return outputs
 
-
-def __getattr__(name: str):
-    """``jaxserve.engine.engine.LLM``: a re-export of ``jaxserve.engine.llm.LLM``
-    (``jaxserve/__init__.py`` names this module), resolved on first use
-    because ``llm`` imports this module (an import at the top would cycle)."""
-    if name == "LLM":
-        from jaxserve.engine.llm import LLM
-        return LLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

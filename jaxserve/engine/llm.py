@@ -1,6 +1,6 @@
 """The vLLM-style offline facade: ``LLM(model=...).generate(prompts, params)``,
 ``LLM.chat``, ``LLM.stream``; and the converters of its vLLM-named
-arguments (``kv_cache_dtype_name``, ``speculative_config_from_dict``).
+arguments (``config.kv_cache_dtype_from_name``, ``speculative_config_from_dict``).
 
 ``LLM`` only uses ``Engine``'s public methods: it adds requests, drives
 ``step`` until its own requests finish, and hands the outputs of requests
@@ -13,26 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from jaxserve.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig)
+from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
 from sharding.mesh import parse_mesh_spec
-
-
-def kv_cache_dtype_name(name: str) -> str | None:
-    """``CacheConfig.dtype`` of a ``--kv_cache_dtype`` name: ``"auto"`` -> None,
-    ``"fp8_e4m3"`` (vLLM's name) -> ``"float8_e4m3fn"``, others unchanged.
-
-    Raises:
-      ValueError: an unknown name (names the value and the choices).
-    """
-    value = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn"}.get(name, name)
-    if value not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, "
-                         f"int8, fp8_e4m3; got {name!r}")
-    return value
 
 
 def speculative_config_from_dict(d: dict | None) -> SpeculativeConfig:
@@ -108,7 +94,7 @@ class LLM:
             model=model, dtype=dtype, seed=seed,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                               memory_bytes=kv_cache_memory_bytes,
-                              dtype=kv_cache_dtype_name(kv_cache_dtype),
+                              dtype=kv_cache_dtype_from_name(kv_cache_dtype),
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
@@ -121,6 +107,14 @@ class LLM:
             quantization_group_size=quantization_group_size,
             speculative=speculative_config_from_dict(speculative_config))
         self.engine = Engine(config, **parts)
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """The facade over an ``Engine`` already built (the CLI builds one
+        from its flags' ``EngineConfig``)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
 
     def get_tokenizer(self):
         """The model's tokenizer (None for a model without one)."""

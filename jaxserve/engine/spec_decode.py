@@ -1,6 +1,6 @@
 """Speculative decoding, host side: the n-gram proposer and its counters. The
 policy that picks how many draft tokens k each step verifies is
-``spec_policy.SpecPolicy`` (re-exported here).
+``spec_policy.SpecPolicy``.
 
 Letters: R decode rows of a step, S a sequence's token positions (prompt +
 output), K draft positions (``max_k``).
@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.engine.spec_policy import SpecPolicy  # re-export: the policy's old home
 
 
 def ngram_propose(token_ids: Sequence[Sequence[int] | np.ndarray], num_tokens: Sequence[int],
@@ -176,4 +175,4 @@ class SpecStats:
                 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
 
-__all__ = ["SpecPolicy", "SpecStats", "ngram_propose"]
+__all__ = ["SpecStats", "ngram_propose"]

@@ -83,11 +83,6 @@ class EngineViews:
         arrays); read-only use: sizes, bytes per format."""
         return self.runner.state
 
-    @property
-    def kv_channel(self):
-        """The KV handoff channel of a disaggregated role, or None."""
-        return self.runner.channel
-
     def kv_page_spec(self, num_pages: int):
         """``jax.ShapeDtypeStruct``s of ``num_pages`` exported pages
         (``ModelRunner.page_spec``): what a puller asks for."""
@@ -115,7 +110,7 @@ class EngineViews:
 
     @property
     def spec_policy(self):
-        """The speculation policy (``spec_decode.SpecPolicy``) or None."""
+        """The speculation policy (``spec_policy.SpecPolicy``) or None."""
         return None if self.speculator is None else self.speculator.policy
 
     def warmup_draft(self, counts) -> int:
