@@ -20,11 +20,11 @@ import os
 from absl import flags
 
 from jaxserve.bench.workloads import WORKLOADS
-from jaxserve.config import (CacheConfig, DisaggConfig, EngineConfig, ParallelConfig,
-                             SchedulerConfig, ServerConfig, SpeculativeConfig,
-                             kv_cache_dtype_from_name)
+from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
 from jaxserve.engine.request import SamplingParams, check_text
+from jaxserve.server_config import DisaggConfig, ServerConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "generate", ["generate", "bench", "serve", "convert", "eval"],

@@ -17,7 +17,7 @@ which calls it at three points:
 
 from __future__ import annotations
 
-from jaxserve.config import ServerConfig
+from jaxserve.server_config import ServerConfig
 from jaxserve.disagg.router import DecodeEngine
 from jaxserve.disagg.worker import PrefillService
 from jaxserve.server.async_engine import AsyncEngine

@@ -31,7 +31,7 @@ import grpc
 import jax
 import numpy as np
 
-from jaxserve.config import DisaggConfig
+from jaxserve.server_config import DisaggConfig
 from jaxserve.disagg.transfer import KVTransfer, TransferTimeout
 from jaxserve.disagg.worker import PrefillClient, params_to_dict
 from jaxserve.engine.kv_handoff import KVHandoffError

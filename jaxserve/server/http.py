@@ -57,7 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.config import ServerConfig
+from jaxserve.server_config import ServerConfig
 from jaxserve.engine.request import RequestOutput
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import openai_protocol as oai

@@ -68,7 +68,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.config import ServerConfig
+from jaxserve.server_config import ServerConfig
 from jaxserve.engine import compile_cache, multihost
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
