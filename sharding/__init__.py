@@ -2,5 +2,5 @@
 ``(dp, tp, ep)`` mesh) and ``rules.py`` (the one logical-axis -> mesh-axis
 table; a stacked model's leading layer axis is never split).
 
-May import: jax only (and ``jaxserve.config``).
+May import: jax only.
 """
