@@ -3,8 +3,8 @@ roofline: ``python -m jaxserve.bench sweep`` (and ``throughput --sweep``).
 
 Every row count of ``--rows`` at every context of ``--contexts``: each row
 has exactly ``ctx`` tokens in its cache (``ctx - 1`` cached, one computed in
-the step; pages taken by hand, ``steps.time_step``) and the step is
-``Engine.execute_batch`` of that batch: step ms = the median of ``--iters``
+the step; ``steps.time_step``) and the step is
+``Engine.shaped_step``: step ms = the median of ``--iters``
 timed calls after one untimed call (which compiles the row bucket; the K/V
 read are zeros, timing does not depend on them), output tokens/s = rows /
 step s. Beside each point the bandwidth roofline at the matvec bytes/s
@@ -150,7 +150,7 @@ def run(name: str, parts: dict, quantization: str, rows, contexts, iters: int, l
 def markdown(sw: dict) -> list[str]:
     """The report's ``## Decode sweep`` section (lines)."""
     lines = ["## Decode sweep", "",
-             f"Median of {sw['iters']} timed `Engine.execute_batch` steps after one untimed "
+             f"Median of {sw['iters']} timed `Engine.shaped_step` steps after one untimed "
              "call; every row has `ctx` tokens in its cache. Roofline = weights + attention "
              "bytes at the matvec bytes/s. `smooth`: step / the straight line between its "
              f"neighbours; **flagged** above {SMOOTH_LIMIT}x. Weights "

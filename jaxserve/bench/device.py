@@ -22,7 +22,7 @@ On one accelerator, a Llama-3-8B-shaped model (32 layers, D 4096, 32 query /
    the engine's scheduler, closed loop at ``--concurrency``, vLLM-style
    figures and the per-phase roofline of their steps.
 
-Steps 2 and 3 drive ``Engine.execute_batch`` with hand-built batches
+Steps 2 and 3 drive ``Engine.shaped_step`` with hand-built batches
 (``steps.time_step``), so each point is exactly one shape: one XLA
 compilation per batch bucket / prompt length, then timed calls. The K/V they
 read are whatever the cache holds (zeros): timing does not depend on the

@@ -9,6 +9,7 @@ mixed into ``engine.Engine`` and reads its ``allocator``, ``scheduler``,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Sequence
 
@@ -16,6 +17,9 @@ import jax
 import numpy as np
 
 from jaxserve.engine import scoring
+from jaxserve.engine.page_table import cdiv
+from jaxserve.engine.request import Request, SamplingParams
+from jaxserve.engine.scheduler import ScheduledBatch
 
 
 class EngineViews:
@@ -120,23 +124,38 @@ class EngineViews:
             return 0
         return self.speculator.draft.runner.warmup(counts)
 
-    # -- raw step driving, for the benchmarks that time one step shape --
+    # -- one step of an exact shape, for the benchmarks that time it --
 
-    def allocate_pages(self, n: int) -> list[int]:
-        """Take ``n`` free KV pages (``PageAllocator.allocate``).
+    @contextlib.contextmanager
+    def shaped_step(self, num_seqs: int, q_len: int, ctx: int, rng: np.random.Generator):
+        """A step of exactly ``num_seqs`` sequences, each computing ``q_len``
+        tokens that end at position ``ctx`` (decode rows when ``q_len`` is
+        1), bypassing the scheduler: the context yields ``run()``, which
+        executes that one batch (``ModelRunner.execute``, synchronised: it
+        returns the host ``StepResult``) as often as called. The first
+        ``ctx - q_len`` positions count as cached (pages taken for the
+        context, whatever K/V they hold: timing does not depend on it);
+        prompt ids are drawn from ``rng``. The pages are given back on exit.
 
         Raises:
-          ValueError: fewer than ``n`` pages are free."""
-        return self.allocator.allocate(n)
-
-    def free_pages(self, page_ids: list[int]) -> None:
-        """Give back pages taken with ``allocate_pages``."""
-        self.allocator.free(page_ids)
-
-    def execute_batch(self, batch, return_logits: bool = False):
-        """Run one ``ScheduledBatch`` through the model and sampler
-        (``ModelRunner.execute``) and return its host ``StepResult``."""
-        return self.runner.execute(batch, return_logits=return_logits)
+          ValueError: fewer free pages than the batch needs.
+        """
+        reqs, pages = [], []
+        try:
+            for i in range(num_seqs):
+                ids = rng.integers(0, self.model_config.vocab_size, size=ctx).tolist()
+                r = Request(f"_shaped{i}", None, ids, SamplingParams(temperature=0), 0,
+                            self.eos_token_ids)
+                r.page_ids = self.allocator.allocate(cdiv(ctx, self.page_size))
+                pages.append(r.page_ids)
+                r.num_computed_tokens = ctx - q_len
+                reqs.append(r)
+            batch = ScheduledBatch(reqs, [q_len] * num_seqs,
+                                   num_decode=num_seqs if q_len == 1 else 0)
+            yield lambda: self.runner.execute(batch)
+        finally:
+            for p in pages:
+                self.allocator.free(p)
 
     def step_buckets(self) -> list[tuple[bool, int]]:
         """Every step program this engine compiles, as (decode, T):
