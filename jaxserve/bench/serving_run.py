@@ -63,6 +63,16 @@ from jaxserve.server.client import AsyncClient, Client
 MAX_RERUNS = 2  # times a level that compiled is run again
 
 
+
+def _client_warmup(t0: float, warmed: bool) -> dict:
+    """The report's warm-up entry for a client-driven run that started its
+    warm-up at ``time.monotonic()`` ``t0`` (compilations are the server's,
+    unseen from here)."""
+    dt = time.monotonic() - t0
+    return {"seconds": dt, "compilations": None,
+            "note": "every level once, untimed, on other prompts of the same shapes "
+                    f"({dt:.0f} s)" if warmed else "none"}
+
 def base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) -> dict:
     return {
         "benchmark": "jaxserve serving benchmark (python -m jaxserve.bench serve)",
@@ -198,10 +208,7 @@ def run_grpc(opts: BenchOptions):
                 for c, reqs in zip(opts.concurrency, slices(warm, counts)):
                     await serving.run_grpc(client, reqs, c, opts.request_rate, opts.seed)
                     log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")
-                result["warmup"] = {"seconds": time.monotonic() - t, "compilations": None,
-                                    "note": "every level once, untimed, on other prompts of "
-                                            f"the same shapes ({time.monotonic() - t:.0f} s)"
-                                    if opts.warmup else "none"}
+                result["warmup"] = _client_warmup(t, opts.warmup)
                 for c, reqs in zip(opts.concurrency, per_level):
                     run = await serving.run_grpc(client, reqs, c, opts.request_rate, opts.seed,
                                                  metrics_url)
@@ -301,10 +308,7 @@ def run_openai(opts: BenchOptions):
                 await openai_load.run_openai(base, model["id"], reqs, c, opts.request_rate,
                                              opts.seed, **kw)
                 log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")
-            result["warmup"] = {"seconds": time.monotonic() - t, "compilations": None,
-                                "note": "every level once, untimed, on other prompts of "
-                                        f"the same shapes ({time.monotonic() - t:.0f} s)"
-                                if opts.warmup else "none"}
+            result["warmup"] = _client_warmup(t, opts.warmup)
             for c, reqs in zip(opts.concurrency, per_level):
                 run = await openai_load.run_openai(base, model["id"], reqs, c,
                                                    opts.request_rate, opts.seed,
