@@ -165,8 +165,6 @@ def test_a_second_engine_loads_serialized_programs_without_tracing(make_tiny_llm
     warm-up program (no trace, no lowering) and generates the same greedy
     and seeded tokens as the first; another config misses the store."""
     from jaxserve import SamplingParams
-    # Shapes no other test uses: an executable another test's engine built
-    # in this process is never saved (it may have come from JAX's cache).
     kw = dict(max_num_seqs=5, max_num_batched_tokens=20, num_pages=97)
     first = make_tiny_llm(**kw)
     first.engine.warmup()
@@ -175,14 +173,17 @@ def test_a_second_engine_loads_serialized_programs_without_tracing(make_tiny_llm
     r = second.engine.runner
     traced = r.num_compilations
     ready = second.engine.warmup()
-    # Every step and sampling program loaded, untraced. (Prompt-logprob
-    # programs are saved only when XLA compiled them afresh in that thread;
-    # here they are not, and the second engine traces them: 2 programs, each
-    # traced once to lower and once for the step's result shapes.)
-    assert r.num_loaded_programs == len(r.step_buckets()) + 2 * len(r._warm_rows)
-    assert r.num_compilations - traced <= 4
-    assert len(r._programs) == r.num_loaded_programs + 2
-    assert ready == r.num_loaded_programs + r.num_compilations - traced
+    # Every warm-up program loaded, untraced: the steps, two sampling
+    # programs per warm row count, and the prompt-logprob programs. This
+    # holds whether or not JAX's persistent cache already held them (a warm
+    # cache, another test's engine): the store compiles past that cache.
+    num_prompt_logprob = sum(1 for name in r._programs if name.startswith("prompt-logprobs-"))
+    assert num_prompt_logprob >= 1
+    assert r.num_loaded_programs == (len(r.step_buckets()) + 2 * len(r._warm_rows)
+                                     + num_prompt_logprob)
+    assert len(r._programs) == r.num_loaded_programs
+    assert r.num_compilations == traced
+    assert ready == r.num_loaded_programs
     traced = r.num_compilations
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 9, 23)]
     params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),

@@ -29,12 +29,14 @@ start-up line and ``/metrics`` include them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -76,14 +78,59 @@ def fingerprint(*parts) -> str:
     return hashlib.sha256(repr((env, parts)).encode()).hexdigest()[:32]
 
 
+_bypass = threading.local()  # .on: this thread compiles without JAX's persistent cache
+_bypass_lock = threading.Lock()
+
+
+def _install_cache_bypass() -> bool:
+    """Wrap ``jax._src.compilation_cache.is_cache_used`` (once per process)
+    so that it answers False on a thread inside ``fresh_compile``; True when
+    the wrapper is in place. JAX decides whether its persistent cache is used
+    once per process (``is_cache_used`` memoizes its first answer), so
+    ``jax_enable_compilation_cache`` set later, even thread-locally, is not
+    read again; the compiler asks ``is_cache_used`` for every program
+    (``compiler._get_cache_key``, jax 0.10.2), which is where a thread can
+    be let through. A JAX without that function gets no wrapper (False)."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:
+        return False
+    with _bypass_lock:
+        current = getattr(cc, "is_cache_used", None)
+        if current is None:
+            return False
+        if getattr(current, "_thread_bypass", False):
+            return True
+
+        def is_cache_used(backend, _jax_is_cache_used=current):
+            if getattr(_bypass, "on", False):
+                return False
+            return _jax_is_cache_used(backend)
+
+        is_cache_used._thread_bypass = True
+        cc.is_cache_used = is_cache_used
+        return True
+
+
+@contextlib.contextmanager
 def fresh_compile():
     """A context (this thread only) in which XLA compiles without JAX's
-    persistent cache. An executable JAX's cache returned on CPU serializes
-    without its kernels ("Function ... not found" when the copy runs; jax
-    0.10.2), so a program bound for the store is compiled afresh (once: later
-    starts load it from the store)."""
+    persistent cache: it neither reads nor writes it. An executable JAX's
+    cache returned on CPU serializes without its kernels ("Function ... not
+    found" when the copy runs; jax 0.10.2), so a program bound for the store
+    is compiled afresh (once: later starts load it from the store). Callers
+    still check that XLA compiled (``compile_cache.fresh_compiles_in_thread``)
+    before saving: on a JAX where the bypass cannot be installed the cache
+    may answer, and that program is then not saved."""
     from jax._src import config as jax_config
-    return jax_config.enable_compilation_cache(False)
+    _install_cache_bypass()
+    before = getattr(_bypass, "on", False)
+    _bypass.on = True
+    try:
+        with jax_config.enable_compilation_cache(False):
+            yield
+    finally:
+        _bypass.on = before
 
 
 class ExecutableStore:
