@@ -78,59 +78,98 @@ def fingerprint(*parts) -> str:
     return hashlib.sha256(repr((env, parts)).encode()).hexdigest()[:32]
 
 
-_bypass = threading.local()  # .on: this thread compiles without JAX's persistent cache
-_bypass_lock = threading.Lock()
+_capture = threading.local()  # .on: inside capture_cache_reads; .serialized: last bytes read
+_capture_lock = threading.Lock()
 
 
-def _install_cache_bypass() -> bool:
-    """Wrap ``jax._src.compilation_cache.is_cache_used`` (once per process)
-    so that it answers False on a thread inside ``fresh_compile``; True when
-    the wrapper is in place. JAX decides whether its persistent cache is used
-    once per process (``is_cache_used`` memoizes its first answer), so
-    ``jax_enable_compilation_cache`` set later, even thread-locally, is not
-    read again; the compiler asks ``is_cache_used`` for every program
-    (``compiler._get_cache_key``, jax 0.10.2), which is where a thread can
-    be let through. A JAX without that function gets no wrapper (False)."""
+def _install_cache_read_hook() -> bool:
+    """Wrap ``jax._src.compilation_cache.extract_executable_and_time`` (once
+    per process) so that, on a thread inside ``capture_cache_reads``, the
+    serialized executable JAX's persistent cache returned is kept; True when
+    the wrapper is in place. ``get_executable_and_time`` calls it by module
+    lookup for every cache hit (jax 0.10.2); a JAX without it gets no
+    wrapper (False), and programs its cache serves are then not saved."""
     try:
         from jax._src import compilation_cache as cc
     except ImportError:
         return False
-    with _bypass_lock:
-        current = getattr(cc, "is_cache_used", None)
+    with _capture_lock:
+        current = getattr(cc, "extract_executable_and_time", None)
         if current is None:
             return False
-        if getattr(current, "_thread_bypass", False):
+        if getattr(current, "_keeps_bytes", False):
             return True
 
-        def is_cache_used(backend, _jax_is_cache_used=current):
-            if getattr(_bypass, "on", False):
-                return False
-            return _jax_is_cache_used(backend)
+        def extract_executable_and_time(entry, _jax_extract=current):
+            serialized, compile_time = _jax_extract(entry)
+            if getattr(_capture, "on", False):
+                _capture.serialized = serialized
+            return serialized, compile_time
 
-        is_cache_used._thread_bypass = True
-        cc.is_cache_used = is_cache_used
+        extract_executable_and_time._keeps_bytes = True
+        cc.extract_executable_and_time = extract_executable_and_time
         return True
 
 
+class CacheRead:
+    """What ``capture_cache_reads`` saw: ``serialized``, the bytes of the
+    last executable JAX's persistent cache returned in the context (None:
+    none, or the hook could not be installed)."""
+
+    serialized: bytes | None = None
+
+
 @contextlib.contextmanager
-def fresh_compile():
-    """A context (this thread only) in which XLA compiles without JAX's
-    persistent cache: it neither reads nor writes it. An executable JAX's
-    cache returned on CPU serializes without its kernels ("Function ... not
-    found" when the copy runs; jax 0.10.2), so a program bound for the store
-    is compiled afresh (once: later starts load it from the store). Callers
-    still check that XLA compiled (``compile_cache.fresh_compiles_in_thread``)
-    before saving: on a JAX where the bypass cannot be installed the cache
-    may answer, and that program is then not saved."""
-    from jax._src import config as jax_config
-    _install_cache_bypass()
-    before = getattr(_bypass, "on", False)
-    _bypass.on = True
+def capture_cache_reads():
+    """A context (this thread only) yielding a ``CacheRead`` that holds the
+    serialized executable of a program JAX's persistent cache served inside
+    it. Why: an executable JAX's cache returned on CPU serializes again
+    without its kernels ("Function ... not found" when the copy runs; jax
+    0.10.2), so the store saves the cache entry's own bytes for it instead
+    (``ExecutableStore.save(..., serialized=...)``). Compiling such a program
+    afresh would also do, but costs a compile per program wherever the store
+    misses and JAX's cache would have served (every engine of a test suite
+    after a source change)."""
+    _install_cache_read_hook()
+    read = CacheRead()
+    before_on, before = getattr(_capture, "on", False), getattr(_capture, "serialized", None)
+    _capture.on, _capture.serialized = True, None
     try:
-        with jax_config.enable_compilation_cache(False):
-            yield
+        yield read
+        read.serialized = _capture.serialized
     finally:
-        _bypass.on = before
+        _capture.on, _capture.serialized = before_on, before
+
+
+def _serialize(compiled, serialized: bytes | None):
+    """``jax.experimental.serialize_executable.serialize`` (jax 0.10.2: the
+    unloaded executable, the flat argument info and ``_no_kwargs``, pickled
+    with PJRT objects as persistent ids), with the XLA executable written as
+    ``serialized`` when given: the bytes JAX's cache held for it."""
+    import io
+
+    import jax
+    from jax.experimental import serialize_executable as se
+    from jax._src.lib import _jax
+    from jax._src.lib import xla_client as xc
+    if serialized is None:
+        return se.serialize(compiled)
+
+    class Pickler(se._JaxPjrtPickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, (xc.LoadedExecutable, _jax.Executable)):
+                return ("exec", serialized)
+            return super().persistent_id(obj)
+
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if unloaded is None:
+        raise ValueError("compilation does not support serialization")
+    if compiled._params.const_args:
+        raise ValueError("an executable with constant arguments")
+    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
+    with io.BytesIO() as f:
+        Pickler(f).dump((unloaded, args_info_flat, compiled._no_kwargs))
+        return f.getvalue(), in_tree, compiled.out_tree
 
 
 class ExecutableStore:
@@ -175,13 +214,13 @@ class ExecutableStore:
         compile_cache.note_loaded(time.monotonic() - t0)
         return compiled
 
-    def save(self, name: str, compiled) -> None:
-        """Write ``compiled`` as ``name`` (atomically); a program that cannot
-        be serialized, or a folder that cannot be written, is skipped with a
-        log line."""
-        from jax.experimental.serialize_executable import serialize
+    def save(self, name: str, compiled, serialized: bytes | None = None) -> None:
+        """Write ``compiled`` as ``name`` (atomically), its XLA executable as
+        ``serialized`` when given (``capture_cache_reads``: a program JAX's
+        persistent cache served); a program that cannot be serialized, or a
+        folder that cannot be written, is skipped with a log line."""
         try:
-            payload, in_tree, out_tree = serialize(compiled)
+            payload, in_tree, out_tree = _serialize(compiled, serialized)
             os.makedirs(self.folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
@@ -192,4 +231,4 @@ class ExecutableStore:
             log.warning("executable store: cannot save %s (%s: %s)", name, type(e).__name__, e)
 
 
-__all__ = ["ExecutableStore", "fingerprint", "fresh_compile", "source_digest"]
+__all__ = ["CacheRead", "ExecutableStore", "capture_cache_reads", "fingerprint", "source_digest"]

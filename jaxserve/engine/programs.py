@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine import compile_cache, shapes
-from jaxserve.engine.executables import ExecutableStore, fingerprint, fresh_compile
+from jaxserve.engine.executables import ExecutableStore, capture_cache_reads, fingerprint
 from jaxserve.engine.plan import StepPlan
 from jaxserve.engine.sampling import SamplingTensors
 
@@ -142,14 +142,15 @@ class ProgramsMixin:
         elif store is None:
             exe = lower().compile()
         else:
-            # Save only what XLA compiled here and now: an executable JAX's
-            # persistent cache returned (now or earlier in this process, then
-            # kept in memory) serializes without its kernels on CPU.
+            # A program JAX's persistent cache served is saved with the cache
+            # entry's bytes (its own re-serialization lacks the kernels on CPU).
             fresh = compile_cache.fresh_compiles_in_thread()
-            with fresh_compile():
+            with capture_cache_reads() as read:
                 exe = lower().compile()
             if compile_cache.fresh_compiles_in_thread() > fresh:
                 store.save(name, exe)
+            elif read.serialized is not None:
+                store.save(name, exe, serialized=read.serialized)
         self._programs[name] = exe
         return exe
 
