@@ -17,7 +17,10 @@ argument/result pytree structures) under a key computed without tracing:
 
 A start with the same fingerprint deserializes each program (~30 ms for a
 SmolLM2 step) and calls it as a ``jax.stages.Compiled``; anything else
-misses and compiles (then saves). Files are written atomically (a
+misses, traces and lowers, and compiles or finds the program in JAX's
+cache, then saves it: a compiled program as it serializes, one JAX's cache
+served with that cache entry's own bytes (``capture_cache_reads``: on CPU
+a cache-served executable re-serializes without its kernels). Files are written atomically (a
 temporary name, then ``os.replace``), so concurrent processes sharing a
 folder see whole files or none; a file that fails to load is ignored (and
 recompiled). Only a folder the user trusts may be used: loading an
