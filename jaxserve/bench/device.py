@@ -64,7 +64,6 @@ import sys
 import time
 
 from jaxserve.bench import sections as sec
-from jaxserve.bench.device_model import LLAMA3_8B, QUANT_FORMS, SMOKE  # noqa: F401 (re-exported)
 
 # name: (time limit s, least time left to start it s); workload_<name> per --workloads.
 SECTIONS = {"selfcheck": (60.0, 0.0), "ceilings": (45.0, 0.0), "kernel_decode": (120.0, 20.0),
@@ -72,6 +71,13 @@ SECTIONS = {"selfcheck": (60.0, 0.0), "ceilings": (45.0, 0.0), "kernel_decode": 
             "model_prefill": (60.0, 20.0), "quant_matmul": (45.0, 10.0),
             "kv_attention": (45.0, 10.0)}
 WORKLOAD_LIMIT_S = 150.0
+
+
+def __getattr__(name):  # the model's names, without importing JAX's users in the parent
+    if name in ("LLAMA3_8B", "SMOKE", "QUANT_FORMS"):
+        from jaxserve.bench import device_model
+        return getattr(device_model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_arguments(ap) -> None:
@@ -188,8 +194,7 @@ def run(a) -> int:
     o = options(a)
     limits, min_s, wanted = section_table(a, o)
     doc = {"benchmark": "jaxserve device benchmark (python -m jaxserve.bench device)",
-           "smoke": a.smoke, "model_config": dataclasses.asdict(SMOKE if a.smoke else LLAMA3_8B),
-           "dtype": "float32" if a.smoke else "bfloat16", "flags": vars(a), "options": o,
+           "smoke": a.smoke, "flags": vars(a), "options": o,
            "budget_s": a.budget_s, "started_at": time.time(), "limits": limits, "min_s": min_s,
            "sections": {n: {"status": "pending"} if n in wanted else
                         {"status": "skipped", "reason": "not in --sections"} for n in limits}}
@@ -235,12 +240,13 @@ def worker(path: str) -> int:
                           "check of this script")
         sec.save(path, doc)
         return 1
+    model = dm.Model(a, o)
     if "env" not in doc:
-        doc["env"] = machine.environment()
+        doc.update(env=machine.environment(), model_config=dataclasses.asdict(model.cfg),
+                   dtype=model.dtype)
         sec.save(path, doc)
     interpret = not accel
     heads = (4, 2, 64) if a.smoke else (32, 8, 128)
-    model = dm.Model(a, o)
     act = jnp.dtype(model.dtype)  # bf16 on the accelerator, f32 in smoke
 
     def ceil(d):

@@ -106,7 +106,8 @@ def mixed_batch(rng, *, N: int, K: int, H: int, num_decode: int, num_prefill: in
 
 def selfcheck_cases(smoke: bool) -> list[dict]:
     """The self-check's cases: every head shape x KV dtype x (plain, window +
-    soft cap); in smoke, SmolLM2's heads with bf16 plain and int8 windowed."""
+    soft cap); in smoke, SmolLM2's heads with bf16 plain and int8 windowed
+    (smaller batches: 2 decode rows, 2 prefill chunks)."""
     if smoke:
         return [dict(heads="smollm2", kv_dtype="bfloat16", window=None, soft_cap=None),
                 dict(heads="smollm2", kv_dtype="int8", window=WINDOW, soft_cap=SOFT_CAP)]
@@ -130,7 +131,7 @@ def selfcheck(smoke: bool, interpret: bool, progress, seed: int = 0) -> dict:
         try:
             b = mixed_batch(rng, N=N, K=K, H=H, dtype=dtype, kv_dtype=case["kv_dtype"],
                             num_decode=2 if smoke else int(rng.integers(1, 9)),
-                            num_prefill=1 if smoke else int(rng.integers(1, 4)),
+                            num_prefill=2 if smoke else int(rng.integers(1, 4)),
                             max_ctx=40 if smoke else 600, max_q=20 if smoke else 200)
             row.update(q_lens=b["q_lens"], kv_lens=b["kv_lens"])
             kw = dict(sm_scale=H ** -0.5, sliding_window=case["window"],

@@ -68,8 +68,12 @@ def load(path: str) -> dict:
 def _hang_if_asked(name: str) -> None:
     if os.environ.get(HANG_ENV) == name:
         print(f"[{name}] {HANG_ENV}={name}: hanging with signals masked", flush=True)
-        signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL,
-                                                                          signal.SIGSTOP})
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL,
+                                                                              signal.SIGSTOP})
+        except (OSError, ValueError):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGINT,
+                                                      signal.SIGTERM})
         while True:
             time.sleep(3600)
 
@@ -127,12 +131,16 @@ def run_worker(path: str, sections: dict, limits: dict, min_s: dict, budget_s: f
     return 0
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, path: str) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the worker's own group (start_new_session)
     except ProcessLookupError:
         pass
     proc.wait()
+    try:  # a save it was killed in the middle of
+        os.remove(f"{path}.tmp{proc.pid}")
+    except FileNotFoundError:
+        pass
 
 
 def _watch(path: str, proc: subprocess.Popen, started_at: float, deadline_s: float) -> None:
@@ -154,7 +162,7 @@ def _watch(path: str, proc: subprocess.Popen, started_at: float, deadline_s: flo
             break
         over = [n for n in running if now - secs[n]["started_at"] > secs[n]["limit_s"]]
         if over or now - started_at > deadline_s:
-            _kill(proc)
+            _kill(proc, path)
             doc = load(path)  # with what it wrote before it died
             for n, s in doc["sections"].items():
                 if s["status"] == "running":
@@ -200,7 +208,7 @@ def supervise(path: str, spawn, budget_s: float, *, grace_s: float = 15.0,
         try:
             _watch(path, proc, started_at, budget_s + grace_s)
         except BaseException:  # Ctrl-C: the worker is in its own session, end it too
-            _kill(proc)
+            _kill(proc, path)
             raise
         doc = load(path)
     for s in doc["sections"].values():
