@@ -2,8 +2,9 @@
 run writes every section with a status and real figures (the kernel
 self-check holds the interpret-mode kernel to the reference); a section made
 to hang is cut at its limit, later sections still run, the JSON is written
-and the exit status says so; the section supervisor records raising,
-crashing, hung and skipped sections without JAX."""
+and the exit status says so; the self-check fails a kernel off by 10% and
+one that cannot lower; the section supervisor records raising, crashing, hung
+and skipped sections without JAX."""
 
 import json
 import os
@@ -149,3 +150,24 @@ def test_supervisor_kills_a_worker_hung_before_any_section(tmp_path):
         budget_s=1.0, grace_s=1.0)
     assert time.monotonic() - t < 10
     assert doc["sections"]["a"]["status"] == "skipped" and doc["workers"] == 1
+
+
+def test_selfcheck_catches_a_wrong_kernel_and_a_lowering_error(monkeypatch):
+    from jaxserve.bench import device_kernels as dk
+    from pallas_kernels.ragged_paged_attention import reference
+
+    def off(*args, interpret, **kw):  # the definition with a 10% error
+        return reference.ref_ragged_paged_attention(*args, **kw) * 1.1
+
+    def broken(*args, interpret, **kw):
+        raise NotImplementedError("Mosaic cannot lower this block shape")
+    seen = []  # (the real kernel passing: test_device_smoke_writes_every_section)
+    monkeypatch.setattr(dk.kernel, "ragged_paged_attention", off)
+    bad = dk.selfcheck(True, True, lambda **kw: seen.append(len(kw["cases"])))
+    assert seen == [1, 2]  # each case recorded as it finished
+    assert bad["status"] == "failed" and not any(c["pass"] for c in bad["cases"])
+    assert all(c["max_abs_err"] > c["tolerance"] for c in bad["cases"])
+    monkeypatch.setattr(dk.kernel, "ragged_paged_attention", broken)
+    err = dk.selfcheck(True, True, lambda **kw: None)
+    assert err["status"] == "failed"
+    assert all("NotImplementedError: Mosaic" in c["error"] for c in err["cases"])
