@@ -19,9 +19,12 @@ from jaxserve.bench import sections
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _device(*args, env=None, timeout=600):
+def _device(*args, env=None, timeout=600, module=False):
+    """``python -m jaxserve.bench device ARGS`` (``module``: ``python -m
+    jaxserve.bench.device ARGS``, the same script); (result, wall s)."""
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "jaxserve.bench", "device", *args], cwd=REPO,
+    cmd = ["-m", "jaxserve.bench.device"] if module else ["-m", "jaxserve.bench", "device"]
+    r = subprocess.run([sys.executable, *cmd, *args], cwd=REPO,
                        capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, **(env or {})})
     return r, time.monotonic() - t
@@ -83,7 +86,7 @@ def test_device_hung_section_is_cut_and_later_sections_run(tmp_path):
     out = tmp_path / "x.json"
     r, wall = _device("--smoke", "--sections", "ceilings,quant_matmul", "--section_limits",
                       "ceilings=3", "--quant_ms", "1", "--output", str(out),
-                      env={sections.HANG_ENV: "ceilings"}, timeout=300)
+                      env={sections.HANG_ENV: "ceilings"}, timeout=300, module=True)
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     s = doc["sections"]

@@ -282,6 +282,18 @@ def worker(path: str) -> int:
                           doc["min_s"], a.budget_s)
 
 
+def main(argv=None) -> int:
+    """``python -m jaxserve.bench.device ...``: the same as ``python -m
+    jaxserve.bench device ...``."""
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.device",
+                                 description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    try:
+        return run(a)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 if __name__ == "__main__":
-    from jaxserve.bench.__main__ import main
-    sys.exit(main(["device", *sys.argv[1:]]))
+    sys.exit(main())
