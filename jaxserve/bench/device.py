@@ -38,7 +38,8 @@ On one accelerator, in this order, each section under its own time limit
 A section that raises is recorded (``"error"``) and the next one runs; a
 section that overruns its limit, even hung inside a device call, is cut: the
 sections run in a worker process that the parent kills, and a fresh worker
-goes on with the next section (``sections``). The JSON at ``--output`` is
+goes on with the next section (``sections``); whatever happens, a worker
+still alive 15 s past the budget is killed, so the run ends by then. The JSON at ``--output`` is
 rewritten after every section (and as a section's cases finish), so a run cut
 short keeps what it measured: ``sections`` maps each name to its figures and
 ``"status"`` (``ok``, ``failed``: a check did not pass, ``error``,
@@ -51,7 +52,8 @@ without an accelerator and without ``--smoke``; 2 for a bad option.
 ``--smoke`` runs everything with tiny shapes on any backend (CPU included;
 the kernel in Pallas interpret mode, a tiny f32 model), to check the script;
 its figures mean nothing. ``--sections a,b`` runs only those (the others are
-``skipped``).
+``skipped``). ``JAXSERVE_BENCH_HANG=NAME`` in the environment makes section
+NAME hang with its signals masked (the tests' way to see a section cut).
 """
 
 from __future__ import annotations
