@@ -9,7 +9,7 @@
 | ``startup`` | cold and warm start to SERVING, beside llama.cpp's server and HF | ``startup`` |
 | ``soak`` | hours of mixed, partly hostile gRPC traffic: leaks and wrong endings | ``soak`` |
 | ``eval`` | perplexity and KL divergence against the unquantized model | ``eval`` |
-| ``device`` | a Llama-3-8B-shaped model on one GPU: ceilings, steps, formats, workloads | ``device`` |
+| ``device`` | one GPU: kernel self-check, the kernel against JAX's, a Llama-3-8B-shaped model's steps, formats, workloads; each section time-limited | ``device`` |
 
 ``serve`` and ``eval`` build their engine from ``jaxserve.main``'s flags (the
 one place engine flags are defined): they run ``python -m jaxserve.main
@@ -46,7 +46,8 @@ COMMANDS = {
     "startup": "cold and warm start to SERVING against llama.cpp's server and HF's load",
     "soak": "long mixed gRPC traffic against one server: leaks, lost or hanging calls",
     "eval": "perplexity and KL divergence (every flag of python -m jaxserve.main --mode eval)",
-    "device": "GPU: a Llama-3-8B-shaped model's ceilings, steps, formats and workloads",
+    "device": "GPU: kernel self-check, the kernel against JAX's, then a Llama-3-8B-shaped "
+              "model's steps, formats and workloads, each section time-limited",
 }
 
 
