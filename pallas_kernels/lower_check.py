@@ -87,6 +87,7 @@ PLATFORMS = ("tpu", "cuda")
 BATCHES = (("decode", 64, 64), ("prefill", 512, 8))
 MAX_CONTEXT = 8192
 NUM_PAGES = 4096
+TPU_CHIP = "v6e"  # Trillium: the TPU generation lowered for (``target_tpu_chip``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,24 @@ def kernel_for(platform: str):
         return ragged_paged_attention_tpu
     from pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
     return ragged_paged_attention_gpu
+
+
+def target_tpu_chip(chip: str = TPU_CHIP) -> None:
+    """Make Mosaic lower for TPU ``chip`` ("v5e", "v6e", ... as in
+    ``pltpu.ChipVersion``) on a machine without one: Pallas asks the default
+    device for its kind ("cpu" here) to pick the chip's tiling, so "cpu" is
+    registered as that chip (JAX's ``tpu_info.registry``, per process).
+
+    Raises:
+      ValueError: an unknown chip name.
+    """
+    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas import tpu as pltpu
+    versions = {v.value: v for v in pltpu.ChipVersion}
+    if chip not in versions:
+        raise ValueError(f"unknown TPU chip {chip!r}; one of {sorted(versions)}")
+    tpu_info.registry["cpu"] = lambda: pltpu.get_tpu_info_for_chip(versions[chip], 1)
+    tpu_info.get_tpu_info.cache_clear()
 
 
 def lower(case: Case) -> None:
@@ -209,6 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--sliding_window", type=int, default=None)
     p.add_argument("--soft_cap", type=float, default=None)
+    p.add_argument("--tpu_chip", default=TPU_CHIP, help="TPU generation to lower for "
+                   "(v5e, v5p, v6e, 7x, ...)")
     return p
 
 
@@ -257,6 +278,12 @@ def main(argv=None, out=sys.stdout) -> int:
     except _ArgError as e:
         print(f"error: {e}", file=out)
         return 2
+    if "tpu" in {c.platform for c in cases}:
+        try:
+            target_tpu_chip(a.tpu_chip)
+        except ValueError as e:
+            print(f"error: {e}", file=out)
+            return 2
     t0 = time.perf_counter()
     failures = run(cases, out)
     took = time.perf_counter() - t0

@@ -100,9 +100,15 @@ def test_a_broken_block_shape_fails_and_is_named(monkeypatch):
             block_shape = (*block_shape[:-1], block_shape[-1] - 1)
         return real(block_shape, *args, **kw)
 
+    import jax
+    jax.clear_caches()  # the kernels are jitted: a shape traced before would not re-trace
     monkeypatch.setattr(pl, "BlockSpec", broken)
-    rc, lines = _main("--platforms", "tpu", "--q_heads", "8", "--kv_heads", "4",
-                      "--head_dim", "256", "--kv_dtype", "bfloat16", "--page_size", "16")
+    try:
+        rc, lines = _main("--platforms", "tpu", "--q_heads", "8", "--kv_heads", "4",
+                          "--head_dim", "256", "--kv_dtype", "bfloat16", "--page_size", "16")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # drop the broken traces
     assert rc == 1, lines
     assert sum("FAILED" in line for line in lines[:-1]) == len(lower_check.BATCHES), lines
     last = lines[-1]
