@@ -87,6 +87,7 @@ PLATFORMS = ("tpu", "cuda")
 BATCHES = (("decode", 64, 64), ("prefill", 512, 8))
 MAX_CONTEXT = 8192
 NUM_PAGES = 4096
+MAX_ERROR_CHARS = 400  # of an error's first line (Mosaic's quote a whole index map)
 TPU_CHIP = "v6e"  # Trillium: the TPU generation lowered for (``target_tpu_chip``)
 
 
@@ -143,11 +144,16 @@ def target_tpu_chip(chip: str = TPU_CHIP) -> None:
 
 
 def lower(case: Case) -> None:
-    """Lower ``case``'s kernel for its platform from ShapeDtypeStructs.
+    """Lower ``case``'s kernel for its platform from ShapeDtypeStructs (for
+    ``TPU_CHIP`` unless ``target_tpu_chip`` chose another).
 
     Raises:
       Exception: whatever the kernel's validation or the Pallas lowering raises.
     """
+    if case.platform == "tpu":
+        from jax._src.pallas.mosaic import tpu_info
+        if "cpu" not in tpu_info.registry and jax.default_backend() == "cpu":
+            target_tpu_chip()
     T, S, N, K, H, L = (case.num_tokens, case.max_seqs, case.q_heads, case.kv_heads,
                         case.head_dim, case.page_size)
     kv_dtype = jnp.dtype(KV_DTYPES[case.kv_dtype])
@@ -197,7 +203,7 @@ def run(cases, out=sys.stdout) -> list[tuple[Case, str]]:
             status = "ok"
         except Exception as e:  # noqa: BLE001 - every lowering error is a result here
             lines = f"{type(e).__name__}: {e}".strip().splitlines()
-            first = lines[0] if lines else type(e).__name__
+            first = (lines[0] if lines else type(e).__name__)[:MAX_ERROR_CHARS]
             failures.append((case, first))
             status = f"FAILED: {first}"
         print(f"{case.label()}  {status}  ({time.perf_counter() - t0:.2f} s)", file=out,

@@ -63,11 +63,12 @@ def _main(*argv):
     return rc, out.getvalue().splitlines()
 
 
-SMOLLM2 = ("--q_heads", "9", "--kv_heads", "3", "--head_dim", "64", "--page_size", "16")
+SMOLLM2 = ("--q_heads", "9", "--kv_heads", "3", "--head_dim", "64")
 
 
 def test_cli_one_shape():
-    rc, lines = _main("--platforms", "cuda", *SMOLLM2, "--kv_dtype", "bfloat16")
+    rc, lines = _main("--platforms", "cuda", *SMOLLM2, "--kv_dtype", "bfloat16",
+                      "--page_size", "16")
     assert len(lines) == len(lower_check.BATCHES) + 1, lines
     want = 0 if not any(k.startswith("cuda-N9K3H64-w--c--bfloat16") for k in KNOWN_FAILURES) \
         else 1
@@ -89,9 +90,28 @@ def test_cli_bad_flags_exit_2_with_one_error_line(argv):
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
 
 
-def test_a_broken_block_shape_fails_and_is_named(monkeypatch):
-    """Every blocked BlockSpec gets a last dimension that is neither a
-    multiple of 128 nor the array's: Mosaic's lowering must refuse it."""
+def test_a_tile_unaligned_block_fails_in_mosaic_and_is_named(monkeypatch):
+    """One kv head per grid step makes the q block [bq, G = 2, H] of an
+    [T, N = 8, H] array: neither a multiple of 8 sublanes nor the whole
+    dimension, which Mosaic's lowering refuses."""
+    import functools
+    real = lower_check.kernel_for("tpu")
+    monkeypatch.setattr(lower_check, "kernel_for", lambda platform: functools.partial(
+        real, num_kv_heads_per_block=1))
+    rc, lines = _main("--platforms", "tpu", "--q_heads", "8", "--kv_heads", "4",
+                      "--head_dim", "256", "--kv_dtype", "bfloat16", "--page_size", "16")
+    assert rc == 1, lines
+    assert sum("FAILED" in line for line in lines[:-1]) == len(lower_check.BATCHES), lines
+    last = lines[-1]
+    assert last.startswith("2 of 2 lowerings FAILED") and "tpu  custom" in last \
+        and "N8/K4/H256" in last and "decode T64/S64" in last, last
+    assert "divisible by 8 and 128" in last, last
+
+
+def test_a_broken_blockspec_fails_and_is_named(monkeypatch):
+    """Every blocked BlockSpec of the TPU kernel loses a column: the lowering
+    fails (at trace, where the kernel reshapes the block) and is named."""
+    import jax
     from jax.experimental import pallas as pl
     real = pl.BlockSpec
 
@@ -100,7 +120,6 @@ def test_a_broken_block_shape_fails_and_is_named(monkeypatch):
             block_shape = (*block_shape[:-1], block_shape[-1] - 1)
         return real(block_shape, *args, **kw)
 
-    import jax
     jax.clear_caches()  # the kernels are jitted: a shape traced before would not re-trace
     monkeypatch.setattr(pl, "BlockSpec", broken)
     try:
@@ -110,10 +129,7 @@ def test_a_broken_block_shape_fails_and_is_named(monkeypatch):
         monkeypatch.undo()
         jax.clear_caches()  # drop the broken traces
     assert rc == 1, lines
-    assert sum("FAILED" in line for line in lines[:-1]) == len(lower_check.BATCHES), lines
-    last = lines[-1]
-    assert "FAILED" in last and "tpu  custom" in last and "N8/K4/H256" in last \
-        and "decode T64/S64" in last, last
+    assert "FAILED" in lines[-1] and "tpu  custom" in lines[-1], lines[-1]
 
 
 def test_cli_runs_as_a_module():
