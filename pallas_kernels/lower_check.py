@@ -37,8 +37,9 @@ null), so one Gemma-2-2B-shaped probe (window 4096, cap 50) keeps the kernels'
 soft-cap path lowered. Each shape is lowered for bfloat16, int8 and
 float8_e4m3fn pages (q in bfloat16; f32[P, L, K] scales with the quantized
 pages) and for a decode-sized batch (T 64 tokens, 64 rows) and a
-prefill-sized one (T 512 tokens, 8 rows), pages of 16 tokens, 8k context. ``--all`` is 180 lowerings: 76 s on the
-2-core dev CPU (38 s of CPU time), jax 0.10.2.
+prefill-sized one (T 512 tokens, 8 rows), pages of 16 tokens, 8k context.
+``--all`` is 180 lowerings: 76 s on the 2-core dev CPU (38 s of CPU time),
+jax 0.10.2.
 """
 
 from __future__ import annotations

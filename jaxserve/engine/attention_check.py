@@ -241,6 +241,8 @@ def choose_attention_impl(config: EngineConfig, model_configs) -> tuple[str, Att
         without ``attention_interpret``.
       AttentionCheckError: ``"pallas"`` (explicit) and the check failed.
     """
+    if not model_configs:
+        raise ValueError("choose_attention_impl: no model config to check")
     impl, backend = config.attention_impl, jax.default_backend()
     accelerator = backend in ("gpu", "tpu")
     if impl == "xla" or (impl == "auto" and not accelerator and not config.attention_interpret):

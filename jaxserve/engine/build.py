@@ -135,7 +135,8 @@ def _check_job(config: EngineConfig, mesh, model_config: ModelConfig | None) -> 
             mesh=dict(mesh.shape)))
 
 
-def resolve_attention_impl(config: EngineConfig, model_configs=()) -> tuple[str, object]:
+def resolve_attention_impl(config: EngineConfig, model_configs: Sequence[ModelConfig]
+                           ) -> tuple[str, AttentionCheck | None]:
     """``config.attention_impl`` resolved, after the Pallas kernel's start-up
     self-check where Pallas would serve (``attention_check.choose_attention_impl``):
     ``"auto"`` is ``"pallas"`` on GPU/TPU when the check passes on
@@ -152,8 +153,7 @@ def resolve_attention_impl(config: EngineConfig, model_configs=()) -> tuple[str,
     return attention_check.choose_attention_impl(config, model_configs)
 
 
-def _draft_model_config(config: EngineConfig, model_config: ModelConfig,
-                        draft_parts: dict) -> ModelConfig | None:
+def _draft_model_config(config: EngineConfig, draft_parts: dict) -> ModelConfig | None:
     """The draft model's config (checked with the target's attention), or None."""
     spec = config.speculative
     if spec.method != "draft":
@@ -174,7 +174,7 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
         raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
                          f"supported: {sorted(MODEL_CLASSES)}")
     sharding_rules = validate_mesh_for_model(mesh.shape, model_config)
-    draft_config = _draft_model_config(config, model_config, draft_parts)
+    draft_config = _draft_model_config(config, draft_parts)
     impl, check = resolve_attention_impl(
         config, [model_config] + ([draft_config] if draft_config is not None else []))
     model = build_model(config, model_config, loaded.params, loaded.orbax_dir, impl, mesh,
