@@ -149,3 +149,22 @@ def test_auto_on_cpu_runs_no_check(make_tiny_llm, monkeypatch):
     engine = make_tiny_llm().engine
     assert (engine.attention_impl, engine.attention_check) == ("xla", None)
     assert dataclasses.asdict(engine.stats())["attention_fallback"] == ""
+
+
+def test_every_model_is_checked_and_the_first_failure_decides(monkeypatch):
+    """A draft model's heads are checked beside the target's: a kernel that
+    fails only on the draft's shape sends both to XLA."""
+    from jaxserve.config import EngineConfig
+    target, draft = tiny_config(), tiny_config(num_heads=6, num_kv_heads=2, head_dim=32)
+
+    def fails_on_draft(q_TNH, *args, **kw):
+        if q_TNH.shape[1:] == (6, 32):
+            raise ValueError("injected: no lowering for the draft's heads")
+        return REAL_PALLAS(q_TNH, *args, **kw)
+
+    monkeypatch.setattr(attention_check, "pallas_attention", fails_on_draft)
+    config = EngineConfig(attention_impl="auto", attention_interpret=True)
+    impl, check = attention_check.choose_attention_impl(config, [target])
+    assert (impl, check.reason) == ("pallas", None)
+    impl, check = attention_check.choose_attention_impl(config, [target, draft])
+    assert (impl, check.reason) == ("xla", "compile_error") and "N6/K2/H32" in check.detail
