@@ -35,6 +35,11 @@ with no check, unless ``attention_interpret`` is set: then the check (and,
 when it passes, the engine) runs the kernel in the Pallas interpreter, which
 is how tests exercise it.
 
+In a multi-host job every process checks on its own devices, and
+``build`` then compares the chosen paths across processes
+(``multihost.check_same_setup``): processes that disagree fail at start
+with a ValueError instead of compiling different steps.
+
 What it does not cover: off-by-one window boundaries and other errors too
 small for this tolerance (the interpret-mode kernel tests hold the kernels to
 the reference for those), long contexts, and the kernel under the engine's

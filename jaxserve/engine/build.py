@@ -177,6 +177,8 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
     draft_config = _draft_model_config(config, draft_parts)
     impl, check = resolve_attention_impl(
         config, [model_config] + ([draft_config] if draft_config is not None else []))
+    # Processes whose self-checks disagree would compile different steps (a hang).
+    multihost.check_same_setup(dict(attention_impl=impl))
     model = build_model(config, model_config, loaded.params, loaded.orbax_dir, impl, mesh,
                         sharding_rules, quantization_checked=quantization_checked)
     draft = None
