@@ -27,6 +27,11 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_startup_xla_programs_loaded (from the persistent cache),
               jaxserve_startup_warmup_seconds (warm-up start to every step program
               ready: after SERVING with a background warm-up; 0 until then)
+  attention (set from ``EngineStats``; ``jaxserve.engine.attention_check``):
+    counter   jaxserve_attention_fallback_total{reason} (the Pallas kernel failed its
+              start-up self-check, reason "compile_error" or "mismatch", and the
+              engine serves with the XLA path)
+    gauge     jaxserve_attention_impl{impl} (1 for the path serving: "pallas" or "xla")
   the process (prometheus-client's ``ProcessCollector``, read at each scrape; Linux):
     gauges    jaxserve_process_resident_memory_bytes, jaxserve_process_virtual_memory_bytes,
               jaxserve_process_start_time_seconds, jaxserve_process_open_fds,
@@ -157,6 +162,13 @@ class ServingMetrics:
                                   "handoff).", ("reason",))
         self.kv_lease_expired = c("jaxserve_kv_lease_expired", "A prefill worker's held "
                                   "prompts freed because nobody pulled them within the lease.")
+        self.attention_fallback = c("jaxserve_attention_fallback", "Start-up self-checks of "
+                                    "the Pallas attention kernel that failed, so the engine "
+                                    "serves with the XLA path, by reason (compile_error, "
+                                    "mismatch).", ("reason",))
+        self.attention_impl = prom.Gauge("jaxserve_attention_impl", "1 for the attention path "
+                                         "the engine serves with (pallas, xla).", ("impl",),
+                                         registry=r)
         self._last = None
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:
@@ -188,7 +200,17 @@ class ServingMetrics:
             if delta > 0:
                 self.spec_accepted_per_pos.labels(str(pos)).inc(delta)
         self.spec_k.set(stats.spec_k)
+        self._observe_attention(stats, last)
         self._last = stats
+
+    def _observe_attention(self, stats, last) -> None:
+        impl = getattr(stats, "attention_impl", "")
+        fallback = getattr(stats, "attention_fallback", "")
+        if impl and (last is None or getattr(last, "attention_impl", "") != impl):
+            for name in ("pallas", "xla"):
+                self.attention_impl.labels(name).set(1 if name == impl else 0)
+        if fallback and (last is None or getattr(last, "attention_fallback", "") != fallback):
+            self.attention_fallback.labels(fallback).inc()
 
     def observe_startup(self, ready_s: float, programs_compiled: int,
                         programs_loaded: int) -> None:

@@ -9,8 +9,9 @@ its config alone before its weights are read
 (``checkpoints.loader.load_for_engine``; a model given directly is checked
 here instead), which yields the engine's final config (an Orbax
 checkpoint's own quantization); the architecture, the sharding rules and the
-attention path; the model; the draft model; the KV pages from the memory
-budget; the scheduler, the runner and the speculator.
+attention path (the Pallas kernel's start-up self-check, with a fallback
+to XLA: ``attention_check``); the model; the draft model; the KV pages from
+the memory budget; the scheduler, the runner and the speculator.
 
 ``build_model`` builds the target from its loaded checkpoint and
 ``load_draft`` the draft model of speculative decoding
@@ -36,7 +37,8 @@ from checkpoints.loader import EngineLoad, check_quantization, load_for_engine, 
 from checkpoints.orbax_ckpt import restore_for_model
 from jaxserve import models
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import compile_cache, multihost, shapes
+from jaxserve.engine import attention_check, compile_cache, multihost, shapes
+from jaxserve.engine.attention_check import AttentionCheck
 from jaxserve.engine.page_table import PageAllocator
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
@@ -60,6 +62,8 @@ class EngineParts:
         target's ``ModelRunner``.
       speculator: the ``Speculator``, or None without speculation.
       eos_token_ids: the model's EOS ids and the tokenizer's.
+      attention_check: the Pallas kernel's start-up self-check (None when
+        none ran: the XLA path chosen, or CPU).
     """
 
     config: EngineConfig
@@ -74,6 +78,7 @@ class EngineParts:
     runner: ModelRunner
     speculator: Speculator | None
     eos_token_ids: frozenset[int]
+    attention_check: AttentionCheck | None = None
 
 
 def build_engine(config: EngineConfig, *, model_config: ModelConfig | None = None,
@@ -130,22 +135,34 @@ def _check_job(config: EngineConfig, mesh, model_config: ModelConfig | None) -> 
             mesh=dict(mesh.shape)))
 
 
-def resolve_attention_impl(config: EngineConfig) -> str:
-    """``config.attention_impl`` with ``"auto"`` resolved: ``"pallas"`` on
-    GPU/TPU, ``"xla"`` elsewhere.
+def resolve_attention_impl(config: EngineConfig, model_configs: Sequence[ModelConfig]
+                           ) -> tuple[str, AttentionCheck | None]:
+    """``config.attention_impl`` resolved, after the Pallas kernel's start-up
+    self-check where Pallas would serve (``attention_check.choose_attention_impl``):
+    ``"auto"`` is ``"pallas"`` on GPU/TPU when the check passes on
+    ``model_configs``, else ``"xla"`` (logged and counted).
+
+    Returns:
+      (``"pallas"`` or ``"xla"``, the ``AttentionCheck`` or None).
 
     Raises:
       ValueError: ``"pallas"`` on a backend without its lowering, unless
         ``attention_interpret``.
+      AttentionCheckError: ``"pallas"`` (explicit) whose check failed.
     """
-    impl = config.attention_impl
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
-    if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu") \
-            and not config.attention_interpret:
-        raise ValueError(f"attention_impl='pallas' has no lowering on "
-                         f"{jax.default_backend()!r}; set attention_interpret=True")
-    return impl
+    return attention_check.choose_attention_impl(config, model_configs)
+
+
+def _draft_model_config(config: EngineConfig, draft_parts: dict) -> ModelConfig | None:
+    """The draft model's config (checked with the target's attention), or None."""
+    spec = config.speculative
+    if spec.method != "draft":
+        return None
+    if draft_parts.get("model_config") is not None:
+        return draft_parts["model_config"]
+    if spec.draft_model == "self":
+        return None  # the target's own shapes
+    return load_model_config(spec.draft_model)
 
 
 def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts: dict,
@@ -157,7 +174,11 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
         raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
                          f"supported: {sorted(MODEL_CLASSES)}")
     sharding_rules = validate_mesh_for_model(mesh.shape, model_config)
-    impl = resolve_attention_impl(config)
+    draft_config = _draft_model_config(config, draft_parts)
+    impl, check = resolve_attention_impl(
+        config, [model_config] + ([draft_config] if draft_config is not None else []))
+    # Processes whose self-checks disagree would compile different steps (a hang).
+    multihost.check_same_setup(dict(attention_impl=impl))
     model = build_model(config, model_config, loaded.params, loaded.orbax_dir, impl, mesh,
                         sharding_rules, quantization_checked=quantization_checked)
     draft = None
@@ -197,7 +218,7 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
         frozenset([tokenizer.eos_token_id]) if tokenizer is not None
         and tokenizer.eos_token_id is not None else frozenset())
     return EngineParts(config, mesh, model_config, tokenizer, loaded.chat_template, impl,
-                       max_model_len, allocator, scheduler, runner, speculator, eos)
+                       max_model_len, allocator, scheduler, runner, speculator, eos, check)
 
 
 def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | None,

@@ -73,6 +73,10 @@ class EngineStats:
       spec_accepted_per_position: drafts accepted at each draft position
         0..k-1; spec_mean_acceptance_length: 1 + accepted / drafts (tokens
         per verification row, vLLM's figure); spec_k: the policy's latest k.
+      attention_impl: the attention path serving ("pallas" or "xla").
+      attention_fallback: why the Pallas kernel's start-up self-check sent
+        the engine to the XLA path ("compile_error" or "mismatch"), or ""
+        (``jaxserve.engine.attention_check``).
     """
 
     num_running: int
@@ -95,6 +99,8 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_mean_acceptance_length: float = 0.0
     spec_k: int = 0
+    attention_impl: str = ""
+    attention_fallback: str = ""
 
 
 class Engine(EngineViews):
@@ -129,6 +135,7 @@ class Engine(EngineViews):
         self.config, self.mesh, self.model_config = p.config, p.mesh, p.model_config
         self.tokenizer, self.chat_template = p.tokenizer, p.chat_template
         self.attention_impl, self.max_model_len = p.attention_impl, p.max_model_len
+        self.attention_check = p.attention_check  # the start-up self-check, or None
         self.allocator, self.scheduler, self.runner = p.allocator, p.scheduler, p.runner
         self.speculator, self.eos_token_ids = p.speculator, p.eos_token_ids
         self._intake = Intake(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
@@ -306,7 +313,9 @@ class Engine(EngineViews):
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
             num_preemptions=s.num_preemptions, prompt_tokens=self._steps.num_prompt_tokens,
             generation_tokens=self.outputs.num_generation_tokens, num_steps=self._num_steps,
-            num_compilations=self.runner.num_compilations, **spec)
+            num_compilations=self.runner.num_compilations, attention_impl=self.attention_impl,
+            attention_fallback=(self.attention_check.reason or "") if self.attention_check
+            else "", **spec)
 
     def warmup(self, on_compiled=None, max_tokens: int | None = None,
                background: bool = False, max_rows: int | None = None,
