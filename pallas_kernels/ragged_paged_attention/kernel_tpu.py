@@ -44,8 +44,9 @@ is written once per grid step as a whole block, so no packed store lands at
 an odd sublane offset.
 
 Work per item (``kernel_tpu_schedule``): a sequence with at most 8 rows in
-the q block (decode) computes tiles of 8 tokens (8 * G rows), not all
-bq * G rows; longer runs use tiles of ``bs_large`` tokens. The default q
+the q block (decode) computes tiles of 8 // gcd(G, 8) tokens (8 or 8 * G
+rows: one decode of G = 8 computes exactly its 8 rows), not all bq * G rows;
+longer runs use tiles of ``bs_large`` tokens (about 256 rows). The default q
 block of 128 tokens makes a prefill re-read its KV once per 128 tokens.
 
 Page table in HBM. ``page_indices`` is not scalar-prefetched (at 128k context
@@ -86,7 +87,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.kernel_tpu_schedule import (
-    choose_blocks, round_up, schedule, sublane_tile)
+    SHORT_RUN, choose_blocks, round_up, schedule, sublane_tile)
 from pallas_kernels.ragged_paged_attention.reference import validate_inputs
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -272,7 +273,7 @@ def _kernel(
             if bs_large == bs_small:
                 tiles(bs_small)
             else:
-                short = hi - lo <= bs_small
+                short = hi - lo <= SHORT_RUN
                 pl.when(short)(lambda: tiles(bs_small))
                 pl.when(jnp.logical_not(short))(lambda: tiles(bs_large))
 

@@ -17,9 +17,11 @@ Block sizes (``choose_blocks``), per item kind:
   up to 8). A prefill chunk re-reads its KV once per q block, so 128 reads it
   4x less often than the 32 of JAX's default; decodes share a q block
   without cost, since each computes only its own tile (below).
-* compute tiles inside a q block: a sequence whose rows in the block number
-  at most ``bs_small = 8`` (decode, short chunks) computes one or two tiles of
-  8 tokens (8 * G rows) instead of all bq * G rows; longer runs use tiles of
+* compute tiles inside a q block: a sequence with at most 8 rows in the
+  block (``SHORT_RUN``: decode, short chunks) computes tiles of ``bs_small =
+  8 // gcd(G, 8)`` tokens, the fewest whose bs * G rows fill whole f32
+  sublane tiles (G = 8: 1 token, 8 rows, no waste; G = 4: 2; G = 1, 3, 7:
+  8), instead of all bq * G rows of the q block; longer runs use tiles of
   ``bs_large`` tokens, the largest power of two <= max(8, 256 // G) dividing
   bq, so the score matmul has about 256 rows.
 * kv block ``bp`` pages (bkv = bp * L positions): 256 // L pages by default.
@@ -30,9 +32,12 @@ Block sizes (``choose_blocks``), per item kind:
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 _LANES = 128
+SHORT_RUN = 8              # rows of a sequence in a q block computed with small tiles
 VMEM_BUDGET = 12 * 2**20   # default-size search budget; Mosaic's scoped limit is 16-32 MiB
 
 
@@ -167,4 +172,4 @@ def choose_blocks(*, T, N, K, H, L, pages_per_seq, q_dtype, kv_dtype, quantized,
             bq=bq, kb=d, G=G, H=H, bp=bp, L=L, q_dtype=q_dtype, kv_dtype=kv_dtype,
             quantized=quantized, bs_large=bs_large) <= VMEM_BUDGET]
         kb = max(small) if small else min(fits)
-    return bq, bp, kb, 8, bs_large
+    return bq, bp, kb, 8 // math.gcd(G, 8), bs_large
