@@ -440,7 +440,8 @@ _FP8_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8": "fl
 def lower_for_tpu(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype, page_size: int,
                   *, sliding_window: int | None = None, soft_cap: float | None = None,
                   q_dtype=jnp.bfloat16, num_tokens: int = 256, max_seqs: int = 64,
-                  context: int = 131072, num_pages: int = 4096, **block_kw) -> str:
+                  context: int = 131072, num_pages: int = 4096,
+                  device_kind: str = "TPU v6 lite", **block_kw) -> str:
     """Lower the kernel for TPU (Mosaic) on any host and return the module text.
 
     Runs ``jax.jit(...).trace(ShapeDtypeStructs).lower(lowering_platforms=
@@ -456,6 +457,7 @@ def lower_for_tpu(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype, 
       q_dtype: q's dtype (f32 or bf16); unquantized pages share it.
       num_tokens, max_seqs, context, num_pages: T, rows of the page table,
         its width in tokens (pages_per_seq = context / L), P.
+      device_kind: the TPU generation the lowering rules are told of.
       **block_kw: keywords for ``ragged_paged_attention_tpu`` (block sizes,
         ``check_tiling``).
 
@@ -478,8 +480,13 @@ def lower_for_tpu(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype, 
             *a[:7], sm_scale=head_dim ** -0.5, sliding_window=sliding_window,
             soft_cap=soft_cap, k_scales_PLK=a[7], v_scales_PLK=a[8], **block_kw)
 
+    # Some lowering rules ask for the TPU generation: name one with an abstract mesh.
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind, 1, "tpu"))
     try:
-        lowered = jax.jit(fn).trace(*args, scales, scales).lower(lowering_platforms=("tpu",))
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = jax.jit(fn).trace(*args, scales, scales).lower(
+                lowering_platforms=("tpu",))
         return lowered.as_text()
     except Exception as e:  # noqa: BLE001 - named and re-raised
         raise RuntimeError(
