@@ -331,12 +331,15 @@ def test_block_sizes_per_item_kind():
     kw = dict(L=16, pages_per_seq=64, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
               quantized=False, num_queries_per_block=None, num_kv_pages_per_block=None,
               num_kv_heads_per_block=None, check_tiling=True)
-    bq, bp, kb, small, large = choose_blocks(T=512, N=64, K=8, H=128, **kw)
+    bq, bp, kb, small, large, _ = choose_blocks(T=512, N=64, K=8, H=128, **kw)
     assert (bq, bp, small, large) == (128, 16, 1, 32) and (kb * 8) % 16 == 0
-    bq, bp, kb, small, large = choose_blocks(T=20, N=9, K=3, H=64, **kw)
+    bq, bp, kb, small, large, _ = choose_blocks(T=20, N=9, K=3, H=64, **kw)
     assert (bq, kb, small, large) == (24, 3, 8, 8)
-    assert choose_blocks(T=4096, N=4, K=1, H=256, **kw)[3:] == (2, 64)
-    assert choose_blocks(T=64, N=7, K=1, H=128, **kw)[3:] == (8, 32)
+    assert choose_blocks(T=4096, N=4, K=1, H=256, **kw)[3:5] == (2, 64)
+    assert choose_blocks(T=64, N=7, K=1, H=128, **kw)[3:5] == (8, 32)
+    # Qwen2.5-14B (G = 5): only kb = K tiles bf16, so the q block halves to fit.
+    bq, _, kb, _, _, vmem = choose_blocks(T=512, N=40, K=8, H=128, **kw)
+    assert (bq, kb) == (64, 8) and vmem <= 12 * 2**20
     with pytest.raises(ValueError, match="num_kv_heads_per_block=1"):
         choose_blocks(T=512, N=32, K=8, H=128, **kw | dict(num_kv_heads_per_block=1))
     with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):

@@ -362,7 +362,8 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
         capped at pages_per_seq. Also the SMEM page-id window per item.
       num_kv_heads_per_block: kb, kv heads per grid step; default from
         ``kernel_tpu_schedule.choose_blocks`` (tiling and VMEM).
-      vmem_limit_bytes: passed to Mosaic.
+      vmem_limit_bytes: passed to Mosaic; default twice the kernel's estimate,
+        clamped to [32, 64] MiB.
       k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages
         (``quant``), or None.
       check_tiling: when compiling (not interpreting), refuse block shapes
@@ -389,7 +390,7 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
                          f"{k_pages_PLKH.dtype}, {v_pages_PLKH.dtype}")
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    bq, bp, kb, bs_small, bs_large = choose_blocks(
+    bq, bp, kb, bs_small, bs_large, vmem_est = choose_blocks(
         T=T, N=N, K=K, H=H, L=L, pages_per_seq=page_indices_SP.shape[1], q_dtype=q_TNH.dtype,
         kv_dtype=k_pages_PLKH.dtype, quantized=quantized,
         num_queries_per_block=num_queries_per_block,
@@ -424,7 +425,7 @@ def ragged_paged_attention_tpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
                             pltpu.SMEM((1,), jnp.int32)]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary"),  # DMA chain crosses steps
-            vmem_limit_bytes=vmem_limit_bytes),
+            vmem_limit_bytes=vmem_limit_bytes or min(max(2 * vmem_est, 32 << 20), 64 << 20)),
         out_shape=jax.ShapeDtypeStruct(q_pad.shape, q_TNH.dtype),
         interpret=interpret,
         name="ragged_paged_attention_tpu",

@@ -14,7 +14,7 @@ multiples of the tile nor the whole array does not lower.
 Block sizes (``choose_blocks``), per item kind:
 
 * q block ``bq`` (tokens per grid step): 128 by default (capped at T rounded
-  up to 8). A prefill chunk re-reads its KV once per q block, so 128 reads it
+  up to 8; halved, down to 32, where no kv-head block fits the budget). A prefill chunk re-reads its KV once per q block, so 128 reads it
   4x less often than the 32 of JAX's default; decodes share a q block
   without cost, since each computes only its own tile (below).
 * compute tiles inside a q block: a sequence with at most 8 rows in the
@@ -27,7 +27,9 @@ Block sizes (``choose_blocks``), per item kind:
 * kv block ``bp`` pages (bkv = bp * L positions): 256 // L pages by default.
 * kv heads per grid step ``kb``: the largest divisor of K whose q block
   ``[bq, kb * G, H]`` tiles (kb * G a multiple of the q dtype's 8 * packing,
-  or kb = K) and whose VMEM estimate (``vmem_bytes``) fits 12 MiB.
+  or kb = K) and whose VMEM estimate (``vmem_bytes``) fits 12 MiB. The
+  wrapper asks Mosaic for twice the estimate, at least 32 MiB and at most
+  64 MiB (v7x's VMEM; v5e / v6e have 128 MiB), unless given a limit.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ def large_tile(bq: int, G: int) -> int:
 def choose_blocks(*, T, N, K, H, L, pages_per_seq, q_dtype, kv_dtype, quantized,
                   num_queries_per_block, num_kv_pages_per_block, num_kv_heads_per_block,
                   check_tiling: bool):
-    """(bq, bp, kb, bs_small, bs_large) for a call (module docstring).
+    """(bq, bp, kb, bs_small, bs_large, vmem estimate in bytes) for a call
+    (module docstring).
 
     Raises:
       ValueError: naming the block size or dimension that does not fit; with
@@ -151,13 +154,15 @@ def choose_blocks(*, T, N, K, H, L, pages_per_seq, q_dtype, kv_dtype, quantized,
     if check_tiling and H % 64:
         raise ValueError(f"{where}: head_dim must be a multiple of 64 on TPU (128 lanes, "
                          f"or 64 half-filled), got {H}")
-    bq = min(num_queries_per_block or 128, round_up(T, 8))
     bp = min(num_kv_pages_per_block or max(1, 256 // L), pages_per_seq)
-    bs_large = large_tile(bq, G)
     q_tile = sublane_tile(q_dtype)
 
     def tiles(kb):
         return kb == K or (kb * G) % q_tile == 0
+
+    def vmem(bq, kb):
+        return vmem_bytes(bq=bq, kb=kb, G=G, H=H, bp=bp, L=L, q_dtype=q_dtype,
+                          kv_dtype=kv_dtype, quantized=quantized, bs_large=large_tile(bq, G))
 
     if num_kv_heads_per_block is not None:
         kb = num_kv_heads_per_block
@@ -166,10 +171,14 @@ def choose_blocks(*, T, N, K, H, L, pages_per_seq, q_dtype, kv_dtype, quantized,
                 f"{where}: num_kv_heads_per_block={kb} gives q blocks of {kb} * {G} = {kb * G} "
                 f"heads, neither all {N} heads nor a multiple of {q_tile} ({jnp.dtype(q_dtype)} "
                 f"sublane tile); Mosaic cannot tile that block")
+        bq = min(num_queries_per_block or 128, round_up(T, 8))
     else:
         fits = [d for d in range(1, K + 1) if K % d == 0 and tiles(d)]
-        small = [d for d in fits if vmem_bytes(
-            bq=bq, kb=d, G=G, H=H, bp=bp, L=L, q_dtype=q_dtype, kv_dtype=kv_dtype,
-            quantized=quantized, bs_large=bs_large) <= VMEM_BUDGET]
+        # Largest kv-head block within budget; halve a default q block (to 32) if none is.
+        for bq in [num_queries_per_block] if num_queries_per_block else (128, 64, 32):
+            bq = min(bq, round_up(T, 8))
+            small = [d for d in fits if vmem(bq, d) <= VMEM_BUDGET]
+            if small:
+                break
         kb = max(small) if small else min(fits)
-    return bq, bp, kb, 8 // math.gcd(G, 8), bs_large
+    return bq, bp, kb, 8 // math.gcd(G, 8), large_tile(bq, G), vmem(bq, kb)
