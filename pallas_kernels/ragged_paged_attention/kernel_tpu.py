@@ -44,7 +44,7 @@ is written once per grid step as a whole block, so no packed store lands at
 an odd sublane offset.
 
 Work per item (``kernel_tpu_schedule``): a sequence with at most 8 rows in
-the q block (decode) computes tiles of 8 // gcd(G, 8) tokens (8 or 8 * G
+the q block (decode) computes tiles of 8 // gcd(G, 8) tokens (lcm(G, 8)
 rows: one decode of G = 8 computes exactly its 8 rows), not all bq * G rows;
 longer runs use tiles of ``bs_large`` tokens (about 256 rows). The default q
 block of 128 tokens makes a prefill re-read its KV once per 128 tokens.
