@@ -292,13 +292,15 @@ HEAD_CASES = [
 @pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: "-".join(
     f"{k}{v}" for k, v in c.items()))
 def test_head_shapes_and_kv_dtypes(case):
-    q_lens = [1, 37, 1, 0, 20, 1]                     # decodes around two prefill chunks
-    kv_lens = [90, 37, 1, 12, 150, 300]
+    # Decodes around prefill chunks: 37 and 20 rows take the large tiles, 5 rows
+    # (across an 8-row boundary) and the decodes the small ones.
+    q_lens = [1, 37, 1, 0, 5, 20, 1]
+    kv_lens = [90, 37, 1, 12, 70, 150, 300]
     dtype = jnp.dtype(case.get("q", "bfloat16"))
     kv = jnp.dtype(case["kv"])
     args, rows = make_batch(11, q_lens, kv_lens, L=case["L"], K=case["K"],
-                            N=case["K"] * case["G"], H=case["H"], dtype=dtype, T=64,
-                            max_seqs=7)
+                            N=case["K"] * case["G"], H=case["H"], dtype=dtype, T=72,
+                            max_seqs=8)
     kw = {}
     if kv != dtype:
         args, kw = quantized(args, kv)
