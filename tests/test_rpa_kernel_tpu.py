@@ -26,7 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_paged_attention.kernel_tpu import (lower_for_tpu,
+                                                              ragged_paged_attention_tpu)
+from pallas_kernels.ragged_paged_attention.kernel_tpu_schedule import (choose_blocks,
+                                                                       tpu_kv_page_bytes,
+                                                                       tpu_kv_scale_page_bytes)
+from pallas_kernels.ragged_paged_attention.quant import quantize
 from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
 
 MAX_KV = 600        # longest context drawn
@@ -90,13 +95,15 @@ def check(args, rows, *, tol, interpret=None, **kw):
     H = args[0].shape[-1]
     opts = dict(sm_scale=H ** -0.5, sliding_window=kw.pop("sliding_window", None),
                 soft_cap=kw.pop("soft_cap", None))
-    out = ragged_paged_attention_tpu(*args, **opts, **kw,
+    scales = dict(k_scales_PLK=kw.pop("k_scales_PLK", None),
+                  v_scales_PLK=kw.pop("v_scales_PLK", None))
+    out = ragged_paged_attention_tpu(*args, **opts, **kw, **scales,
                                      interpret=interpret or pltpu.InterpretParams())
     # Wait before dispatching anything else: the interpreter's callbacks run jnp
     # ops, which can deadlock against concurrent dispatch (seen with jax 0.10.2).
     out = jax.block_until_ready(out)
     with jax.default_matmul_precision("highest"):
-        ref = ref_ragged_paged_attention(*args, **opts)
+        ref = ref_ragged_paged_attention(*args, **opts, **scales)
     out = np.asarray(out.astype(jnp.float32))
     ref = np.asarray(ref.astype(jnp.float32))
     assert np.isfinite(out).all(), "NaN/inf in the output"
@@ -249,3 +256,142 @@ def test_bad_inputs_raise_value_error(change, kw, match):
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention_tpu(a["q"], a["k"], a["v"], a["kv_lens"], a["table"], a["cu"],
                                    a["n"], sm_scale=1.0, interpret=True, **kw)
+
+
+# --- issue 32: head shapes, quantized KV, the HBM page table, block sizes, lowering ---
+
+
+def quantized(args, dtype):
+    """args with int8 / fp8 pages and their f32 scales (``quant.quantize``);
+    NaN poison survives as NaN scales."""
+    q, k, v = args[:3]
+    out, scales = [], []
+    for x in (k, v):
+        P, L, K, H = x.shape
+        x_q, s = quantize(x.reshape(P * L, K, H), dtype)
+        out.append(x_q.reshape(P, L, K, H))
+        scales.append(s.reshape(P, L, K))
+    return (q, *out, *args[3:]), dict(k_scales_PLK=scales[0], v_scales_PLK=scales[1])
+
+
+# Mixed decode + prefill batches over the head shapes of the models the project
+# claims: G = 1, 3, 4, 7, 8; H = 64, 128, 256; bf16, int8 and fp8 pages (q bf16 or
+# f32); windows and soft caps; default block sizes unless given.
+HEAD_CASES = [
+    dict(K=3, G=3, H=64, L=16, kv="bfloat16"),                            # SmolLM2
+    dict(K=1, G=4, H=256, L=16, kv="bfloat16", sliding_window=40, soft_cap=8.0),  # Gemma3 270M
+    dict(K=4, G=7, H=128, L=16, kv="float8_e4m3fn"),                      # Qwen2.5-7B
+    dict(K=2, G=8, H=128, L=8, kv="int8", soft_cap=6.0),                  # Llama 3
+    dict(K=4, G=1, H=256, L=16, kv="int8", sliding_window=33),            # MHA-like
+    dict(K=1, G=3, H=128, L=8, kv="float8_e4m3fn", sliding_window=20, q="float32"),
+    dict(K=2, G=7, H=64, L=32, kv="bfloat16", soft_cap=5.0, bq=16, bp=2),
+    dict(K=2, G=1, H=128, L=16, kv="int8", q="float32", bq=32, bp=1),
+]
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items()))
+def test_head_shapes_and_kv_dtypes(case):
+    # Decodes around prefill chunks: 37 and 20 rows take the large tiles, 5 rows
+    # (across an 8-row boundary) and the decodes the small ones.
+    q_lens = [1, 37, 1, 0, 5, 20, 1]
+    kv_lens = [90, 37, 1, 12, 70, 150, 300]
+    dtype = jnp.dtype(case.get("q", "bfloat16"))
+    kv = jnp.dtype(case["kv"])
+    args, rows = make_batch(11, q_lens, kv_lens, L=case["L"], K=case["K"],
+                            N=case["K"] * case["G"], H=case["H"], dtype=dtype, T=72,
+                            max_seqs=8)
+    kw = {}
+    if kv != dtype:
+        args, kw = quantized(args, kv)
+    f32 = dtype == jnp.float32
+    tol = (1e-4 if kv == dtype else 2e-3) if f32 else 3e-2
+    check(args, rows, tol=tol, sliding_window=case.get("sliding_window"),
+          soft_cap=case.get("soft_cap"), num_queries_per_block=case.get("bq"),
+          num_kv_pages_per_block=case.get("bp"), **kw)
+
+
+def test_page_table_wider_than_the_smem_window():
+    """The page table stays in HBM; each item copies only its bp page ids into
+    SMEM. A 512-page-wide table read through a 2-page window, with contexts
+    that end in a window clamped at the table's last column (pages_per_seq is
+    not a multiple of bp)."""
+    L, pps = 8, 75                                     # 600 tokens, 75 % 2 != 0
+    args, rows = make_batch(5, [1, 30, 1, 3], [600, 230, 599, 17], L=L, K=2, N=6, H=64,
+                            dtype=jnp.float32, T=40, max_seqs=4, pages_per_seq=pps)
+    check(args, rows, tol=1e-5, num_queries_per_block=8, num_kv_pages_per_block=2)
+    wide = np.asarray(args[4])
+    wide = np.concatenate([wide, np.full((4, 512 - pps), -7, np.int32)], axis=1)
+    args = (*args[:4], jnp.asarray(wide), *args[5:])
+    check(args, rows, tol=1e-5, num_kv_pages_per_block=3, sliding_window=100)
+
+
+def test_block_sizes_per_item_kind():
+    """Defaults: q blocks of 128 tokens (KV re-read per 128 prefill tokens),
+    8-row tiles for decodes (8 // gcd(G, 8) tokens), ~256-row tiles for prefill runs, kv-head
+    blocks that tile the q dtype."""
+    kw = dict(L=16, pages_per_seq=64, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+              quantized=False, num_queries_per_block=None, num_kv_pages_per_block=None,
+              num_kv_heads_per_block=None, check_tiling=True)
+    bq, bp, kb, small, large, _ = choose_blocks(T=512, N=64, K=8, H=128, **kw)
+    assert (bq, bp, small, large) == (128, 16, 1, 32) and (kb * 8) % 16 == 0
+    bq, bp, kb, small, large, _ = choose_blocks(T=20, N=9, K=3, H=64, **kw)
+    assert (bq, kb, small, large) == (24, 3, 8, 8)
+    assert choose_blocks(T=4096, N=4, K=1, H=256, **kw)[3:5] == (2, 64)
+    assert choose_blocks(T=64, N=7, K=1, H=128, **kw)[3:5] == (8, 32)
+    # Qwen2.5-14B (G = 5): only kb = K tiles bf16, so the q block halves to fit.
+    bq, _, kb, _, _, vmem = choose_blocks(T=512, N=40, K=8, H=128, **kw)
+    assert (bq, kb) == (64, 8) and vmem <= 12 * 2**20
+    with pytest.raises(ValueError, match="num_kv_heads_per_block=1"):
+        choose_blocks(T=512, N=32, K=8, H=128, **kw | dict(num_kv_heads_per_block=1))
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):
+        choose_blocks(T=512, N=32, K=8, H=80, **kw)
+    with pytest.raises(ValueError, match="page_size must be a multiple of 8"):
+        choose_blocks(T=512, N=32, K=8, H=128, **kw | dict(L=12))
+
+
+def test_tpu_kv_page_bytes():
+    """Padded HBM bytes per page under the (8 * packing, 128) tiling of (K, H)."""
+    assert tpu_kv_page_bytes(16, 8, 128, jnp.bfloat16) == 16 * 16 * 128 * 2
+    assert tpu_kv_page_bytes(16, 16, 128, jnp.bfloat16) == 16 * 16 * 128 * 2  # no padding
+    assert tpu_kv_page_bytes(16, 3, 64, jnp.bfloat16) == 16 * 16 * 128 * 2    # SmolLM2: 10.7x
+    assert tpu_kv_page_bytes(64, 8, 128, jnp.int8) == 64 * 32 * 128
+    assert tpu_kv_page_bytes(64, 1, 256, jnp.float8_e4m3fn) == 64 * 32 * 256
+    assert tpu_kv_page_bytes(16, 8, 128, jnp.float32) == 16 * 8 * 128 * 4
+    assert tpu_kv_scale_page_bytes(16, 8) == 16 * 128 * 4
+
+
+# (N, K, H) of the model shapes the project claims (lower_check covers them all).
+MODEL_SHAPES = {
+    "smollm2": (9, 3, 64), "gemma3-270m": (4, 1, 256), "gemma3-4b": (8, 4, 256),
+    "gemma3-12b": (16, 8, 256), "gemma3-27b": (32, 16, 128), "llama3-8b": (32, 8, 128),
+    "llama3-70b": (64, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen2.5-14b": (40, 8, 128),
+    "mixtral": (32, 8, 128), "mha": (32, 32, 128),
+}
+LOWER_CASES = [  # (model, kv dtype, page size, window, soft cap)
+    ("smollm2", "bfloat16", 16, None, None),
+    ("gemma3-270m", "int8", 64, 512, 50.0),
+    ("gemma3-4b", "float8_e4m3fn", 16, 1024, None),
+    ("gemma3-27b", "bfloat16", 64, None, 30.0),
+    ("llama3-70b", "int8", 16, None, None),
+    ("qwen2.5-7b", "float8_e4m3fn", 64, None, None),
+    ("mha", "bfloat16", 16, 4096, None),
+]
+
+
+@pytest.mark.parametrize("model, kv_dtype, L, window, cap", LOWER_CASES)
+def test_lowers_for_tpu(model, kv_dtype, L, window, cap):
+    """Pallas' Mosaic lowering accepts the kernel for these shapes (Mosaic's own
+    compilation needs a TPU and does not run here)."""
+    N, K, H = MODEL_SHAPES[model]
+    text = lower_for_tpu(N, K, H, kv_dtype, L, sliding_window=window, soft_cap=cap)
+    assert "tpu_custom_call" in text and "ragged_paged_attention_tpu" in text
+
+
+@pytest.mark.parametrize("check_tiling", [True, False])
+def test_broken_block_shape_fails_to_lower(check_tiling):
+    """1 kv head per block with G = 4 gives bf16 q blocks of 4 heads, not a
+    multiple of the 16-row tile: refused by our check, or by Pallas' lowering."""
+    with pytest.raises(RuntimeError, match="TPU lowering failed for N=32 K=8"):
+        lower_for_tpu(32, 8, 128, "bfloat16", 16, num_kv_heads_per_block=1,
+                      check_tiling=check_tiling)
