@@ -101,14 +101,16 @@ def test_cli_bad_flags_exit_2_with_one_error_line(argv):
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
 
 
-def test_a_tile_unaligned_block_fails_in_mosaic_and_is_named(monkeypatch):
+@pytest.mark.parametrize("check_tiling", [True, False])
+def test_a_tile_unaligned_block_fails_and_is_named(monkeypatch, check_tiling):
     """One kv head per grid step makes the q block [bq, G = 2, H] of an
-    [T, N = 8, H] array: neither a multiple of 8 sublanes nor the whole
-    dimension, which Mosaic's lowering refuses."""
+    [T, N = 8, H] array: neither a multiple of the sublane tile nor the whole
+    dimension. The kernel's own tiling check refuses it; with that check off,
+    Mosaic's lowering does."""
     import functools
     real = lower_check.kernel_for("tpu")
     monkeypatch.setattr(lower_check, "kernel_for", lambda platform: functools.partial(
-        real, num_kv_heads_per_block=1))
+        real, num_kv_heads_per_block=1, check_tiling=check_tiling))
     rc, lines = _main("--platforms", "tpu", "--q_heads", "8", "--kv_heads", "4",
                       "--head_dim", "256", "--kv_dtype", "bfloat16", "--page_size", "16")
     assert rc == 1, lines
@@ -116,7 +118,8 @@ def test_a_tile_unaligned_block_fails_in_mosaic_and_is_named(monkeypatch):
     last = lines[-1]
     assert last.startswith("2 of 2 lowerings FAILED") and "tpu  custom" in last \
         and "N8/K4/H256" in last and "decode T64/S64" in last, last
-    assert "divisible by 8 and 128" in last, last
+    assert ("Mosaic cannot tile that block" if check_tiling else "divisible by 8 and 128") \
+        in last, last
 
 
 def test_a_broken_blockspec_fails_and_is_named(monkeypatch):
