@@ -65,7 +65,7 @@ def test_sharded_equals_unsharded_without_gathering_the_cache(dp, tp, K, G, kv_d
     s_args, s_scales = _place(mesh, args, scales)
     f = _call(mesh, "tp", sliding_window=50)
     got = f(*s_args, **s_scales)
-    assert got.sharding.spec == P(None, "tp", None)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp", None)), 3)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-6)
 
     hlo = f.lower(*s_args, **s_scales).compile().as_text()
@@ -91,3 +91,28 @@ def test_axis_must_divide_heads():
         _call(mesh, "tp")(*args)
     with pytest.raises(ValueError, match="kv_heads_axis 'mp' is not an axis"):
         _call(mesh, "mp")(*args)
+
+
+@pytest.mark.slow
+def test_tiny_engine_tp2_pallas_equals_xla(tiny_parts, monkeypatch):
+    """The engine at tp = 2 (tiny: N = 4, K = 2) runs the Pallas attention
+    under shard_map (the model passes the mesh it is traced under) and gives
+    the XLA path's greedy tokens of one device."""
+    from conftest import XLA_CACHE
+    from jaxserve import LLM, SamplingParams
+
+    calls = []
+    real = rpa_kernel._shard_over_kv_heads
+    monkeypatch.setattr(rpa_kernel, "_shard_over_kv_heads",
+                        lambda args, kw, interp, mesh, axis: calls.append(
+                            (dict(mesh.shape), axis)) or real(args, kw, interp, mesh, axis))
+    prompts = [[5, 17, 99, 3, 250, 7, 7, 31], [200], list(range(10, 40))]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for impl, tp in (("xla", 1), ("pallas", 2)):
+        llm = LLM(mesh=f"tp={tp}", devices=jax.devices()[:tp], attention_impl=impl,
+                  attention_interpret=impl == "pallas", page_size=8, num_pages=64,
+                  compilation_cache_dir=XLA_CACHE, **tiny_parts)
+        outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert calls and all(c == (dict(dp=1, tp=2, ep=1), "tp") for c in calls)
+    assert outs["pallas"] == outs["xla"]
