@@ -111,8 +111,9 @@ def test_tiny_engine_tp2_pallas_equals_xla(tiny_parts, monkeypatch):
     calls = []
     real = rpa_kernel._shard_over_kv_heads
     monkeypatch.setattr(rpa_kernel, "_shard_over_kv_heads",
-                        lambda args, kw, interp, mesh, axis: calls.append(
-                            (dict(mesh.shape), axis)) or real(args, kw, interp, mesh, axis))
+                        lambda args, kw, interp, mesh, axis, *rest: calls.append(
+                            (dict(mesh.shape), axis)) or real(args, kw, interp, mesh, axis,
+                                                              *rest))
     prompts = [[5, 17, 99, 3, 250, 7, 7, 31], [200], list(range(10, 40))]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}

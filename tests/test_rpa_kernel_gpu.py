@@ -399,6 +399,18 @@ def test_lower_for_cuda_model_shapes(model, kv_dtype, page_size, kw):
     assert text.count("__gpu$xla.gpu.triton") >= 1
 
 
+def test_decode_only_runs_one_pass():
+    """``decode_only`` (the engine's decode step) lowers one Triton kernel
+    instead of two, and gives the reference's values on a decode batch."""
+    count = lambda **kw: kernel_gpu.lower_for_cuda(  # noqa: E731
+        32, 8, 128, "bfloat16", 16, num_tokens=8, max_seqs=8, **kw).as_text().count(
+        "__gpu$xla.gpu.triton")
+    assert (count(), count(decode_only=True)) == (2, 1)
+    args, owned = make_batch(np.random.default_rng(5), [1, 1, 0, 1], [300, 7, 4, 64],
+                             page_size=16, K=2, G=4, H=64, dtype=jnp.float32, extra_rows=2)
+    check_any(args, owned, tol=1e-5, decode_only=True, sliding_window=100)
+
+
 def _lower_one_pass(block_q, block_kv):
     """Lower one pass of the kernel (``_run``) for CUDA, past the wrapper's checks."""
     T, N, K, H, P, L, S, W = 32, 4, 2, 64, 40, 16, 5, 10

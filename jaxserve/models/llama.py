@@ -286,7 +286,7 @@ class Attention(nnx.Module):
             o_TNH = rpa_kernel.ragged_paged_attention(
                 q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,
                 md.cu_q_lens, md.num_seqs, interpret=self.interpret, mesh=mesh,
-                kv_heads_axis=kv_heads_axis, **kw)
+                kv_heads_axis=kv_heads_axis, decode_only=md.decode_only, **kw)
         else:
             o_TNH = rpa_xla.ragged_paged_attention(
                 q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,

@@ -41,7 +41,8 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
                            cu_q_lens_S1, num_seqs, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            interpret=False, k_scales_PLK=None, v_scales_PLK=None,
-                           mesh=None, kv_heads_axis: str | None = None):
+                           mesh=None, kv_heads_axis: str | None = None,
+                           decode_only: bool = False):
     """Causal attention of a packed ragged batch over a paged KV cache.
 
     Args:
@@ -64,6 +65,8 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
         ``jax.shard_map`` (module docstring).
       kv_heads_axis: the mesh axis splitting the kv heads (dim 2 of the pages
         and scales) and with them the query heads (dim 1 of q), or None.
+      decode_only: every sequence has q_len <= 1 (the engine's decode step);
+        the GPU kernel then runs its decode pass only (TPU: ignored).
 
     Returns:
       [T, N, H] in q's dtype; softmax statistics in f32. Rows owned by no sequence are 0.
@@ -83,11 +86,11 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     args = (q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
             num_seqs)
     if mesh is not None and kv_heads_axis is not None:
-        return _shard_over_kv_heads(args, kw, interpret, mesh, kv_heads_axis)
-    return _call_kernel(args, kw, interpret)
+        return _shard_over_kv_heads(args, kw, interpret, mesh, kv_heads_axis, decode_only)
+    return _call_kernel(args, kw, interpret, decode_only)
 
 
-def _call_kernel(args, kw, interpret):
+def _call_kernel(args, kw, interpret, decode_only=False):
     """The Pallas lowering for the backend (or the interpreter asked for)."""
     use_tpu = interpret is not False and interpret is not True  # InterpretParams
     if interpret is False:
@@ -100,10 +103,11 @@ def _call_kernel(args, kw, interpret):
         from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
         return ragged_paged_attention_tpu(*args, interpret=interpret, **kw)
     from pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
-    return ragged_paged_attention_gpu(*args, interpret=bool(interpret), **kw)
+    return ragged_paged_attention_gpu(*args, interpret=bool(interpret), decode_only=decode_only,
+                                      **kw)
 
 
-def _shard_over_kv_heads(args, kw, interpret, mesh, axis: str):
+def _shard_over_kv_heads(args, kw, interpret, mesh, axis: str, decode_only=False):
     """``_call_kernel`` under ``jax.shard_map`` over mesh axis ``axis``: q
     split on N, pages on K, scales on K, metadata replicated; out split on N."""
     if axis not in dict(mesh.shape):
@@ -111,7 +115,7 @@ def _shard_over_kv_heads(args, kw, interpret, mesh, axis: str):
                          f"the mesh {dict(mesh.shape)}")
     tp = dict(mesh.shape)[axis]
     if tp == 1:
-        return _call_kernel(args, kw, interpret)
+        return _call_kernel(args, kw, interpret, decode_only)
     N, K = args[0].shape[1], args[1].shape[2]
     if N % tp or K % tp:
         raise ValueError(f"ragged_paged_attention: mesh axis {axis!r} of size {tp} must divide "
@@ -121,7 +125,7 @@ def _shard_over_kv_heads(args, kw, interpret, mesh, axis: str):
     scales = {k: v for k, v in scales.items() if v is not None}
 
     def local(args, scales):
-        return _call_kernel(args, {**kw, **scales}, interpret)
+        return _call_kernel(args, {**kw, **scales}, interpret, decode_only)
 
     pages_spec = P(None, None, axis, None)
     in_specs = ((P(None, axis, None), pages_spec, pages_spec, rep, rep, rep, rep),

@@ -229,7 +229,7 @@ def _rpa_kernel(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
-    "num_warps", "num_stages", "num_kv_splits"))
+    "num_warps", "num_stages", "num_kv_splits", "decode_only"))
 def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP,
                                cu_q_lens_S1, num_seqs, *, sm_scale: float,
                                sliding_window: int | None = None,
@@ -237,7 +237,7 @@ def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
                                block_q: int | None = None, block_kv: int = 64,
                                num_warps: int | None = None, num_stages: int = 2,
                                k_scales_PLK=None, v_scales_PLK=None,
-                               num_kv_splits: int | None = None):
+                               num_kv_splits: int | None = None, decode_only: bool = False):
     """Causal ragged paged attention (Pallas, Triton lowering; flash-decoding
     kv splits after JAX's ``pallas/ops/gpu/decode_attention.py``).
 
@@ -262,6 +262,9 @@ def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
       k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8/fp8 pages, or None.
       num_kv_splits: kv splits Z of both passes; None: chosen per pass from
         the shapes (``kernel_gpu_plan.choose_kv_splits``).
+      decode_only: the caller promises every sequence has q_len <= 1 (the
+        engine's decode step, ``AttentionMetadata.decode_only``): only the
+        decode pass runs (no empty prefill programs, scratch or merge).
 
     Returns:
       [T, N, H] in q's dtype; rows owned by no sequence are 0.
@@ -302,7 +305,9 @@ def ragged_paged_attention_gpu(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, pag
     max_kv_len = page_indices_SP.shape[1] * L
     cu_q_lens_S1 = jnp.asarray(cu_q_lens_S1).astype(jnp.int32)
     # (block_q, min_q_len, max_q_len, num_blocks) of each pass.
-    if block_q == block_q_decode:
+    if decode_only:
+        passes = [(block_q_decode, 1, None, max(1, min(T, max_seqs)))]
+    elif block_q == block_q_decode:
         passes = [(block_q, 1, None, _num_blocks(T, block_q, max_seqs))]
     else:
         passes = [(block_q_decode, 1, block_q_decode, max(1, min(T, max_seqs))),
