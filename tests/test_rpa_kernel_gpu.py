@@ -14,6 +14,7 @@ second, so the examples are few and mostly small.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -396,14 +397,17 @@ LOWER_CASES = [
 def test_lower_for_cuda_model_shapes(model, kv_dtype, page_size, kw):
     N, K, H = MODEL_HEADS[model]
     text = kernel_gpu.lower_for_cuda(N, K, H, kv_dtype, page_size, **kw).as_text()
-    assert text.count("__gpu$xla.gpu.triton") >= 1
+    # both passes, each with the shapes' splits and unsplit (named in the kernels)
+    assert text.count("__gpu$xla.gpu.triton") == 4
+    assert re.search(r"ragged_paged_attention_block_q_\d+_block_kv_64_num_splits_1\b", text)
 
 
 def test_decode_only_runs_one_pass():
     """``decode_only`` (the engine's decode step) lowers one Triton kernel
     instead of two, and gives the reference's values on a decode batch."""
     count = lambda **kw: kernel_gpu.lower_for_cuda(  # noqa: E731
-        32, 8, 128, "bfloat16", 16, num_tokens=8, max_seqs=8, **kw).as_text().count(
+        32, 8, 128, "bfloat16", 16, num_tokens=8, max_seqs=8, num_kv_splits=2,
+        **kw).as_text().count(
         "__gpu$xla.gpu.triton")
     assert (count(), count(decode_only=True)) == (2, 1)
     args, owned = make_batch(np.random.default_rng(5), [1, 1, 0, 1], [300, 7, 4, 64],

@@ -422,6 +422,10 @@ def lower_for_cuda(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype,
       q_dtype: q's dtype (and an unquantized cache's).
       kernel_kw: more keywords for the kernel (block_q, block_kv, ...).
 
+    Unless ``kernel_kw`` sets ``num_kv_splits``, one program lowers the call
+    twice, with the splits chosen from the shapes and with none, so both
+    stores (partial f32 and normalized) are checked: up to four Triton kernels.
+
     Returns:
       The ``jax.stages.Lowered``.
 
@@ -441,7 +445,12 @@ def lower_for_cuda(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype,
     args = (sds((num_tokens, num_q_heads, head_dim), q_dtype), pages, pages,
             sds((max_seqs,), jnp.int32), sds((max_seqs, pages_per_seq), jnp.int32),
             sds((max_seqs + 1,), jnp.int32), sds((1,), jnp.int32))
-    f = functools.partial(ragged_paged_attention_gpu, sm_scale=head_dim ** -0.5,
-                          sliding_window=sliding_window, soft_cap=soft_cap, **kernel_kw)
+    call = functools.partial(ragged_paged_attention_gpu, sm_scale=head_dim ** -0.5,
+                             sliding_window=sliding_window, soft_cap=soft_cap, **kernel_kw)
+
+    def f(*a, **kw):
+        if "num_kv_splits" in kernel_kw:
+            return call(*a, **kw)
+        return call(*a, **kw), call(*a, **kw, num_kv_splits=1)
     return jax.jit(f).trace(*args, k_scales_PLK=scales, v_scales_PLK=scales).lower(
         lowering_platforms=("cuda",))
