@@ -36,6 +36,7 @@ from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import quant, stack
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
+from sharding.rules import ShardingRules
 
 
 _param = quant.param  # gemma3 and moe import it from here
@@ -181,6 +182,23 @@ def _value(p: nnx.Param | None):
     return None if p is None else p.value
 
 
+def _kv_heads_mesh(cfg: ModelConfig):
+    """(mesh, axis) for the Pallas attention's ``shard_map``: the abstract
+    mesh the step is traced under (the runner's ``use_abstract_mesh``, as
+    ``moe`` reads it) and the mesh axis of logical axis ``kv_heads`` when
+    it splits the kv heads and the query heads with them
+    (``ShardingRules.for_model``); else (None, None), and the call runs
+    whole (one device, or kv heads replicated)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None, None
+    rules = ShardingRules.for_model(dict(mesh.shape), cfg)
+    axis = rules.kv_heads
+    if axis is None or rules.q_heads != axis or dict(mesh.shape).get(axis, 1) == 1:
+        return None, None
+    return mesh, axis
+
+
 class Attention(nnx.Module):
     """GQA self-attention over the paged cache: project, RoPE, write K/V, attend.
 
@@ -264,9 +282,11 @@ class Attention(nnx.Module):
                   soft_cap=cfg.attn_logit_softcapping, k_scales_PLK=k_flat.scales_PLK,
                   v_scales_PLK=v_flat.scales_PLK)
         if self.attention_impl == "pallas":
+            mesh, kv_heads_axis = _kv_heads_mesh(cfg)
             o_TNH = rpa_kernel.ragged_paged_attention(
                 q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,
-                md.cu_q_lens, md.num_seqs, interpret=self.interpret, **kw)
+                md.cu_q_lens, md.num_seqs, interpret=self.interpret, mesh=mesh,
+                kv_heads_axis=kv_heads_axis, decode_only=md.decode_only, **kw)
         else:
             o_TNH = rpa_xla.ragged_paged_attention(
                 q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,
