@@ -29,8 +29,8 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               ready: after SERVING with a background warm-up; 0 until then)
   attention (set from ``EngineStats``; ``jaxserve.engine.attention_check``):
     counter   jaxserve_attention_fallback_total{reason} (the Pallas kernel failed its
-              start-up self-check, reason "compile_error" or "mismatch", and the
-              engine serves with the XLA path)
+              start-up self-check, reason "compile_error", "mismatch" or
+              "unsupported_cache", and the engine serves with the XLA path)
     gauge     jaxserve_attention_impl{impl} (1 for the path serving: "pallas" or "xla")
   the process (prometheus-client's ``ProcessCollector``, read at each scrape; Linux):
     gauges    jaxserve_process_resident_memory_bytes, jaxserve_process_virtual_memory_bytes,
@@ -165,7 +165,7 @@ class ServingMetrics:
         self.attention_fallback = c("jaxserve_attention_fallback", "Start-up self-checks of "
                                     "the Pallas attention kernel that failed, so the engine "
                                     "serves with the XLA path, by reason (compile_error, "
-                                    "mismatch).", ("reason",))
+                                    "mismatch, unsupported_cache).", ("reason",))
         self.attention_impl = prom.Gauge("jaxserve_attention_impl", "1 for the attention path "
                                          "the engine serves with (pallas, xla).", ("impl",),
                                          registry=r)

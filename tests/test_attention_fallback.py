@@ -168,3 +168,37 @@ def test_every_model_is_checked_and_the_first_failure_decides(monkeypatch):
     assert (impl, check.reason) == ("pallas", None)
     impl, check = attention_check.choose_attention_impl(config, [target, draft])
     assert (impl, check.reason) == ("xla", "compile_error") and "N6/K2/H32" in check.detail
+
+
+def test_cache_refusal_names_the_stacked_cache_the_gpu_kernel_cannot_address():
+    """The engine's own cache shape, [layers * pages, L, K, H], is checked
+    against the GPU kernel's 32-bit addressing before any step: an int8
+    cache just over 2^31 elements is refused, the same pages in bf16 (i64
+    offsets past 2^32 bytes) and one page fewer in int8 are not."""
+    cfg = dataclasses.replace(tiny_config(), num_layers=4, num_kv_heads=2, head_dim=64)
+    per_page = 4 * 16 * 2 * 64                       # elements of one page, all layers
+    pages = 2**31 // per_page + 1                    # just over 2^31 elements
+    why = attention_check.cache_refusal([cfg], pages, 16, jnp.int8)
+    assert why is not None and "32-bit offsets" in why and str(4 * pages) in why, why
+    assert attention_check.cache_refusal([cfg], pages, 16, jnp.bfloat16) is None
+    assert attention_check.cache_refusal([cfg], pages - 1, 16, jnp.int8) is None
+
+
+def test_a_cache_the_kernel_refuses_falls_back_to_xla(make_tiny_llm, xla_tokens, monkeypatch):
+    """A refused cache shape (the check forced, a real one needs GBs) sends
+    "auto" to XLA without running the kernel, counted as unsupported_cache;
+    explicit "pallas" raises."""
+    def refuse(pages_PLKH):
+        raise ValueError(f"refused {tuple(pages_PLKH.shape)}")
+    monkeypatch.setattr(attention_check, "check_addressing", refuse)
+    monkeypatch.setattr(attention_check, "pallas_attention", compile_error)  # must not run
+    engine = make_tiny_llm(attention_impl="auto", attention_interpret=True,
+                           max_num_batched_tokens=32).engine
+    assert engine.attention_impl == "xla"
+    assert engine.attention_check.reason == "unsupported_cache"
+    assert "refused" in engine.attention_check.detail
+    assert serve(engine) == xla_tokens
+    assert 'jaxserve_attention_fallback_total{reason="unsupported_cache"} 1.0' in \
+        metrics_text(engine)
+    with pytest.raises(AttentionCheckError, match="unsupported_cache"):
+        make_tiny_llm(attention_impl="pallas", attention_interpret=True)

@@ -203,6 +203,20 @@ def test_kv_bytes_count_scales_and_smollm2_pages_per_gib():
     assert per_page["float32"] / per_page["int8"] == 256 / 68
 
 
+def test_kv_bytes_on_tpu_count_the_padded_tiles():
+    """On TPU a page [L, K, H] is laid out in (sublane x 128-lane) tiles of
+    its minor dims: SmolLM2's K 3 rounds up to 16 (bf16) or 32 (int8) rows
+    and H 64 to 128 lanes, and the f32 [L, K] scales to 128 lanes. So a bf16
+    page costs 16 * 128 / (3 * 64) = 10.67x its data, and a budget buys that
+    many times fewer pages than the unpadded count would overrun HBM with."""
+    bf16 = ModelRunner.kv_bytes_per_page(SMOLLM2, 16, "bfloat16", "tpu")
+    assert bf16 == 2 * 30 * 16 * 16 * 128 * 2
+    assert bf16 / ModelRunner.kv_bytes_per_page(SMOLLM2, 16, "bfloat16") == 16 * 128 / (3 * 64)
+    int8 = ModelRunner.kv_bytes_per_page(SMOLLM2, 16, "int8", "tpu")
+    assert int8 == 2 * 30 * (16 * 32 * 128 * 1 + 16 * 128 * 4)
+    assert ModelRunner.kv_bytes_per_page(SMOLLM2, 16, "bfloat16", "gpu") == 368_640
+
+
 def test_engine_sizes_the_cache_by_its_bytes(make_tiny_llm):
     """The same budget holds ~3.5x the pages for int8 as for f32 at the tiny
     model's H = 16 (f32 64 bytes per head row, int8 16 + 4); the int8 cache is

@@ -68,6 +68,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
+from pallas_kernels.ragged_paged_attention.kernel_gpu_plan import check_addressing
 from pallas_kernels.ragged_paged_attention.quant import is_quantized, quantize
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,9 @@ class AttentionCheck:
 
     Attributes:
       impl: the path the engine uses: ``"pallas"`` or ``"xla"``.
-      reason: None (passed), ``"compile_error"`` or ``"mismatch"``.
+      reason: None (passed), ``"compile_error"``, ``"mismatch"``, or
+        ``"unsupported_cache"`` (the engine's KV cache is one the kernel
+        refuses: ``cache_refusal``; the kernel is then not run).
       detail: one line: what was checked, the error or the max error.
       max_error: max |pallas - xla| / max |xla| of the worst window, or None
         when the kernel did not run.
@@ -231,7 +234,26 @@ def check_attention(model_config: ModelConfig, q_dtype, kv_dtype, page_size: int
                           time.perf_counter() - t0)
 
 
-def choose_attention_impl(config: EngineConfig, model_configs) -> tuple[str, AttentionCheck | None]:
+def cache_refusal(model_configs, num_pages: int, page_size: int, kv_dtype) -> str | None:
+    """Why the GPU kernel cannot run on the engine's KV cache, or None.
+
+    The kernel gets a model's stacked cache, [layers * num_pages, L, K, H]
+    (``models.stack.flat_kv``), and refuses one it would address with
+    wrapping 32-bit offsets (``kernel_gpu_plan.check_addressing``: a 1-byte
+    cache of more than 2^31 elements and at most 2^32 bytes). The self-check's
+    small batch never meets that size, so the engine's own shape is checked
+    here before the first step would raise."""
+    for mc in model_configs:
+        shape = (mc.num_layers * num_pages, page_size, mc.num_kv_heads, mc.head_dim)
+        try:
+            check_addressing(jax.ShapeDtypeStruct(shape, kv_dtype))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def choose_attention_impl(config: EngineConfig, model_configs, *, num_pages: int | None = None
+                          ) -> tuple[str, AttentionCheck | None]:
     """The attention path of an engine (module docstring): ``"xla"`` or
     ``"pallas"``, and the check that decided it (None when none ran).
 
@@ -259,11 +281,17 @@ def choose_attention_impl(config: EngineConfig, model_configs) -> tuple[str, Att
     kv_dtype = jnp.dtype(config.cache.dtype or config.dtype)
     interpret = bool(config.attention_interpret)
     result = None
-    for mc in model_configs:
-        result = check_attention(mc, q_dtype, kv_dtype, config.cache.page_size,
-                                 interpret=interpret)
-        if result.reason is not None:
-            break
+    # The GPU kernel serves on GPU, and in the interpreter on CPU.
+    refusal = None if num_pages is None or backend == "tpu" else cache_refusal(
+        model_configs, num_pages, config.cache.page_size, kv_dtype)
+    if refusal is not None:
+        result = AttentionCheck("xla", "unsupported_cache", refusal, None, 0.0)
+    else:
+        for mc in model_configs:
+            result = check_attention(mc, q_dtype, kv_dtype, config.cache.page_size,
+                                     interpret=interpret)
+            if result.reason is not None:
+                break
     if result.reason is None:
         log.info("attention: Pallas kernel passed its start-up check (%s, %.1f s)",
                  result.detail, result.seconds)

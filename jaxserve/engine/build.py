@@ -135,12 +135,14 @@ def _check_job(config: EngineConfig, mesh, model_config: ModelConfig | None) -> 
             mesh=dict(mesh.shape)))
 
 
-def resolve_attention_impl(config: EngineConfig, model_configs: Sequence[ModelConfig]
-                           ) -> tuple[str, AttentionCheck | None]:
+def resolve_attention_impl(config: EngineConfig, model_configs: Sequence[ModelConfig], *,
+                           num_pages: int | None = None) -> tuple[str, AttentionCheck | None]:
     """``config.attention_impl`` resolved, after the Pallas kernel's start-up
     self-check where Pallas would serve (``attention_check.choose_attention_impl``):
     ``"auto"`` is ``"pallas"`` on GPU/TPU when the check passes on
-    ``model_configs``, else ``"xla"`` (logged and counted).
+    ``model_configs``, else ``"xla"`` (logged and counted). ``num_pages``:
+    the KV cache's pages per layer, whose shape the kernel must be able to
+    address (``attention_check.cache_refusal``).
 
     Returns:
       (``"pallas"`` or ``"xla"``, the ``AttentionCheck`` or None).
@@ -150,7 +152,7 @@ def resolve_attention_impl(config: EngineConfig, model_configs: Sequence[ModelCo
         ``attention_interpret``.
       AttentionCheckError: ``"pallas"`` (explicit) whose check failed.
     """
-    return attention_check.choose_attention_impl(config, model_configs)
+    return attention_check.choose_attention_impl(config, model_configs, num_pages=num_pages)
 
 
 def _draft_model_config(config: EngineConfig, draft_parts: dict) -> ModelConfig | None:
@@ -175,8 +177,19 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
                          f"supported: {sorted(MODEL_CLASSES)}")
     sharding_rules = validate_mesh_for_model(mesh.shape, model_config)
     draft_config = _draft_model_config(config, draft_parts)
+    cache, sc = config.cache, config.scheduler
+    kv_dtype = jnp.dtype(cache.dtype or config.dtype)
+    # The KV caches' models: the target, and a draft model (its own config, or
+    # the target's shapes for draft_model="self"); they share one page count.
+    cache_configs = [model_config] + (
+        [draft_config or model_config] if config.speculative.method == "draft" else [])
+    platform = jax.default_backend()
+    page_bytes = sum(ModelRunner.kv_bytes_per_page(mc, cache.page_size, kv_dtype, platform)
+                     for mc in cache_configs)
+    num_pages = cache.num_pages or max(1, cache.memory_bytes // page_bytes)
     impl, check = resolve_attention_impl(
-        config, [model_config] + ([draft_config] if draft_config is not None else []))
+        config, [model_config] + ([draft_config] if draft_config is not None else []),
+        num_pages=num_pages)
     # Processes whose self-checks disagree would compile different steps (a hang).
     multihost.check_same_setup(dict(attention_impl=impl))
     model = build_model(config, model_config, loaded.params, loaded.orbax_dir, impl, mesh,
@@ -186,13 +199,7 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
         draft = load_draft(config, model_config, model, loaded.params, loaded.orbax_dir, impl,
                            mesh, model_config=draft_parts.get("model_config"),
                            params_override=draft_parts.get("params"))
-    cache, sc = config.cache, config.scheduler
     max_model_len = sc.max_model_len or model_config.max_position_embeddings
-    kv_dtype = jnp.dtype(cache.dtype or config.dtype)
-    page_bytes = ModelRunner.kv_bytes_per_page(model_config, cache.page_size, kv_dtype) + (
-        0 if draft is None else ModelRunner.kv_bytes_per_page(draft[0].cfg, cache.page_size,
-                                                              kv_dtype))
-    num_pages = cache.num_pages or max(1, cache.memory_bytes // page_bytes)
     allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
     scheduler = Scheduler(sc, allocator, max_model_len)
     # Speculation: a full batch still has max_num_seqs sampling rows for drafts.

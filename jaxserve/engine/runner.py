@@ -77,6 +77,8 @@ from jaxserve.engine.sampling import prompt_logprobs, sample
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
 from jaxserve.models.stack import stack_layers
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
+from pallas_kernels.ragged_paged_attention.kernel_tpu_schedule import (tpu_kv_page_bytes,
+                                                                       tpu_kv_scale_page_bytes)
 from pallas_kernels.ragged_paged_attention.quant import KVPages, is_quantized
 from sharding.mesh import make_mesh, validate_mesh_for_model
 from sharding.rules import ShardingRules, named_sharding, param_shardings
@@ -222,11 +224,23 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
         self._plan_treedef = plan_treedef()
 
     @staticmethod
-    def kv_bytes_per_page(cfg, page_size: int, dtype) -> int:
+    def kv_bytes_per_page(cfg, page_size: int, dtype, platform: str | None = None) -> int:
         """Bytes of K and V for one page across all layers, int8/fp8 scales
         (f32, one per token per kv head) included. At SmolLM2's K = 3, H = 64,
         30 layers, L = 16: f32 737,280, bf16 368,640, int8/fp8 195,840, so
-        1 GiB holds 1,456 / 2,912 / 5,482 pages (int8 3.76x f32, 1.88x bf16)."""
+        1 GiB holds 1,456 / 2,912 / 5,482 pages (int8 3.76x f32, 1.88x bf16).
+
+        ``platform="tpu"``: the padded HBM bytes under XLA's TPU tiling of the
+        minor dims (``kernel_tpu_schedule.tpu_kv_page_bytes`` and
+        ``tpu_kv_scale_page_bytes``, an upper bound): K rounds up to the
+        sublane tile and H to 128 lanes, so SmolLM2's bf16 pages take 10.7x
+        their data there, and the page count a memory budget buys shrinks
+        to match instead of overrunning HBM."""
+        if platform == "tpu":
+            per_layer = tpu_kv_page_bytes(page_size, cfg.num_kv_heads, cfg.head_dim, dtype) + (
+                tpu_kv_scale_page_bytes(page_size, cfg.num_kv_heads)
+                if is_quantized(dtype) else 0)
+            return 2 * cfg.num_layers * per_layer
         per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized(dtype) else 0)
         return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * per_head
 

@@ -2,9 +2,11 @@
 
 ``ragged_paged_attention`` picks the Pallas lowering for the device:
 
-* TPU: ``kernel_tpu`` (Mosaic; metadata scalar-prefetched, K/V pages copied
-  HBM -> VMEM by double-buffered DMAs);
-* GPU: ``kernel_gpu`` (Pallas on Triton);
+* TPU: ``kernel_tpu`` (Mosaic; the schedule scalar-prefetched, the page
+  table left in HBM and read a window at a time into SMEM, K/V pages copied
+  HBM -> VMEM per kv head by double-buffered DMAs);
+* GPU: ``kernel_gpu`` (Pallas on Triton; KV-length splits merged by
+  log-sum-exp at small batch, decode blocks sized to the query group);
 * CPU: no lowering; pass ``interpret=True`` (the GPU kernel under the Pallas
   interpreter) or ``interpret=pltpu.InterpretParams()`` (the TPU kernel under
   JAX's TPU interpreter, which simulates scalar prefetch, DMAs and semaphores).
