@@ -10,11 +10,40 @@ import enum
 import math
 import time
 
+import numpy as np
+
 # Largest ``logprobs`` / ``prompt_logprobs`` a request may ask (vLLM's max_logprobs).
 MAX_LOGPROBS = 20
 # An output token sampled by a step that was launched but whose result has not
 # reached the host yet (async scheduling, ``jaxserve.engine.async_step``).
 PLACEHOLDER_ID = -1
+# Largest ``temperature``. Sampling divides the float32 logits by it
+# (``sampling.sample``); up to this bound logits/T of any logit above 1e-34
+# in magnitude stays a normal float32, so the order of the logits, and with
+# it top-k / top-p / min-p, is exact, while the distribution inside the
+# filter is already uniform to 1e-3 for logits that span 10. Beyond it
+# logits/T underflow towards 0, ties appear and a filter no longer holds
+# (3e38 made every token pass top_k 3). vLLM sets no maximum; OpenAI's is 2.
+MAX_TEMPERATURE = 1e4
+
+
+def escape_text(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) written as
+    backslash escapes (``"\\ud800"``), for error messages and logs that echo
+    a client's value."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def float32_of(value) -> float:
+    """``value`` as the float32 the device will use (0.0 for what underflows,
+    inf for what overflows); NaN for what is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    try:
+        with np.errstate(over="ignore", under="ignore"):
+            return float(np.float32(value))
+    except OverflowError:  # an int beyond float64
+        return math.inf if value > 0 else -math.inf
 
 
 def check_text(text: str, what: str) -> str:
@@ -41,7 +70,7 @@ class SamplingParams:
 
     Attributes:
       max_tokens: most output tokens (>= 1).
-      temperature: >= 0; 0 means greedy.
+      temperature: in [0, ``MAX_TEMPERATURE``]; 0 means greedy.
       top_k: keep the k most likely tokens; 0 or -1 turns it off.
       top_p: nucleus mass in (0, 1]; 1 turns it off.
       min_p: in [0, 1]; drop tokens below min_p * the top probability.
@@ -61,13 +90,17 @@ class SamplingParams:
       presence_penalty, frequency_penalty: in [-2, 2]; subtract
         ``presence * (count > 0) + frequency * count`` over the output so far
         (OpenAI definitions).
-      repetition_penalty: > 0; 1 is off. Tokens seen in the prompt or output
+      repetition_penalty: > 0 and finite as float32; 1 is off. Tokens seen in the prompt or output
         have their logit divided by it when positive, multiplied when negative
         (Keskar et al. 2019, CTRL; HF ``RepetitionPenaltyLogitsProcessor``).
       skip_special_tokens: leave special tokens out of the output text
         (token ids keep them).
       include_stop_str_in_output: the text ends with the stop string that
         matched instead of just before it.
+
+    Every float is checked as the float32 the device samples with
+    (``float32_of``), so no value passes here that overflows, underflows
+    to 0, or turns a filter off on the device.
 
     Raises:
       ValueError: naming the field and value, from ``__post_init__``.
@@ -98,17 +131,19 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0")
+        # Floats are checked as the device's float32 values (``float32_of``):
+        # 1e-300 is 0 there and 1e39 is inf.
+        t32 = float32_of(self.temperature)
+        if not 0.0 <= t32 <= MAX_TEMPERATURE:
+            bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (as float32)")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", "must be -1, 0 (off) or a positive integer")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
-            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < float32_of(self.top_p) <= 1.0:
+            bad("top_p", "must be in (0, 1] (as float32)")
+        if not 0.0 <= float32_of(self.min_p) <= 1.0:
+            bad("min_p", "must be in [0, 1] (as float32)")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             bad("seed", "must be an integer in [0, 2**32)")
         if isinstance(self.stop, str):
@@ -132,11 +167,11 @@ class SamplingParams:
                 bad(f, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         for f in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                bad(f, "must be in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) \
-                or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be a finite number > 0")
+            if not -2.0 <= float32_of(v) <= 2.0:
+                bad(f, "must be in [-2, 2] (as float32)")
+        r32 = float32_of(self.repetition_penalty)
+        if not (math.isfinite(r32) and r32 > 0):
+            bad("repetition_penalty", "must be a number > 0 that is finite and not 0 as float32")
         for f in ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be a bool")

@@ -1,5 +1,5 @@
-"""Transport security of the gRPC server: the bearer-token check every call
-passes (``BearerTokenInterceptor``) and the TLS certificate/key pair, read and
+"""Transport security: the bearer-token rule both APIs apply
+(``bearer_refusal``; on gRPC every call passes ``BearerTokenInterceptor``) and the TLS certificate/key pair, read and
 checked with ``ssl`` before gRPC sees it (gRPC reports only "failed to
 bind"). Failures name the flag at fault (``--tls_cert``, ``--tls_key``).
 """
@@ -14,29 +14,56 @@ import grpc
 from jaxserve.metrics import ServingMetrics
 
 
+def bearer_refusal(values: list[str | bytes], token: str | None) -> str | None:
+    """Why a request's ``authorization`` values do not open a server whose
+    bearer token is ``token`` (None or "": no token, all open), or None when
+    they do. One rule for both APIs (HTTP headers, gRPC metadata): exactly one
+    value, ``Bearer <token>`` with the scheme in any case (RFC 9110 11.1),
+    the token compared in constant time.
+
+    Returns:
+      None, or the reason (HTTP 401 / gRPC UNAUTHENTICATED carry it).
+    """
+    if not token:
+        return None
+    hint = "(send one 'authorization: Bearer <token>')"
+    if not values:
+        return f"missing bearer token {hint}"
+    if len(values) > 1:
+        return f"{len(values)} authorization values; exactly one is allowed {hint}"
+    got = values[0]
+    got = got if isinstance(got, str) else got.decode("latin-1")
+    scheme, _, credentials = got.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return f"the authorization scheme is not Bearer {hint}"
+    if not hmac.compare_digest(credentials.strip().encode("utf-8", "surrogateescape"),
+                               token.encode()):
+        return f"wrong bearer token {hint}"
+    return None
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call without ``authorization: Bearer <token>`` metadata
-    with UNAUTHENTICATED (constant-time comparison)."""
+    """Rejects every call whose ``authorization`` metadata does not pass
+    ``bearer_refusal`` with UNAUTHENTICATED naming the reason."""
 
     def __init__(self, token: str, metrics: ServingMetrics | None = None):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._metrics = metrics
 
     async def intercept_service(self, continuation, details):
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        values = [v for k, v in (details.invocation_metadata or ()) if k == "authorization"]
+        why = bearer_refusal(values, self._token)
+        if why is None:
             return await continuation(details)
         if self._metrics is not None:
             self._metrics.rejected.labels("UNAUTHENTICATED").inc()
         handler = await continuation(details)
         if handler is None:
             return None
-        return _denying_handler(handler)
+        return _denying_handler(handler, why)
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    msg = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
-
+def _denying_handler(handler: grpc.RpcMethodHandler, msg: str) -> grpc.RpcMethodHandler:
     async def deny(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
 
@@ -100,4 +127,4 @@ def tls_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
     return key, cert
 
 
-__all__ = ["BearerTokenInterceptor", "tls_pair"]
+__all__ = ["BearerTokenInterceptor", "bearer_refusal", "tls_pair"]

@@ -7,7 +7,8 @@ which owns everything else a request is checked against before it reaches
 the engine, cheapest first:
 
   1. ``check_limits``: the sampling parameters against this server's
-     engine (``n`` <= ``max_num_seqs``, ``stop_token_ids`` inside the
+     engine (``n`` <= ``max_num_seqs``, all the request's sequences <=
+     ``max_num_seqs + max_waiting_requests``, ``stop_token_ids`` inside the
      vocabulary), before any tokenizing;
   2. a text's size in UTF-8 bytes against ``max_text_bytes`` (a text that
      long cannot fit ``max_prompt_len`` tokens whatever it says);
@@ -15,8 +16,8 @@ the engine, cheapest first:
      when the text is large (``tokenize_pool``), so a big prompt never holds
      the event loop that serves other requests and health checks;
   4. the prompt's token count against ``max_prompt_len`` (``*_prompt``),
-     and for the HTTP API the output budget against the context
-     (``output_budget``); then the engine.
+     and the output budget against the context (``output_budget``, both
+     APIs); then the engine.
 
 Every failure is an ``InvalidRequest`` whose message starts with the
 request field at fault in the caller's naming (``prompt.text``,
@@ -137,20 +138,34 @@ class Frontend:
 
     # ---- sampling limits ------------------------------------------------------
 
-    def check_limits(self, params: SamplingParams, prefix: str = "") -> None:
+    def check_limits(self, params: SamplingParams, prefix: str = "", num_prompts: int = 1,
+                     prompt_field: str = "prompt") -> None:
         """The one server-side check of ``params`` (after ``SamplingParams``'
         own): what this engine can run, before any tokenizing. ``prefix``
-        goes before the field names (gRPC: ``"sampling."``).
+        goes before the field names (gRPC: ``"sampling."``); ``num_prompts``
+        requests of ``params.n`` sequences each make up the API request
+        (a completions ``prompt`` list, named ``prompt_field``).
 
         Raises:
-          InvalidRequest: ``n`` above ``max_num_seqs`` (its choices could
-            never all run, so retrying cannot help), or stop token ids
-            outside the vocabulary.
+          InvalidRequest: what retrying can never fix: ``n`` above
+            ``max_num_seqs`` (its choices could never all run at once), more
+            sequences in all than ``max_num_seqs + max_waiting_requests``
+            (an idle server could not take them: without this the queue
+            check would answer a retryable 429), or stop token ids outside
+            the vocabulary.
         """
         limit = self.engine.max_num_seqs
         if params.n > limit:
             raise InvalidRequest(f"{prefix}n: {params.n} is more than max_num_seqs={limit}, the "
                                  f"most sequences that run at once")
+        total = params.n * num_prompts
+        most = limit + self.engine.max_waiting_requests
+        if total > most:
+            field = f"{prefix}n" if num_prompts == 1 else prompt_field
+            raise InvalidRequest(
+                f"{field}: {num_prompts} prompt(s) x n={params.n} is {total} sequences, more "
+                f"than this server can ever hold: max_num_seqs={limit} running + "
+                f"max_waiting_requests={self.engine.max_waiting_requests} waiting = {most}")
         if params.stop_token_ids:
             self.check_ids(params.stop_token_ids, f"{prefix}stop_token_ids")
 

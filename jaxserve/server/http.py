@@ -42,8 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
-import json
 import logging
 import socket
 import time
@@ -58,7 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server_config import ServerConfig
-from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.request import RequestOutput, escape_text
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import openai_protocol as oai
 from jaxserve.server.async_engine import (
@@ -68,6 +66,7 @@ from jaxserve.server.async_engine import (
     ShuttingDownError,
     StreamAborted,
 )
+from jaxserve.server.auth import bearer_refusal
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
 from jaxserve.server.frontend import Frontend, Job, chat_messages, start_job
 
@@ -180,14 +179,10 @@ class OpenAIServer:
     # ---- checks -----------------------------------------------------------------
 
     def _auth(self, request: Request) -> None:
-        token = self.config.auth_token
-        if not token:
-            return
-        scheme, _, got = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                got.strip().encode("utf-8", "surrogateescape"), token.encode()):
-            raise oai.APIError(401, "missing or wrong bearer token (header 'Authorization: "
-                                    "Bearer <token>')")
+        """The bearer-token rule gRPC applies too (``auth.bearer_refusal``)."""
+        why = bearer_refusal(request.headers.getlist("authorization"), self.config.auth_token)
+        if why is not None:
+            raise oai.APIError(401, why)
 
     def _ready(self) -> AsyncEngine:
         if self.draining:
@@ -218,10 +213,7 @@ class OpenAIServer:
                 break
         if size > limit:
             raise too_big
-        try:
-            return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise oai.bad_request(f"the body is not valid JSON: {e}") from None
+        return oai.loads(b"".join(chunks))
 
     async def _parse(self, request: Request, cls):
         self._auth(request)
@@ -229,7 +221,8 @@ class OpenAIServer:
         req = oai.parse(cls, body)
         unknown = req.unknown_fields()
         if unknown:
-            log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(unknown))
+            log.warning("%s: ignoring unknown fields %s", request.url.path,
+                        escape_text(", ".join(unknown)))
         model = getattr(req, "model", None)
         if model is not None and model != self.frontend.model_name:
             raise oai.APIError(404, f"The model `{model}` does not exist; this server serves "
@@ -289,7 +282,7 @@ class OpenAIServer:
                                    {"max_tokens": "max_tokens"})
         fe = self.frontend
         with self._errors():
-            fe.check_limits(base)
+            fe.check_limits(base, num_prompts=len(prompts))
             engine.check_queue(dataclasses.replace(base, n=base.n * len(prompts)))
             ids, texts = [], []
             for i, p in enumerate(prompts):

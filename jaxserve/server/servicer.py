@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import grpc
 
-from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams
+from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams, escape_text
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.async_engine import (
@@ -110,7 +110,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _reject(self, context, code: grpc.StatusCode, error: Exception) -> None:
         if self.frontend.engine is not None:
             self.frontend.engine.metrics.rejected.labels(code.name).inc()
-        await context.abort(code, str(error))
+        await context.abort(code, escape_text(str(error)))
 
     async def Generate(self, request: pb.GenerateRequest, context):
         arrival_time = time.monotonic()
@@ -127,6 +127,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             check_output_size(params, request.output_kind)
             engine.check_queue(params)  # before tokenizing: a full queue costs nothing
             ids = await self._prompt_ids(request)
+            if request.sampling.HasField("max_tokens"):  # HTTP's rule: it must fit the context
+                self.frontend.output_budget(params.max_tokens, len(ids), "sampling.max_tokens")
             if request.WhichOneof("prompt") == "chat":  # a transcript's turn end
                 params = params.with_stop(engine.tokenizer.chat_stop)
         except ValueError as e:
