@@ -127,7 +127,9 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, why):
-            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+            got = repr(getattr(self, field))
+            got = got if len(got) <= 80 else got[:77] + "..."
+            raise ValueError(f"SamplingParams.{field} {why}, got {got}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
