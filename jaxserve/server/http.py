@@ -18,12 +18,16 @@ tokenized by the front end the gRPC servicer uses too
 (``jaxserve.server.frontend``: one set of checks, one tokenizer pool, so
 large prompts never hold the event loop). Errors are OpenAI's
 ``{"error": {message, type, param, code}}``: 400 for bad input (``param``
-names the field: a bad value, a malformed JSON body, a content type other
-than ``application/json``), 413 for a body over ``max_http_body_bytes``,
-401 without the bearer token when one is configured (every route but
-``/health`` and ``/metrics``), 404 for another model name or route, 429 when
-the waiting queue is full, 503 while loading or draining, 500 when the
-engine fails a running request. An error after a stream started arrives as
+names the field: a bad value, a malformed JSON body or one nested deeper
+than ``openai_protocol.MAX_JSON_DEPTH``, a content type other than
+``application/json``, a request no idle server could hold), 413 for a body
+over ``max_http_body_bytes``, 401 without the bearer token when one is
+configured (every route but ``/health`` and ``/metrics``; the rule gRPC
+applies too, ``auth.bearer_refusal``), 404 for another model name or route,
+429 when the waiting queue is full now (retry later), 503 while loading or
+draining, 500 when the engine fails a running request. Messages write what
+UTF-8 cannot encode (a lone surrogate in a model name) as backslash escapes
+(``APIError``), so every error renders. An error after a stream started arrives as
 a last ``data: {"error": ...}`` event before ``data: [DONE]``.
 
 Streams are server-sent events (``data: {...}``, then ``data: [DONE]``): one
