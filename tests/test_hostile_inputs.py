@@ -33,7 +33,7 @@ from jaxserve.engine.request import MAX_TEMPERATURE, SamplingParams
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.client import make_request
-from jaxserve.server.openai_protocol import MAX_JSON_DEPTH
+from jaxserve.server.json_body import MAX_JSON_DEPTH
 from server_util import ServerProcess
 from test_server import ENGINE_FLAGS, _wait_idle
 

@@ -19,7 +19,7 @@ tokenized by the front end the gRPC servicer uses too
 large prompts never hold the event loop). Errors are OpenAI's
 ``{"error": {message, type, param, code}}``: 400 for bad input (``param``
 names the field: a bad value, a malformed JSON body or one nested deeper
-than ``openai_protocol.MAX_JSON_DEPTH``, a content type other than
+than ``json_body.MAX_JSON_DEPTH``, a content type other than
 ``application/json``, a request no idle server could hold), 413 for a body
 over ``max_http_body_bytes``, 401 without the bearer token when one is
 configured (every route but ``/health`` and ``/metrics``; the rule gRPC
@@ -62,6 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.server_config import ServerConfig
 from jaxserve.engine.request import RequestOutput, escape_text
 from jaxserve.metrics import ServingMetrics
+from jaxserve.server import json_body
 from jaxserve.server import openai_protocol as oai
 from jaxserve.server.async_engine import (
     AsyncEngine,
@@ -217,7 +218,7 @@ class OpenAIServer:
                 break
         if size > limit:
             raise too_big
-        return oai.loads(b"".join(chunks))
+        return json_body.loads(b"".join(chunks))
 
     async def _parse(self, request: Request, cls):
         self._auth(request)
