@@ -213,6 +213,20 @@ DEEP_BODIES = {
 }
 
 
+@pytest.mark.parametrize("body, start", [
+    (b'{"prompt": "hi", "n": ' + b"1" * 5000 + b"}", "the body is not valid JSON: Exceeds the "
+     "limit (4300 digits)"),
+    (b'{"prompt": "hi", "temperature": 1e999}', "temperature must be a number in [0, 10000]"),
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature must be a number in [0, 10000]"),
+    (b'{"prompt": "hi", "top_p": -Infinity}', "top_p must be in (0, 1]"),
+    (b'{"prompt": [5, 6], "max_tokens": ' + b"9" * 4000 + b"}", "max_tokens: this model's"),
+], ids=["int-5000-digits", "1e999", "NaN", "-Infinity", "int-4000-digits"])
+def test_numbers_json_cannot_hold_are_400(server, http, body, start):
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(start), r.text
+
+
 @pytest.mark.parametrize("name", list(DEEP_BODIES))
 def test_deep_json_is_400_naming_the_limit(server, http, name):
     for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):

@@ -43,8 +43,9 @@ def loads(raw: bytes) -> Any:
     """A request body's JSON, nested at most ``MAX_JSON_DEPTH`` deep.
 
     Raises:
-      APIError: 400 for JSON that is malformed, not UTF-8, or nested deeper
-        than ``MAX_JSON_DEPTH`` (the message names the limit).
+      APIError: 400 for JSON that is malformed, not UTF-8, holds an integer
+        longer than Python converts (4,300 digits), or is nested deeper than
+        ``MAX_JSON_DEPTH`` (the message names the limit).
     """
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
@@ -52,7 +53,7 @@ def loads(raw: bytes) -> Any:
                           f"{MAX_JSON_DEPTH} is allowed (MAX_JSON_DEPTH)")
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # malformed, not UTF-8, an integer over 4300 digits
         raise bad_request(f"the body is not valid JSON: {e}") from None
     except RecursionError:  # not reached after the depth check; kept as a guard
         raise bad_request(f"the body nests deeper than {MAX_JSON_DEPTH}") from None
