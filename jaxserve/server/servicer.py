@@ -4,8 +4,9 @@ Every request is checked before it reaches the engine, cheapest check
 first: the wire checks of ``jaxserve.server.checks`` (which give the order),
 then the front end both APIs share (``jaxserve.server.frontend``: the
 engine's limits, tokenizing on worker processes for large texts, the prompt
-length). A bad request ends with INVALID_ARGUMENT and a message that names
-the field. Register the servicer with ``checks.add_generation_servicer``,
+length, a ``max_tokens`` that is set against the context, as HTTP checks
+it). A bad request ends with INVALID_ARGUMENT and a message that names
+the field (anything UTF-8 cannot encode written as a backslash escape). Register the servicer with ``checks.add_generation_servicer``,
 whose deserializer turns undecodable bytes into INVALID_ARGUMENT. The
 servicer exists before the model has loaded (so health and reflection
 answer at once); until ``Frontend.set_engine`` its methods answer UNAVAILABLE.
@@ -151,7 +152,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 outputs = await engine.generate(ids, params, arrival_time)
             except ValueError as e:
                 engine.metrics.rejected.labels("INVALID_ARGUMENT").inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(e)))
             except QueueFullError as e:
                 engine.metrics.rejected.labels("RESOURCE_EXHAUSTED").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -294,7 +295,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             else:
                 ids = await fe.chat_ids(self._messages(request.chat, "input.chat"), "input.chat")
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(e)))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BrokenProcessPool as e:  # as in Generate: the retry's pool died too
@@ -310,7 +311,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             text = self.frontend.detokenize(request.token_ids, "token_ids",
                                             request.skip_special_tokens)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(e)))
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context):
@@ -318,7 +319,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             check_decoded(request)
         except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(err)))
         return pb.ModelInfoResponse(name=self.frontend.model_name,
                                     max_prompt_len=self.frontend.max_prompt_len,
                                     **engine.model_info())
