@@ -173,7 +173,7 @@ class SamplingParams:
                 bad(f, "must be in [-2, 2] (as float32)")
         r32 = float32_of(self.repetition_penalty)
         if not (math.isfinite(r32) and r32 > 0):
-            bad("repetition_penalty", "must be a number > 0 that is finite and not 0 as float32")
+            bad("repetition_penalty", "must be a finite number > 0 (as float32)")
         for f in ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be a bool")
