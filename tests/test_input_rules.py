@@ -75,3 +75,10 @@ def test_sampling_floats_are_checked_as_float32():
     with pytest.raises(ValueError) as e:
         SamplingParams(temperature=long)
     assert str(e.value).endswith("...") and len(str(e.value)) < 200
+
+
+def test_json_depth_carries_across_chunks(monkeypatch):
+    from jaxserve.server import json_body
+    monkeypatch.setattr(json_body, "_CHUNK", 7)
+    assert json_depth(b"[" * 100 + b"]" * 100) == 100
+    assert json_depth(b"[" + b"[1]," * 80 + b"[[[" * 30 + b"]]]" * 30 + b"]") == 91

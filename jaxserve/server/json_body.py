@@ -3,7 +3,8 @@
 ``json.loads`` recurses once per nested array or object and raises
 ``RecursionError`` near Python's recursion limit (a body nested 100,000
 deep did, as a 500). ``loads`` measures the nesting first without
-recursion (``json_depth``: bracket counts outside strings, one numpy pass)
+recursion (``json_depth``: bracket counts outside strings, numpy passes
+over 1 MiB chunks)
 and refuses bodies deeper than ``MAX_JSON_DEPTH`` with a 400 naming it.
 """
 
@@ -25,6 +26,7 @@ from jaxserve.server.openai_protocol import bad_request
 MAX_JSON_DEPTH = 64
 
 
+_CHUNK = 1 << 20  # bytes scanned at a time
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 
 
@@ -34,9 +36,16 @@ def json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> int:
     has at most ``limit`` opening brackets in all (it cannot nest deeper)."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return 0
-    c = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
-    step = (c == ord("[")).astype(np.int8) + (c == ord("{")) - (c == ord("]")) - (c == ord("}"))
-    return int(np.cumsum(step, dtype=np.int64).max(initial=0))
+    bare = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    depth = deepest = 0
+    for start in range(0, len(bare), _CHUNK):  # bounded scratch memory per request
+        c = bare[start:start + _CHUNK]
+        step = (c == ord("[")).astype(np.int32) + (c == ord("{")) - (c == ord("]")) \
+            - (c == ord("}"))
+        running = np.cumsum(step, dtype=np.int32)
+        deepest = max(deepest, depth + int(running.max()))
+        depth += int(running[-1])
+    return deepest
 
 
 def loads(raw: bytes) -> Any:
