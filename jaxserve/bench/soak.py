@@ -83,13 +83,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import secrets
 import sys
 import time
 
 from jaxserve.bench import machine, report
 from jaxserve.bench.serving import spawn_server, stop_server
 from jaxserve.bench.soak_probe import SITECUSTOMIZE, CompileCounter, malloc_probe, sample
-from jaxserve.bench.soak_report import criteria, markdown, plot, rss_figures, summarize, windows
+from jaxserve.bench.soak_http import http_client_main
+from jaxserve.bench.soak_report import (criteria, latency, markdown, plot, rss_figures, summarize,
+                                        windows)
 from jaxserve.bench.soak_traffic import client_main
 from jaxserve.server.client import Client
 
@@ -100,11 +103,15 @@ def soak(a) -> dict:
     mach = machine.describe(devices=False)
     proc, counter, pid, saved_stderr, probe_file = None, None, a.server_pid, sys.stderr, None
     flags = list(a.engine_flags)
+    token, http_url = a.token, a.http_url
     if not a.target:
+        # A token, so that the auth cases have one to get wrong.
+        token = token or f"soak-{secrets.token_hex(8)}"
         if not any(f.split("=")[0] == "--max_waiting_requests" for f in flags):
             flags += ["--max_waiting_requests", "16"]
         env_saved = dict(os.environ)
         os.environ["JAX_LOG_COMPILES"] = "1"
+        os.environ["JAXSERVE_AUTH_TOKEN"] = token
         for kv in a.server_env:
             k, _, v = kv.partition("=")
             os.environ[k] = v
@@ -121,7 +128,7 @@ def soak(a) -> dict:
         sys.stderr = counter
         try:
             t_spawn = time.monotonic()
-            proc, target, url = spawn_server(a.model, flags)
+            proc, target, url, http_url = spawn_server(a.model, flags, http=True)
             load_s = time.monotonic() - t_spawn
         finally:
             os.environ.clear()
@@ -130,27 +137,29 @@ def soak(a) -> dict:
     else:
         target, url, load_s = a.target, a.metrics_url, None
     try:
-        with Client(target, token=a.token) as c:
+        with Client(target, token=token) as c:
             info = c.model_info()
         t0 = time.monotonic()
         warmup_s = 60 * (a.warmup_minutes if a.warmup_minutes is not None
                          else max(0.1 * a.minutes, min(2.0, 0.5 * a.minutes)))
         samples = [sample(t0, pid, url, counter)]
         compiles_at_start = counter.count() if counter else None
-        cfg = {"target": target, "token": a.token, "seed": a.seed, "inflight": a.inflight,
+        cfg = {"target": target, "http_url": http_url, "token": token, "seed": a.seed, "inflight": a.inflight,
                "burst": a.burst, "request_timeout_s": a.request_timeout_s, "slack_s": a.slack_s,
                "vocab_size": info.vocab_size, "max_prompt_len": info.max_prompt_len,
-               "max_model_len": info.max_model_len, "stop_at": t0 + 60 * a.minutes}
+               "max_model_len": info.max_model_len, "stop_at": t0 + 60 * a.minutes,
+               "coverage_clients": [0, a.clients]}  # the first of each API
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        procs = [ctx.Process(target=client_main, args=(cfg, i, out), daemon=True)
-                 for i in range(a.clients)]
+        n_clients = a.clients + a.http_clients  # ids: gRPC 0..clients-1, then HTTP
+        procs = [ctx.Process(target=client_main if i < a.clients else http_client_main,
+                             args=(cfg, i, out), daemon=True) for i in range(n_clients)]
         for p in procs:
             p.start()
         records, got, started = [], set(), 0
         hard_end = cfg["stop_at"] + a.request_timeout_s + a.slack_s + 60
         next_sample = t0 + a.sample_s
-        while len(got) < a.clients and time.monotonic() < hard_end:
+        while len(got) < n_clients and time.monotonic() < hard_end:
             try:
                 cid, recs, n = out.get(timeout=max(0.05, next_sample - time.monotonic()))
                 got.add(cid)
@@ -204,8 +213,9 @@ def soak(a) -> dict:
                           "page_size": info.page_size, "backend": info.backend},
            "duration_s": traffic_end - t0, "warmup_s": warmup_s, "samples": samples,
            "windows": windows(records, rss_samples), "counters": counters, "end": end,
+           "latency": latency(records, t0 + warmup_s), "http_url": http_url,
            "rss": rss_figures(rss_samples, warmup_s), "malloc_probe": probe,
-           "client_processes_missing": sorted(set(range(a.clients)) - got),
+           "client_processes_missing": sorted(set(range(n_clients)) - got),
            "anomalies": [r for r in records if not r["expected"] or r.get("lost")
                          or r.get("hanging")][:200]}
     if counter is not None:
@@ -228,8 +238,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--target", help="host:port of a running server (default: spawn one)")
     ap.add_argument("--metrics_url", help="--target: its /metrics URL")
     ap.add_argument("--server_pid", type=int, help="--target: its pid, for RSS")
-    ap.add_argument("--token", help="bearer token of the server")
-    ap.add_argument("--clients", type=int, default=4, help="client processes")
+    ap.add_argument("--http_url", help="--target: base URL of its HTTP API (http://host:port)")
+    ap.add_argument("--token", help="bearer token of the server (a spawned one gets a random "
+                    "token unless this is given)")
+    ap.add_argument("--clients", type=int, default=3, help="gRPC client processes")
+    ap.add_argument("--http_clients", type=int, default=3, help="HTTP client processes")
     ap.add_argument("--inflight", type=int, default=2, help="calls in flight per client")
     ap.add_argument("--burst", type=int, default=40, help="requests per burst")
     ap.add_argument("--sample_s", type=float, default=5.0, help="sampling period, s")
@@ -263,8 +276,13 @@ def run(a) -> int:
     """
     if a.target and not a.metrics_url:
         raise ValueError("--target needs --metrics_url (pages and running/waiting come from it)")
-    if a.clients < 1 or a.inflight < 1 or a.minutes <= 0 or a.sample_s <= 0:
-        raise ValueError("--clients, --inflight, --minutes and --sample_s must be positive")
+    if a.target and a.http_clients and not a.http_url:
+        raise ValueError("--target with --http_clients > 0 needs --http_url")
+    if a.clients < 0 or a.http_clients < 0 or a.clients + a.http_clients < 1:
+        raise ValueError(f"--clients {a.clients} / --http_clients {a.http_clients}: need >= 0 "
+                         "each and one client at least")
+    if a.inflight < 1 or a.minutes <= 0 or a.sample_s <= 0:
+        raise ValueError("--inflight, --minutes and --sample_s must be positive")
     a.output = a.output or os.path.join("soak-results", time.strftime("%Y%m%d-%H%M%S"))
     if os.path.exists(a.output) and os.listdir(a.output):
         raise ValueError(f"--output {a.output} is not empty")
