@@ -1,25 +1,37 @@
-"""Soak benchmark: hours of mixed, partly hostile gRPC traffic against one
-server, watching for leaks (RSS, KV pages) and for calls that end wrongly.
+"""Soak benchmark: long mixed, partly hostile traffic over both APIs at once
+(gRPC and the OpenAI HTTP API of one server), watching for leaks (RSS, KV
+pages) and for calls that end wrongly (issue 33).
 
-    python -m jaxserve.bench soak --minutes 30 --output /tmp/soak
-    python -m jaxserve.bench soak --minutes 5 --clients 2 -- --max_num_seqs 16   # engine flags after --
-    python -m jaxserve.bench soak --target 127.0.0.1:50051 \\
-        --metrics_url http://127.0.0.1:8000/metrics --server_pid 1234
+    python -m jaxserve.bench soak --minutes 20 --output /tmp/soak
+    python -m jaxserve.bench soak --minutes 0.5 --clients 1 --http_clients 1 -- --num_pages 128
+    python -m jaxserve.bench soak --target 127.0.0.1:50051 --http_url http://127.0.0.1:8080 \\
+        --metrics_url http://127.0.0.1:8000/metrics --server_pid 1234 --token T
 
 Processes::
 
-  main process                                   server (spawn_server, or --target)
+  main process                                   server (spawn_server(http=True), or --target)
   ------------                                   ------
   every --sample_s: RSS of the server pid  ◀──── /proc/PID/status (psutil if installed)
   scrape /metrics (pages, running, waiting) ◀─── prometheus page
   counts XLA compilations in the server's  ◀──── stderr (JAX_LOG_COMPILES=1 on a spawned
     stderr (the compile lines are hidden)          server; every executable built or loaded)
-  K client processes (multiprocessing, spawn)
-    each: --inflight asyncio workers on one AsyncClient ──gRPC──▶ 127.0.0.1
-    each worker: draw a case (seeded), run it, record it; until --minutes have passed
+  --clients gRPC client processes (spawn)
+    each: --inflight asyncio workers on one AsyncClient ──gRPC──▶ --port
+  --http_clients HTTP client processes (spawn)
+    each: --inflight asyncio workers on one httpx.AsyncClient ──HTTP──▶ --http_port
+    (and raw sockets for the unread streams)
+  each worker: draw a case (seeded), run it, record it; until --minutes have passed
 
-Cases, drawn per call with fixed weights (``soak_traffic.CASES``), each with
-the gRPC codes it may end with (``soak_report.EXPECTED``):
+A spawned server gets a random bearer token ($JAXSERVE_AUTH_TOKEN) unless
+``--token`` names one, so that the ``auth_*`` hostile cases have a token to
+get wrong; every other call carries the right one.
+
+The first client process of each API starts with a coverage pass: every
+case once, then every hostile sub-case once, so that even a 30 s run has a
+status for each; then it draws like the others.
+
+gRPC cases (``soak_traffic.CASES``), with the codes each may end with
+(``soak_report.EXPECTED["grpc"]``):
 
 * ``generate``: a streaming request of varied shape: text / token ids / chat,
   greedy or seeded sampling, n = 1..2, logprobs and prompt logprobs sometimes,
@@ -33,12 +45,34 @@ the gRPC codes it may end with (``soak_report.EXPECTED``):
 * ``bad``: a malformed request (``soak_traffic.BAD_CASES``: empty prompt, out-of-vocab id,
   negative temperature, unknown role, ...) -> INVALID_ARGUMENT.
   ``oversized``: a prompt of max_prompt_len + 1.. tokens -> INVALID_ARGUMENT.
+* ``hostile``: one of ``soak_hostile.GRPC_HOSTILE`` (issue 33's kinds: lone
+  surrogates as bytes, groups nested 100,000 deep, float32 overflows,
+  max_tokens 2^31-1, n 129, authorization metadata), each with its own
+  expected codes.
+* ``unread``: a stream (n 1-4, up to 300 tokens) never read, cancelled 2-8 s
+  later (CANCELLED, or whatever ended it first).
 * ``burst``: ``--burst`` one-or-two-token requests at once, more than the
   waiting-queue bound (a spawned server gets ``--max_waiting_requests 16``
   unless the engine flags say otherwise): OK or RESOURCE_EXHAUSTED.
 * ``tokenize`` / ``detokenize`` / ``model_info`` / ``health``: OK.
 
-Hostile requests are in the mix too: ``n`` far above
+HTTP cases (``soak_http.CASES``, statuses in ``EXPECTED["http"]``): the
+same kinds over ``/v1/completions`` and ``/v1/chat/completions``, streamed
+and not: ``generate`` (200 or 429), ``cancel`` (the client closes the
+stream), ``deadline`` (an httpx timeout), ``hostile``
+(``soak_hostile.HTTP_HOSTILE``: surrogates in model / prompt / stop /
+messages, JSON nested 100,000 deep, temperature 3e38 / 1e308 / 1e999,
+repetition_penalty 1e-300, max_tokens 2^31-1 and 2^63, 1,000 prompts, 100
+prompts x n 64, authorization headers ...), ``oversized`` (400),
+``unread`` (a raw-socket stream read only to its status line, closed 2-8 s
+later), ``tokenize`` / ``models`` / ``health`` (200).
+
+The hostile cases expect what issue 33's rule says (bad input -> 400 /
+INVALID_ARGUMENT, never 500; too large to ever hold -> 400, not 429; one
+auth rule for both APIs), not what today's server answers: a different
+answer is counted as an unexpected status and fails the run.
+
+Hostile requests are in the gRPC ``bad`` mix too: ``n`` far above
 ``max_num_seqs``, request ids over 256 characters, CUMULATIVE streams asking
 for more logprob entries than allowed and bytes that are not a request (all
 INVALID_ARGUMENT); normal requests sometimes carry ids of any characters
@@ -56,7 +90,7 @@ SIGUSR1 with ``mallinfo2`` before and after ``malloc_trim(0)``), then sends
 SIGTERM and records the exit status.
 
 This module runs the soak (``run``: the server, the client processes of
-``soak_traffic.py``, the samples, the end); ``soak_probe.py`` measures the server (memory, XLA executables, ``/metrics``,
+``soak_traffic.py`` and ``soak_http.py``, the samples, the end); ``soak_probe.py`` measures the server (memory, XLA executables, ``/metrics``,
 the glibc probe); ``soak_report.py`` turns the records and
 samples into counters, latency windows, memory figures (the RSS drift, and how
 much of it the new XLA executables explain), the pass verdict, ``report.md``
@@ -68,13 +102,17 @@ of it))), at the end and the peak; drift = (end - end of warm-up) / end of
 warm-up; slope = least-squares MB/min over the samples after the warm-up.
 
 Pass criteria (exit 0, else 1 with the failing ones listed): no lost and no
-hanging call, every status code expected for its case, pages free == total
+hanging call on either API, every status code expected for its case, pages free == total
 after settling, RSS drift < ``--max_rss_drift``, server exit status 0.
 
 Output in ``--output`` (new or empty): ``soak.json`` (config, machine, every
 sample, counters per case x code, latency windows, anomalies), ``report.md``
-(printed too) and ``soak.png`` (RSS, pages used, TTFT p50/p99, errors per
-window; needs matplotlib).
+(printed too) and ``soak.png`` (RSS, calls in flight per API, pages used, TTFT
+p50/p99, errors per window; needs matplotlib). The report has, per API and
+case, the counts by status (expected / unexpected), lost and hanging calls;
+each hostile / malformed sub-case with its expected and actual statuses; the
+latency of normal requests after the warm-up per API; pages free at the end;
+the RSS figures.
 """
 
 

@@ -4,9 +4,12 @@ but ``plot``'s file.
 
 Inputs, as ``soak.run`` collects them:
 
-* records: one dict per call ended, from the client processes: ``case``
-  (``soak.CASES``, or ``client`` for a client process's own fault), ``code``
-  (a gRPC status name, ``HANGING`` or ``CLIENT_ERROR``), monotonic ``t0`` /
+* records: one dict per call ended, from the client processes: ``api``
+  ("grpc" or "http"), ``case`` (``soak_traffic.CASES`` / ``soak_http.CASES``,
+  or ``client`` for a client process's own fault), ``code`` (a gRPC status
+  name, an HTTP status as a string, ``CANCELLED`` / ``TIMEOUT`` on the HTTP
+  side, ``HANGING`` or ``CLIENT_ERROR``), ``expect`` (a hostile case's own
+  expected codes), monotonic ``t0`` /
   ``t1`` and ``e2e`` (s), ``ttft`` (s, streams that sent a token), ``lost`` /
   ``hanging`` flags, ``sub`` (the malformed or oversized variant).
 * samples: one dict per ``--sample_s``: monotonic ``t``, ``t_rel`` (s since
@@ -17,20 +20,26 @@ Inputs, as ``soak.run`` collects them:
 
 Functions:
 
-* ``summarize(records)``: counters per case x code, split by ``EXPECTED``
-  (the codes each case may end with); marks every record ``expected``.
+* ``summarize(records)``: counters per API x case x code, split by
+  ``EXPECTED`` (the codes each case may end with) or the record's own
+  ``expect``; totals overall and per API; the sub-cases with their expected
+  and actual codes; marks every record ``expected``.
+* ``latency(records, after)``: TTFT / E2E p50 and p99 of OK ``generate``
+  calls per API after the warm-up.
 * ``windows(records, samples)``: per sample interval, calls/s, TTFT and E2E
-  p50/p99 of OK ``generate`` streams, non-OK codes, unexpected ones (call
-  after ``summarize``: it reads ``expected``).
+  p50/p99 of OK ``generate`` calls, non-OK codes, unexpected ones, calls in
+  flight per API at the sample (call after ``summarize``: it reads
+  ``expected``).
 * ``rss_figures(samples, warmup_end)``: RSS at start, end of warm-up, end,
   peak; drift = (end - end of warm-up) / end of warm-up; least-squares slope
   (MB/min) after the warm-up.
 * ``rss_by_executables``: the part of that drift new XLA executables explain
   (MB per executable) and the rest (growth at a constant executable count).
 * ``criteria(result, max_drift)``: the failed pass criteria, as sentences.
-* ``markdown(result)`` -> ``report.md`` (cases in ``EXPECTED``'s order).
-* ``plot(result, path, plt)`` -> ``soak.png`` (RSS, pages used, TTFT p50/p99,
-  errors per window).
+* ``markdown(result)`` -> ``report.md`` (per API, cases in ``EXPECTED``'s
+  order; the sub-case table; latency per API).
+* ``plot(result, path, plt)`` -> ``soak.png`` (RSS, calls in flight per API,
+  pages used, TTFT p50/p99, errors per window).
 """
 
 from __future__ import annotations
