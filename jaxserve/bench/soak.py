@@ -49,7 +49,8 @@ gRPC cases (``soak_traffic.CASES``), with the codes each may end with
   surrogates as bytes, groups nested 100,000 deep, float32 overflows,
   max_tokens 2^31-1, n 129, authorization metadata), each with its own
   expected codes.
-* ``unread``: a stream (n 1-4, up to 300 tokens) never read, cancelled 2-8 s
+* ``unread``: a stream (n 1-4 and up to 300 tokens, or one in four the
+  issue's n 16 / logprobs 20 / up to 1,500 tokens) never read, cancelled 2-8 s
   later (CANCELLED, or whatever ended it first).
 * ``burst``: ``--burst`` one-or-two-token requests at once, more than the
   waiting-queue bound (a spawned server gets ``--max_waiting_requests 16``
@@ -102,7 +103,8 @@ of it))), at the end and the peak; drift = (end - end of warm-up) / end of
 warm-up; slope = least-squares MB/min over the samples after the warm-up.
 
 Pass criteria (exit 0, else 1 with the failing ones listed): no lost and no
-hanging call on either API, every status code expected for its case, pages free == total
+hanging call on either API, every status code expected for its case, no
+traceback in a spawned server's log, pages free == total
 after settling, RSS drift < ``--max_rss_drift``, server exit status 0.
 
 Output in ``--output`` (new or empty): ``soak.json`` (config, machine, every
@@ -186,6 +188,7 @@ def soak(a) -> dict:
                "burst": a.burst, "request_timeout_s": a.request_timeout_s, "slack_s": a.slack_s,
                "vocab_size": info.vocab_size, "max_prompt_len": info.max_prompt_len,
                "max_model_len": info.max_model_len, "stop_at": t0 + 60 * a.minutes,
+               "kv_tokens": info.num_pages * info.page_size,
                "coverage_clients": [0, a.clients]}  # the first of each API
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -260,6 +263,7 @@ def soak(a) -> dict:
         by_name = {}
         for _, name in counter.events:
             by_name[name] = by_name.get(name, 0) + 1
+        server["tracebacks"] = counter.tracebacks
         res["compilations"] = {"total": len(counter.events), "at_start": compiles_at_start,
                                "after_warmup": len(counter.events) - counter.count(t0 + warmup_s),
                                "cache_hits": counter.cache_hits, "by_name": by_name,

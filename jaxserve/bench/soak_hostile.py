@@ -175,10 +175,25 @@ GRPC_HOSTILE = {
 }
 
 
+def unread_shape(rng, cfg: dict) -> dict:
+    """The sampling of an ``unread`` stream (both APIs): n 1-4, logprobs 0 or
+    5, up to 300 tokens; one in four the issue's shape (n 16, logprobs 20, up
+    to 1,500 tokens). max_tokens stays within the context and within half the
+    KV cache for all n choices (``cfg["kv_tokens"]``), so the server can hold
+    it: the stream is refused for nothing but its reader."""
+    if rng.random() < 0.25:
+        n, logprobs, want = 16, 20, 1500
+    else:
+        n, logprobs, want = int(rng.integers(1, 5)), int(rng.choice([0, 5])), 300
+    room = cfg.get("kv_tokens", 1 << 30) // (2 * n) - 40
+    return {"n": n, "logprobs": logprobs, "ignore_eos": True, "temperature": 0.0,
+            "max_tokens": max(8, min(want, cfg["max_model_len"] - 40, room))}
+
+
 def names(table: dict, cfg: dict) -> list[str]:
     """The cases of ``table`` a run draws from: the ``auth_*`` ones only when
     the server has a token."""
     return [k for k in table if cfg.get("token") or not k.startswith("auth_")]
 
 
-__all__ = ["GRPC_HOSTILE", "HTTP_HOSTILE", "names"]
+__all__ = ["GRPC_HOSTILE", "HTTP_HOSTILE", "names", "unread_shape"]

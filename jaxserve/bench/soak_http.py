@@ -8,7 +8,10 @@ each worker draws a case (``CASES``, seeded per process), runs it and records
 it, until ``cfg["stop_at"]``. Records are the gRPC ones' shape with
 ``"api": "http"`` and the HTTP status as a string ("200", "400", ...) or a
 client-side outcome: ``CANCELLED`` (this client closed the stream),
-``TIMEOUT`` (the client timeout of a ``deadline`` case), ``HANGING`` (not
+``TIMEOUT`` (an httpx timeout: expected only in a ``deadline`` case),
+``CONNECTION_ERROR`` (the connection broke or closed under the call: after
+an unhandled exception in the server, uvicorn drops the connection, and the
+next call on it fails so), ``HANGING`` (not
 ended by timeout + ``slack_s``), ``CLIENT_ERROR``; a 200 whose stream
 carried an error event is ``200_ERROR_EVENT``.
 
@@ -23,8 +26,8 @@ Cases (``soak_report.EXPECTED["http"]`` has each one's statuses):
 * ``deadline``: a longer request with an httpx timeout of 0.05-1.5 s.
 * ``hostile``: one of ``soak_hostile.HTTP_HOSTILE``, expecting its statuses.
 * ``oversized``: token ids past ``max_prompt_len`` -> 400.
-* ``unread``: a raw-socket streamed request (n 1-4, up to 300 tokens,
-  ``ignore_eos``) of which only the status line is read; the socket is
+* ``unread``: a raw-socket streamed request (``soak_hostile.unread_shape``:
+  n 1-4 or the issue's n 16 / logprobs 20) of which only the status line is read; the socket is
   closed 2-8 s later (the server must abort it and free its pages).
 * ``tokenize`` / ``models`` / ``health``: 200.
 """
@@ -39,7 +42,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from jaxserve.bench.soak_hostile import HTTP_HOSTILE, names
+from jaxserve.bench.soak_hostile import HTTP_HOSTILE, names, unread_shape
 from jaxserve.bench.workloads import SENTENCES
 
 CASES = (("generate", 0.50), ("cancel", 0.10), ("deadline", 0.08), ("hostile", 0.15),
@@ -190,7 +193,8 @@ async def _hostile(ctx: _Ctx, http: httpx.AsyncClient, rec: dict, sub: str | Non
     rec.update(sub=sub, expect=sorted(expect))
     headers = [("content-type", "application/json")]
     headers += list(ctx.headers.items()) if auth == "ok" else auth
-    resp = await http.post(path, content=data, headers=headers, timeout=30)
+    resp = await http.post(path, content=data, headers=headers,
+                           timeout=ctx.cfg["request_timeout_s"])
     rec["code"] = str(resp.status_code)
     if resp.status_code != 200:
         rec["details"] = resp.text[:300]
@@ -204,10 +208,8 @@ async def _unread(ctx: _Ctx, rec: dict) -> None:
     after 2-8 s (raw socket: httpx would read ahead)."""
     cfg, r = ctx.cfg, ctx.rng
     u = urlsplit(cfg["http_url"])
-    body = json.dumps({"prompt": ctx.ids(4, 32), "max_tokens": min(300, cfg["max_model_len"]
-                                                                    - 40),
-                       "n": int(r.integers(1, 5)), "stream": True, "ignore_eos": True,
-                       "logprobs": int(r.choice([0, 5]))}).encode()
+    rec["shape"] = shape = unread_shape(r, cfg)
+    body = json.dumps({"prompt": ctx.ids(4, 32), "stream": True, **shape}).encode()
     head = ["POST /v1/completions HTTP/1.1", f"Host: {u.netloc}",
             "Content-Type: application/json", f"Content-Length: {len(body)}"]
     head += [f"{k}: {v}" for k, v in ctx.headers.items()]
@@ -253,6 +255,10 @@ async def _one(ctx: _Ctx, http: httpx.AsyncClient, case: str, sub: str | None = 
                 rec["details"] = got.text[:300]
     except TimeoutError:
         rec["code"], rec["hanging"] = "HANGING", True
+    except httpx.TimeoutException as e:  # an httpx timeout outside the deadline case
+        rec["code"], rec["error"] = "TIMEOUT", f"{type(e).__name__}: {e}"[:300]
+    except httpx.TransportError as e:  # the server closed or broke the connection
+        rec["code"], rec["error"] = "CONNECTION_ERROR", f"{type(e).__name__}: {e}"[:300]
     except Exception as e:  # noqa: BLE001 (a client-side fault is a finding, not a crash)
         rec["code"], rec["error"] = "CLIENT_ERROR", f"{type(e).__name__}: {e}"[:300]
     rec["t1"] = time.monotonic()

@@ -229,6 +229,8 @@ def criteria(result: dict, max_drift: float) -> list[str]:
     rss = result["rss"]
     if rss and rss["drift"] >= max_drift:
         fails.append(f"RSS drift {100 * rss['drift']:.1f}% >= {100 * max_drift:.1f}%")
+    if result["server"].get("tracebacks"):
+        fails.append(f"{result['server']['tracebacks']} tracebacks in the server's log")
     if result["server"].get("exit_status") not in (0, None):
         fails.append(f"server exit status {result['server']['exit_status']} after SIGTERM")
     if result["client_processes_missing"]:
@@ -296,6 +298,7 @@ def markdown(res: dict) -> str:
               (f"- KV pages free / total after settling: {e.get('pages_free')} / "
               f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
               f"settled in {_f(e.get('settle_s'))} s)"),
+              f"- tracebacks in the server's log: {s.get('tracebacks', '-')}",
               (f"- server exit status after SIGTERM: {s.get('exit_status')}"
                f" ({_f(s.get('stop_s'))} s)" if "exit_status" in s else
                "- server: attached with --target, not stopped by this run")]

@@ -18,7 +18,8 @@ import time
 import grpc
 import numpy as np
 
-from jaxserve.bench.soak_hostile import GRPC_HOSTILE, names as hostile_names
+from jaxserve.bench.soak_hostile import GRPC_HOSTILE, unread_shape
+from jaxserve.bench.soak_hostile import names as hostile_names
 from jaxserve.bench.workloads import SENTENCES
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.client import AsyncClient, make_request
@@ -257,8 +258,8 @@ async def _one(ctx: _Ctx, client, case: str, sub: str | None = None) -> list[dic
             call = client.channel.unary_stream(
                 "/jaxserve.v1.Generation/Generate",
                 response_deserializer=pb.GenerateResponse.FromString)(
-                data, timeout=30, metadata=client.metadata if md is None else md)
-            await asyncio.wait_for(_stream(call, 1, t0, rec), 30 + cfg["slack_s"])
+                data, timeout=timeout, metadata=client.metadata if md is None else md)
+            await asyncio.wait_for(_stream(call, 1, t0, rec), timeout + cfg["slack_s"])
         elif case == "unread":
             await _unread(ctx, client, rec)
         elif case == "bad":
@@ -302,13 +303,11 @@ async def _one(ctx: _Ctx, client, case: str, sub: str | None = None) -> list[dic
 
 
 async def _unread(ctx: _Ctx, client, rec: dict) -> None:
-    """A stream (n 1-4, up to 300 tokens, ``ignore_eos``) never read, then
-    cancelled 2-8 s later; its code is the one it had ended with by then, or
-    CANCELLED."""
+    """A stream (``soak_hostile.unread_shape``) never read, then cancelled
+    2-8 s later; its code is the one it had ended with by then, or CANCELLED."""
     r = ctx.rng
-    req = make_request(token_ids=ctx.ids(4, 32), n=int(r.integers(1, 5)), ignore_eos=True,
-                       max_tokens=min(300, ctx.cfg["max_model_len"] - 40), temperature=0.0,
-                       logprobs=int(r.choice([0, 5])))
+    rec["shape"] = shape = unread_shape(r, ctx.cfg)
+    req = make_request(token_ids=ctx.ids(4, 32), **shape)
     call = client.stub.Generate(req, timeout=ctx.cfg["request_timeout_s"],
                                 metadata=client.metadata)
     rec["hold_s"] = float(r.uniform(2, 8))
