@@ -7,7 +7,7 @@
 | ``latency`` | time per output token with speculative decoding off and on | ``speculation`` |
 | ``sweep`` | decode step time over batch rows x context, beside the bandwidth roofline | ``decode_sweep`` |
 | ``startup`` | cold and warm start to SERVING, beside llama.cpp's server and HF | ``startup`` |
-| ``soak`` | hours of mixed, partly hostile gRPC traffic: leaks and wrong endings | ``soak`` |
+| ``soak`` | hours of mixed, partly hostile gRPC + HTTP traffic: leaks and wrong endings | ``soak`` |
 | ``eval`` | perplexity and KL divergence against the unquantized model | ``eval`` |
 | ``device`` | one GPU: kernel self-check, the kernel against JAX's, a Llama-3-8B-shaped model's steps, formats, workloads; each section time-limited | ``device`` |
 
@@ -44,7 +44,7 @@ COMMANDS = {
     "latency": "time per output token, speculative decoding off against on",
     "sweep": "decode step time over batch rows x context against the bandwidth roofline",
     "startup": "cold and warm start to SERVING against llama.cpp's server and HF's load",
-    "soak": "long mixed gRPC traffic against one server: leaks, lost or hanging calls",
+    "soak": "long mixed gRPC + HTTP traffic against one server: leaks, lost or hanging calls",
     "eval": "perplexity and KL divergence (every flag of python -m jaxserve.main --mode eval)",
     "device": "GPU: kernel self-check, the kernel against JAX's, then a Llama-3-8B-shaped "
               "model's steps, formats and workloads, each section time-limited",

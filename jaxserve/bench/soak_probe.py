@@ -89,7 +89,8 @@ class CompileCounter:
     ``spawn_server`` echoes the server's stderr through it; lines of
     ``JAX_LOG_COMPILES`` are counted (``Finished XLA compilation of NAME``:
     one executable built or loaded from the persistent cache) and hidden,
-    the rest pass through."""
+    the rest pass through. ``tracebacks`` counts the server's
+    ``Traceback (most recent call last):`` lines (issue 33: none allowed)."""
 
     _FINISHED = re.compile(r"Finished XLA compilation of (\S+)")
     _CACHE_HIT = re.compile(r"Persistent compilation cache hit")
@@ -101,12 +102,15 @@ class CompileCounter:
         self.stream = stream
         self.events: list[tuple[float, str]] = []  # (monotonic s, jit name)
         self.cache_hits = 0
+        self.tracebacks = 0
         self._lock = threading.Lock()
 
     def write(self, s: str) -> int:
         if m := self._FINISHED.search(s):
             with self._lock:
                 self.events.append((time.monotonic(), m[1]))
+        if "Traceback (most recent call last)" in s:
+            self.tracebacks += 1
         if self._CACHE_HIT.search(s):
             self.cache_hits += 1
         if self._HIDE.search(s):

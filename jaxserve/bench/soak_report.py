@@ -4,9 +4,12 @@ but ``plot``'s file.
 
 Inputs, as ``soak.run`` collects them:
 
-* records: one dict per call ended, from the client processes: ``case``
-  (``soak.CASES``, or ``client`` for a client process's own fault), ``code``
-  (a gRPC status name, ``HANGING`` or ``CLIENT_ERROR``), monotonic ``t0`` /
+* records: one dict per call ended, from the client processes: ``api``
+  ("grpc" or "http"), ``case`` (``soak_traffic.CASES`` / ``soak_http.CASES``,
+  or ``client`` for a client process's own fault), ``code`` (a gRPC status
+  name, an HTTP status as a string, ``CANCELLED`` / ``TIMEOUT`` on the HTTP
+  side, ``HANGING`` or ``CLIENT_ERROR``), ``expect`` (a hostile case's own
+  expected codes), monotonic ``t0`` /
   ``t1`` and ``e2e`` (s), ``ttft`` (s, streams that sent a token), ``lost`` /
   ``hanging`` flags, ``sub`` (the malformed or oversized variant).
 * samples: one dict per ``--sample_s``: monotonic ``t``, ``t_rel`` (s since
@@ -17,20 +20,26 @@ Inputs, as ``soak.run`` collects them:
 
 Functions:
 
-* ``summarize(records)``: counters per case x code, split by ``EXPECTED``
-  (the codes each case may end with); marks every record ``expected``.
+* ``summarize(records)``: counters per API x case x code, split by
+  ``EXPECTED`` (the codes each case may end with) or the record's own
+  ``expect``; totals overall and per API; the sub-cases with their expected
+  and actual codes; marks every record ``expected``.
+* ``latency(records, after)``: TTFT / E2E p50 and p99 of OK ``generate``
+  calls per API after the warm-up.
 * ``windows(records, samples)``: per sample interval, calls/s, TTFT and E2E
-  p50/p99 of OK ``generate`` streams, non-OK codes, unexpected ones (call
-  after ``summarize``: it reads ``expected``).
+  p50/p99 of OK ``generate`` calls, non-OK codes, unexpected ones, calls in
+  flight per API at the sample (call after ``summarize``: it reads
+  ``expected``).
 * ``rss_figures(samples, warmup_end)``: RSS at start, end of warm-up, end,
   peak; drift = (end - end of warm-up) / end of warm-up; least-squares slope
   (MB/min) after the warm-up.
 * ``rss_by_executables``: the part of that drift new XLA executables explain
   (MB per executable) and the rest (growth at a constant executable count).
 * ``criteria(result, max_drift)``: the failed pass criteria, as sentences.
-* ``markdown(result)`` -> ``report.md`` (cases in ``EXPECTED``'s order).
-* ``plot(result, path, plt)`` -> ``soak.png`` (RSS, pages used, TTFT p50/p99,
-  errors per window).
+* ``markdown(result)`` -> ``report.md`` (per API, cases in ``EXPECTED``'s
+  order; the sub-case table; latency per API).
+* ``plot(result, path, plt)`` -> ``soak.png`` (RSS, calls in flight per API,
+  pages used, TTFT p50/p99, errors per window).
 """
 
 from __future__ import annotations
@@ -39,73 +48,122 @@ import itertools
 
 import numpy as np
 
-# Status codes each case may end with; anything else is an unexpected error.
+# Statuses each case may end with, per API (gRPC code names; HTTP statuses as
+# strings, or a client-side outcome, see ``soak_http``); anything else is an
+# unexpected status. A ``hostile`` record carries its own (``rec["expect"]``,
+# from ``soak_hostile``): issue 33's rule, whatever today's server answers.
 EXPECTED = {
-    "generate": {"OK", "RESOURCE_EXHAUSTED"},
-    "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
-    "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
-    "bad": {"INVALID_ARGUMENT"},
-    "oversized": {"INVALID_ARGUMENT"},
-    "burst": {"OK", "RESOURCE_EXHAUSTED"},
-    "tokenize": {"OK"}, "detokenize": {"OK"}, "model_info": {"OK"}, "health": {"OK"},
+    "grpc": {
+        "generate": {"OK", "RESOURCE_EXHAUSTED"},
+        "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
+        "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
+        "bad": {"INVALID_ARGUMENT"},
+        "hostile": set(),
+        "oversized": {"INVALID_ARGUMENT"},
+        "unread": {"CANCELLED", "OK", "RESOURCE_EXHAUSTED", "ABORTED"},
+        "burst": {"OK", "RESOURCE_EXHAUSTED"},
+        "tokenize": {"OK"}, "detokenize": {"OK"}, "model_info": {"OK"}, "health": {"OK"},
+    },
+    "http": {
+        "generate": {"200", "429"},
+        "cancel": {"200", "CANCELLED", "429"},
+        "deadline": {"200", "TIMEOUT", "429"},
+        "hostile": set(),
+        "oversized": {"400"},
+        "unread": {"200", "429"},
+        "tokenize": {"200"}, "models": {"200"}, "health": {"200"},
+    },
 }
-# Cases whose calls are Generate streams (``ok_streams`` counts their OK ends).
+# Cases whose calls are generation streams (``ok_streams`` counts their OK ends).
 STREAMING = ("generate", "cancel", "deadline", "burst")
+OK_CODES = ("OK", "200")
 
 
 def _pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else None
 
 
+def expected(rec: dict) -> bool:
+    """Whether ``rec`` ended with a status its case may end with."""
+    api = rec.get("api", "grpc")
+    allowed = rec["expect"] if "expect" in rec else EXPECTED[api].get(rec["case"], ())
+    return rec.get("code", "NONE") in allowed
+
+
 def summarize(records: list[dict]) -> dict:
-    """Counters: per case {code: count} split expected / unexpected, and the
-    totals of calls, lost, hanging, unexpected; the malformed sub-cases by code."""
-    by = {}
-    subs = {}
+    """Counters: per API per case {code: count} split expected / unexpected,
+    the totals of calls, lost, hanging, unexpected (overall and per API); the
+    hostile, malformed and oversized sub-cases with their expected codes and
+    the codes they got. Marks every record ``expected``."""
+    by, subs, per_api = {}, {}, {}
     tot = {"calls": len(records), "lost": 0, "hanging": 0, "unexpected": 0, "ok_streams": 0,
            "client_faults": sum(r["case"] == "client" for r in records)}
     for rec in records:
-        case, code = rec["case"], rec.get("code", "NONE")
-        exp = code in EXPECTED.get(case, ())
-        rec["expected"] = exp
-        d = by.setdefault(case, {"expected": {}, "unexpected": {}, "lost": 0, "hanging": 0})
-        d["expected" if exp else "unexpected"][code] = \
-            d["expected" if exp else "unexpected"].get(code, 0) + 1
-        if rec.get("lost"):
-            d["lost"] += 1
-            tot["lost"] += 1
-        if rec.get("hanging"):
-            d["hanging"] += 1
-            tot["hanging"] += 1
-        if not exp:
-            tot["unexpected"] += 1
-        if case in STREAMING and code == "OK":
+        api, case, code = rec.get("api", "grpc"), rec["case"], rec.get("code", "NONE")
+        exp = rec["expected"] = expected(rec)
+        d = by.setdefault(api, {}).setdefault(
+            case, {"expected": {}, "unexpected": {}, "lost": 0, "hanging": 0})
+        side = d["expected" if exp else "unexpected"]
+        side[code] = side.get(code, 0) + 1
+        t = per_api.setdefault(api, {"calls": 0, "lost": 0, "hanging": 0, "unexpected": 0})
+        t["calls"] += 1
+        for key, hit in (("lost", rec.get("lost")), ("hanging", rec.get("hanging")),
+                         ("unexpected", not exp)):
+            if hit:
+                if key != "unexpected":
+                    d[key] += 1
+                tot[key] += 1
+                t[key] += 1
+        if case in STREAMING and code in OK_CODES:
             tot["ok_streams"] += 1
         if "sub" in rec:
-            s = subs.setdefault(f"{case}:{rec['sub']}", {})
-            s[code] = s.get(code, 0) + 1
-    return {"totals": tot, "by_case": by, "sub_cases": subs}
+            default = EXPECTED[api].get(case, set())
+            s = subs.setdefault(f"{api}:{case}:{rec['sub']}", {
+                "expected": sorted(rec.get("expect", default)), "codes": {}})
+            s["codes"][code] = s["codes"].get(code, 0) + 1
+    return {"totals": tot, "per_api": per_api, "by_case": by, "sub_cases": subs}
+
+
+def latency(records: list[dict], after: float) -> dict:
+    """Per API: TTFT and E2E p50/p99 (s) of the ``generate`` calls that
+    ended OK and began at monotonic ``after`` or later (after the warm-up),
+    and their count."""
+    out = {}
+    for api in sorted({r.get("api", "grpc") for r in records}):
+        gen = [r for r in records if r.get("api", "grpc") == api and r["case"] == "generate"
+               and r.get("code") in OK_CODES and r["t0"] >= after]
+        ttft = [r["ttft"] for r in gen if r.get("ttft") is not None]
+        e2e = [r["e2e"] for r in gen]
+        out[api] = {"calls": len(gen), "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+                    "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99)}
+    return out
 
 
 def windows(records: list[dict], samples: list[dict]) -> list[dict]:
     """Per sample interval (previous sample, this one]: calls ended,
-    calls/s, TTFT and E2E p50/p99 (s) of OK ``generate`` streams, errors by
-    code (every non-OK code) and the unexpected ones."""
+    calls/s, TTFT and E2E p50/p99 (s) of OK ``generate`` calls (both APIs),
+    errors by code (every non-OK code) and the unexpected ones; and at the
+    sample's time the calls in flight per API (begun, not ended)."""
     out = []
     ends = np.array([r["t1"] for r in records]) if records else np.zeros(0)
+    starts = np.array([r["t0"] for r in records]) if records else np.zeros(0)
+    apis = np.array([r.get("api", "grpc") for r in records])
     for a, b in itertools.pairwise(samples):
         sel = [records[i] for i in np.nonzero((ends > a["t"]) & (ends <= b["t"]))[0]]
-        gen = [r for r in sel if r["case"] == "generate" and r.get("code") == "OK"]
+        gen = [r for r in sel if r["case"] == "generate" and r.get("code") in OK_CODES]
         ttft = [r["ttft"] for r in gen if r.get("ttft") is not None]
         e2e = [r["e2e"] for r in gen]
         errs = {}
         for r in sel:
-            if r.get("code") != "OK":
+            if r.get("code") not in OK_CODES:
                 errs[r.get("code")] = errs.get(r.get("code"), 0) + 1
+        live = (starts <= b["t"]) & (ends > b["t"])
         out.append({"t": b["t_rel"], "calls": len(sel), "calls_per_s": len(sel) / (b["t"] - a["t"]),
                     "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
                     "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99),
-                    "errors": errs, "unexpected": sum(not r["expected"] for r in sel)})
+                    "errors": errs, "unexpected": sum(not r["expected"] for r in sel),
+                    "in_flight": {api: int(np.sum(live & (apis == api)))
+                                  for api in ("grpc", "http")}})
     return out
 
 
@@ -171,6 +229,8 @@ def criteria(result: dict, max_drift: float) -> list[str]:
     rss = result["rss"]
     if rss and rss["drift"] >= max_drift:
         fails.append(f"RSS drift {100 * rss['drift']:.1f}% >= {100 * max_drift:.1f}%")
+    if result["server"].get("tracebacks"):
+        fails.append(f"{result['server']['tracebacks']} tracebacks in the server's log")
     if result["server"].get("exit_status") not in (0, None):
         fails.append(f"server exit status {result['server']['exit_status']} after SIGTERM")
     if result["client_processes_missing"]:
@@ -186,7 +246,8 @@ def markdown(res: dict) -> str:
     """The report: verdict, calls per case x code, end state, memory, latency over time."""
     c, cfg, m = res["counters"], res["config"], res["machine"]
     lines = [(f"# Soak: {cfg['model'] or cfg['target']}, {res['duration_s'] / 60:.1f} min, "
-             f"{cfg['clients']} clients x {cfg['inflight']} in flight"),
+             f"{cfg['clients']} gRPC + {cfg.get('http_clients', 0)} HTTP client processes x "
+             f"{cfg['inflight']} in flight"),
              "", (f"Machine: {m['cpu_model']} ({m['cpu_count']} CPUs; "
              f"{' '.join(m['avx_flags']) or 'no AVX'}); load average at start/end "
              f"{m['load_average_start']} / {m.get('load_average_end')}."),
@@ -194,33 +255,50 @@ def markdown(res: dict) -> str:
              + (f"; env `{' '.join(cfg['server_env'])}`" if cfg["server_env"] else ""),
              "", "**PASSED**" if not res["failed"] else
              "**FAILED**: " + "; ".join(res["failed"]), "",
-             "## Calls by case and status code", "",
-             "| case | expected codes (count) | unexpected codes (count) | lost | hanging |",
-             "|---|---|---|---|---|"]
+             "## Calls by API, case and status code", "",
+             "| API | case | expected codes (count) | unexpected codes (count) | lost | hanging |",
+             "|---|---|---|---|---|---|"]
     fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"  # noqa: E731
-    for case in EXPECTED:
-        if case in c["by_case"]:
-            d = c["by_case"][case]
-            lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
-                         f"{d['lost']} | {d['hanging']} |")
-    for case in sorted(set(c["by_case"]) - set(EXPECTED)):
-        d = c["by_case"][case]
-        lines.append(f"| {case} | {fmt(d['expected'])} | {fmt(d['unexpected'])} | "
-                     f"{d['lost']} | {d['hanging']} |")
+    for api, cases in sorted(c["by_case"].items()):
+        order = list(EXPECTED.get(api, {})) + sorted(set(cases) - set(EXPECTED.get(api, {})))
+        for case in (x for x in order if x in cases):
+            d = cases[case]
+            lines.append(f"| {api} | {case} | {fmt(d['expected'])} | "
+                         f"{fmt(d['unexpected']) if not d['unexpected'] else '**' + fmt(d['unexpected']) + '**'}"
+                         f" | {d['lost']} | {d['hanging']} |")
     t = c["totals"]
     lines += ["", (f"{t['calls']} calls ({t.get('started')} started), {t['ok_streams']} streams "
               f"ended OK; lost {t['lost']}, "
-              f"hanging {t['hanging']}, unexpected codes {t['unexpected']}."), ""]
-    bad_unexp = {k: v for k, v in c["sub_cases"].items()
-                 if set(v) - {"INVALID_ARGUMENT"}}
-    if bad_unexp:
-        lines += ["Malformed/oversized sub-cases not answered INVALID_ARGUMENT: "
-                  + "; ".join(f"{k}: {fmt(v)}" for k, v in sorted(bad_unexp.items())), ""]
+              f"hanging {t['hanging']}, unexpected codes {t['unexpected']}; per API: "
+              + "; ".join(f"{api} {v['calls']} calls, lost {v['lost']}, hanging {v['hanging']}, "
+                          f"unexpected {v['unexpected']}" for api, v in
+                          sorted(c.get("per_api", {}).items())) + "."), ""]
+    subs = c["sub_cases"]
+    if subs:
+        lines += ["## Hostile, malformed and oversized requests", "",
+                  "| API | case | sub-case | expected | got | as expected |", "|---|---|---|---|---|---|"]
+        for key in sorted(subs):
+            api, case, sub = key.split(":", 2)
+            v = subs[key]
+            ok = set(v["codes"]) <= set(v["expected"])
+            lines.append(f"| {api} | {case} | {sub} | {', '.join(v['expected'])} | "
+                         f"{fmt(v['codes'])} | {'yes' if ok else '**no**'} |")
+        lines.append("")
+    if res.get("latency"):
+        lines += ["## Latency of normal requests after the warm-up (generate, ended OK)", "",
+                  "| API | calls | TTFT p50 s | TTFT p99 s | E2E p50 s | E2E p99 s |",
+                  "|---|---|---|---|---|---|"]
+        for api, v in sorted(res["latency"].items()):
+            lines.append(f"| {api} | {v['calls']} | {_f(v['ttft_p50'], '{:.3f}')} | "
+                         f"{_f(v['ttft_p99'], '{:.3f}')} | {_f(v['e2e_p50'], '{:.3f}')} | "
+                         f"{_f(v['e2e_p99'], '{:.3f}')} |")
+        lines.append("")
     e, s, rss = res["end"], res["server"], res["rss"]
     lines += ["## End state and memory", "",
               (f"- KV pages free / total after settling: {e.get('pages_free')} / "
               f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
               f"settled in {_f(e.get('settle_s'))} s)"),
+              f"- tracebacks in the server's log: {s.get('tracebacks', '-')}",
               (f"- server exit status after SIGTERM: {s.get('exit_status')}"
                f" ({_f(s.get('stop_s'))} s)" if "exit_status" in s else
                "- server: attached with --target, not stopped by this run")]
@@ -253,9 +331,9 @@ def markdown(res: dict) -> str:
                      f"malloc_trim(0) took RSS {p['rss_before_mb']:.0f} -> "
                      f"{p['rss_after_mb']:.0f} MB in {_f(p.get('trim_s'), '{:.2f}')} s")
     lines += ["", "## Over time", "",
-              ("| t (min) | RSS MB | anon MB | pages used | running | waiting | XLA exes | "
-              "calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              ("| t (min) | RSS MB | anon MB | pages used | running | waiting | in flight "
+               "gRPC / HTTP | XLA exes | calls/s | TTFT p50 / p99 s | E2E p50 / p99 s | errors |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = list(zip(res["samples"][1:], res["windows"]))
     step = max(1, len(rows) // 30)
     for smp, w in rows[::step] + ([rows[-1]] if rows and (len(rows) - 1) % step else []):
@@ -263,6 +341,7 @@ def markdown(res: dict) -> str:
             f"| {smp['t_rel'] / 60:.2f} | {_f(smp.get('rss'), '{:.0f}')} | "
             f"{_f(smp.get('rss_anon'), '{:.0f}')} | {smp.get('pages_used', '-')} | "
             f"{smp.get('running', '-')} | {smp.get('waiting', '-')} | "
+            f"{w.get('in_flight', {}).get('grpc', '-')} / {w.get('in_flight', {}).get('http', '-')} | "
             f"{smp.get('compilations', '-')} | {w['calls_per_s']:.1f} | "
             f"{_f(w['ttft_p50'], '{:.2f}')} / {_f(w['ttft_p99'], '{:.2f}')} | "
             f"{_f(w['e2e_p50'], '{:.2f}')} / {_f(w['e2e_p99'], '{:.2f}')} | "
@@ -273,12 +352,13 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str, plt) -> None:
-    """``soak.png``: RSS, pages used, TTFT p50/p99 and errors per window
-    against minutes (``report.write`` gives matplotlib's ``plt``)."""
+    """``soak.png``: RSS, calls in flight per API (and the server's running
+    / waiting), pages used, TTFT p50/p99 and errors per window against
+    minutes (``report.write`` gives matplotlib's ``plt``)."""
     trimmed = [s for s in res["samples"] if s.get("after_malloc_trim")]
     sm = [s for s in res["samples"] if not s.get("after_malloc_trim")]
     ws = res["windows"]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    fig, axes = plt.subplots(5, 1, figsize=(10, 13.5), sharex=True)
     t = [s["t_rel"] / 60 for s in sm]
     ax = axes[0]
     ax.plot(t, [s.get("rss") for s in sm], label="RSS")
@@ -294,17 +374,25 @@ def plot(res: dict, path: str, plt) -> None:
         ax2.set_ylabel("XLA executables", color="tab:red")
     ax.set(ylabel="server RSS, MB", title="Server memory")
     ax.legend(fontsize=8, loc="lower right")
+    tw = [w["t"] / 60 for w in ws]
+    ax = axes[1]
+    for api in ("grpc", "http"):
+        ax.plot(tw, [w.get("in_flight", {}).get(api) for w in ws], label=f"{api} calls in flight")
+    ax.plot(t, [s.get("running") for s in sm], ls="--", label="server: running")
+    ax.plot(t, [s.get("waiting") for s in sm], ls=":", label="server: waiting")
+    ax.set(ylabel="requests", title="In flight (client side, per API) and in the engine")
+    ax.legend(fontsize=8)
+    axes = axes[1:]
     ax = axes[1]
     ax.plot(t, [s.get("pages_used") for s in sm], drawstyle="steps-post", label="used")
     if sm and sm[-1].get("pages_total"):
         ax.axhline(sm[-1]["pages_total"], color="k", ls="--", lw=1, label="total")
     ax.set(ylabel="KV pages", yscale="symlog", title="KV pages used")
     ax.legend(fontsize=8)
-    tw = [w["t"] / 60 for w in ws]
     ax = axes[2]
     ax.plot(tw, [w["ttft_p50"] for w in ws], marker=".", label="TTFT p50")
     ax.plot(tw, [w["ttft_p99"] for w in ws], marker=".", label="TTFT p99")
-    ax.set(ylabel="s", yscale="log", title="TTFT of OK generate streams, per window")
+    ax.set(ylabel="s", yscale="log", title="TTFT of OK generate calls (both APIs), per window")
     ax.legend(fontsize=8)
     ax = axes[3]
     codes = sorted({c for w in ws for c in w["errors"]})

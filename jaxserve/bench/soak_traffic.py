@@ -5,7 +5,8 @@ worker draws a case (``CASES``, seeded per client), runs it with every call
 bounded in time, and records how it ended, until ``cfg["stop_at"]``.
 
 Cases and what they send are in ``soak``'s docstring; the status codes each
-may end with are ``soak_report.EXPECTED``. This module imports no JAX: it is
+may end with are ``soak_report.EXPECTED`` (a hostile case carries its own, from
+``soak_hostile``). This module imports no JAX: it is
 what every client process loads.
 """
 
@@ -17,14 +18,16 @@ import time
 import grpc
 import numpy as np
 
+from jaxserve.bench.soak_hostile import GRPC_HOSTILE, unread_shape
+from jaxserve.bench.soak_hostile import names as hostile_names
 from jaxserve.bench.workloads import SENTENCES
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.client import AsyncClient, make_request
 
 # (case, weight): the draw of every call; soak_report.EXPECTED has each one's codes.
-CASES = (("generate", 0.50), ("cancel", 0.10), ("deadline", 0.08), ("bad", 0.10),
-         ("oversized", 0.03), ("burst", 0.015), ("tokenize", 0.06), ("detokenize", 0.04),
-         ("model_info", 0.035), ("health", 0.04))
+CASES = (("generate", 0.45), ("cancel", 0.10), ("deadline", 0.08), ("bad", 0.07),
+         ("hostile", 0.08), ("unread", 0.02), ("oversized", 0.03), ("burst", 0.015),
+         ("tokenize", 0.05), ("detokenize", 0.04), ("model_info", 0.035), ("health", 0.04))
 # Malformed requests (the ``bad`` case): name -> what is wrong.
 BAD_CASES = ("empty_text", "empty_token_ids", "no_prompt", "oov_token_id", "negative_token_id",
              "negative_temperature", "unknown_role", "empty_chat", "max_tokens_zero",
@@ -50,6 +53,13 @@ class _Ctx:
         names, w = zip(*CASES)
         self.case_names, self.case_p = names, np.array(w) / sum(w)
         self.sentences = SENTENCES
+        self.hostile = hostile_names(GRPC_HOSTILE, cfg)
+        # The coverage pass: a client process named in cfg["coverage_clients"]
+        # first runs every case once and every hostile sub-case once (so that
+        # even a short run has a status for each), then draws.
+        self.forced = ([(c, None) for c in self.case_names if c != "hostile"]
+                       + [("hostile", h) for h in self.hostile]
+                       if client_id in cfg.get("coverage_clients", ()) else [])
 
     def text(self, lo: int, hi: int) -> str:
         k = int(self.rng.integers(lo, hi + 1))
@@ -198,11 +208,11 @@ async def _stream(call, n_choices: int, t0: float, rec: dict, cancel_at: float |
         rec["lost"] = not (finished and reasons >= set(range(n_choices)))
 
 
-async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
+async def _one(ctx: _Ctx, client, case: str, sub: str | None = None) -> list[dict]:
     """Run one drawn call (a burst is several); returns its records."""
     cfg, r = ctx.cfg, ctx.rng
     t0 = time.monotonic()
-    rec = {"case": case, "client": ctx.cid, "t0": t0}
+    rec = {"api": "grpc", "case": case, "client": ctx.cid, "t0": t0}
     timeout = cfg["request_timeout_s"]
     call = None
     if case != "burst":
@@ -240,6 +250,18 @@ async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
                 rec["sub"] = "token_ids"
             call = client.stub.Generate(req, timeout=30, metadata=client.metadata)
             await asyncio.wait_for(_stream(call, 1, t0, rec), 30 + cfg["slack_s"])
+        elif case == "hostile":
+            sub = sub or str(r.choice(ctx.hostile))
+            expect, build = GRPC_HOSTILE[sub]
+            rec["sub"], rec["expect"] = sub, sorted(expect)
+            data, md = build(cfg)
+            call = client.channel.unary_stream(
+                "/jaxserve.v1.Generation/Generate",
+                response_deserializer=pb.GenerateResponse.FromString)(
+                data, timeout=timeout, metadata=client.metadata if md is None else md)
+            await asyncio.wait_for(_stream(call, 1, t0, rec), timeout + cfg["slack_s"])
+        elif case == "unread":
+            await _unread(ctx, client, rec)
         elif case == "bad":
             sub = str(r.choice(BAD_CASES))
             rec["sub"] = sub
@@ -280,6 +302,23 @@ async def _one(ctx: _Ctx, client, case: str) -> list[dict]:
     return [rec]
 
 
+async def _unread(ctx: _Ctx, client, rec: dict) -> None:
+    """A stream (``soak_hostile.unread_shape``) never read, then cancelled
+    2-8 s later; its code is the one it had ended with by then, or CANCELLED."""
+    r = ctx.rng
+    rec["shape"] = shape = unread_shape(r, ctx.cfg)
+    req = make_request(token_ids=ctx.ids(4, 32), **shape)
+    call = client.stub.Generate(req, timeout=ctx.cfg["request_timeout_s"],
+                                metadata=client.metadata)
+    rec["hold_s"] = float(r.uniform(2, 8))
+    await asyncio.sleep(rec["hold_s"])
+    if call.done():
+        rec["code"] = (await call.code()).name
+    else:
+        call.cancel()
+        rec["code"] = "CANCELLED"
+
+
 async def _burst(ctx: _Ctx, client) -> list[dict]:
     """``--burst`` tiny requests at once (1-2 tokens, short text prompts)."""
     cfg, r = ctx.cfg, ctx.rng
@@ -287,7 +326,7 @@ async def _burst(ctx: _Ctx, client) -> list[dict]:
     async def one(i):
         ctx.started += 1
         t0 = time.monotonic()
-        rec = {"case": "burst", "client": ctx.cid, "t0": t0, "n": 1}
+        rec = {"api": "grpc", "case": "burst", "client": ctx.cid, "t0": t0, "n": 1}
         req = make_request(prompt=ctx.text(1, 2), max_tokens=int(r.integers(1, 3)),
                            temperature=0.0)
         call = client.stub.Generate(req, timeout=cfg["request_timeout_s"],
@@ -310,13 +349,15 @@ async def _client_async(ctx: _Ctx) -> None:
         async def worker():
             last_burst = -1e9
             while time.monotonic() < cfg["stop_at"]:
-                case = str(ctx.rng.choice(ctx.case_names, p=ctx.case_p))
+                forced = bool(ctx.forced)
+                case, sub = ctx.forced.pop(0) if forced else (
+                    str(ctx.rng.choice(ctx.case_names, p=ctx.case_p)), None)
                 if case == "burst":  # at most one burst per worker per 20 s
-                    if time.monotonic() - last_burst < 20:
+                    if not forced and time.monotonic() - last_burst < 20:
                         case = "generate"
                     else:
                         last_burst = time.monotonic()
-                recs = await _one(ctx, client, case)
+                recs = await _one(ctx, client, case, sub)
                 ctx.records.extend(recs)
                 # A full queue answers at once: back off as a client would, not spin.
                 full = case != "burst" and recs[-1].get("code") == "RESOURCE_EXHAUSTED"
@@ -333,7 +374,7 @@ def client_main(cfg: dict, client_id: int, out) -> None:
     try:
         asyncio.run(_client_async(ctx))
     except Exception as e:  # noqa: BLE001 (report what ran, and the fault)
-        ctx.records.append({"case": "client", "client": client_id, "code": "CLIENT_ERROR",
+        ctx.records.append({"api": "grpc", "case": "client", "client": client_id, "code": "CLIENT_ERROR",
                             "error": f"{type(e).__name__}: {e}"[:300],
                             "t0": time.monotonic(), "t1": time.monotonic(), "e2e": 0.0})
     out.put((client_id, ctx.records, ctx.started))
