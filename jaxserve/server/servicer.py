@@ -147,6 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             try:
                 outputs = await engine.generate(ids, params, arrival_time)
+                outputs.set_request_id(rid)
             except ValueError as e:
                 engine.metrics.rejected.labels("INVALID_ARGUMENT").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
