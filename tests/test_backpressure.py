@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import statistics
 import time
@@ -93,7 +94,7 @@ STALL_S = 2.0
 ENGINE_FLAGS = ["--num_pages", "2048", "--page_size", "8", "--max_num_seqs", "64",
                 "--max_num_batched_tokens", "512", "--http_port", "0",
                 "--stream_stall_timeout_s", str(STALL_S)]
-UNREAD = dict(n=16, logprobs=20, max_tokens=480, temperature=1.0)
+UNREAD = dict(n=16, logprobs=20, max_tokens=480, temperature=1.0, ignore_eos=True)
 
 
 def _post(url: str, body: dict, timeout: float = 60.0) -> dict:
@@ -137,57 +138,85 @@ def _wait(pred, timeout_s: float, what: str):
     return v
 
 
+def _cut(server) -> dict[str, float]:
+    m = server.metrics()
+    return {r: m[f'jaxserve_stream_backpressure_total{{action="aborted",reason="{r}"}}']
+            for r in ("stalled", "buffer_full")}
+
+
+def _unread_round(server, grpc_id: str) -> tuple[float, list[float], dict[str, float]]:
+    """Three HTTP clients and one gRPC client (n 16 each: all 64 slots) post
+    streams and read nothing; a 4-token request is timed while they hold the
+    slots and five after they are cut; then the clients go away. Returns
+    (held latency s, latencies after the cut s, cuts by reason)."""
+    before = _cut(server)
+    socks = [_unread_http(server.http_port) for _ in range(3)]
+    # No BDP probing: the HTTP/2 window stays at its 64 KiB default.
+    channel = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.GenerationStub(channel).Generate(
+        make_request("tell me a story", request_id=grpc_id, **UNREAD))
+    _wait(lambda: server.metrics()["jaxserve_num_requests_running"] >= 64, 30,
+          "the unread streams did not take every slot")
+    held = _short(server)  # waits for a slot: the stall timeout and the cut
+
+    def cut():
+        now = _cut(server)
+        return {r: now[r] - before[r] for r in now}
+    _wait(lambda: sum(cut().values()) >= 4, 60,
+          "the unread streams were not all cut\n" + "".join(server.lines[-20:]))
+    after_cut = [_short(server) for _ in range(5)]
+    cuts = cut()
+    assert sum(cuts.values()) == 4, cuts
+    # A client that reads after the cut gets what was in flight, then every
+    # choice ends with finish_reason "abort" before its max_tokens.
+    data = b""
+    while b"data: [DONE]" not in data[-200:]:
+        chunk = socks[0].recv(1 << 20)
+        assert chunk, data[-500:]
+        data += chunk
+    tail = data.split(b"\r\n\r\n", 1)[1]
+    assert len(re.findall(rb'"finish_reason": ?"abort"', tail)) == 16, data[-2000:]
+    assert not re.findall(rb'"finish_reason": ?"length"', tail)
+    for s in socks:
+        s.close()
+    last = list(call)[-1]
+    assert last.finished and last.request_id == grpc_id
+    assert [c.finish_reason for c in last.completions] == ["abort"] * 16, last
+    assert 0 < last.usage.completion_tokens < 16 * UNREAD["max_tokens"], last.usage
+    channel.close()
+    _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
+    m = server.metrics()
+    assert m["jaxserve_kv_cache_pages_free"] == m["jaxserve_kv_cache_pages_total"]
+    return held, after_cut, cuts
+
+
 @pytest.mark.slow
 def test_unread_streams_are_aborted_and_memory_returns(tiny_gguf):
-    server = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS])
+    server = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS], warmup=True)
     try:
-        # Warm-up: the 64-row decode and the prefill shapes compile here, and
-        # one unread-stream cycle runs, so RSS below is the steady state.
-        socks = [_unread_http(server.http_port) for _ in range(4)]
-        _wait(lambda: sum(v for k, v in server.metrics().items()
-                          if k.startswith("jaxserve_stream_backpressure_total")) >= 4,
-              60, "warm-up streams were not cut")
-        for s in socks:
-            s.close()
-        _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
+        # Warm-up: one whole round, so the step shapes are compiled and the
+        # allocators have grown to the steady state before RSS is read.
+        _unread_round(server, "grpc-unread-0")
         baseline = statistics.median(_short(server) for _ in range(5))
-        before = server.metrics()
+        time.sleep(1.0)
         rss_before = _rss_kib(server.proc.pid)
-
-        # Three HTTP clients and one gRPC client, n 16 each: all 64 slots.
-        socks = [_unread_http(server.http_port) for _ in range(3)]
-        channel = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
-        call = pb_grpc.GenerationStub(channel).Generate(
-            make_request("tell me a story", request_id="grpc-unread", **UNREAD))
-        _wait(lambda: server.metrics()["jaxserve_num_requests_running"] >= 64, 30,
-              "the unread streams did not take every slot")
-        held = _short(server)  # waits for a slot: at most the stall timeout and the cut
-        after_cut = [_short(server) for _ in range(5)]
-        m = server.metrics()
-        cut = {r: m[f'jaxserve_stream_backpressure_total{{action="aborted",reason="{r}"}}'] -
-               before[f'jaxserve_stream_backpressure_total{{action="aborted",reason="{r}"}}']
-               for r in ("stalled", "buffer_full")}
-        assert cut["stalled"] + cut["buffer_full"] == 4, cut
-        for s in socks:
-            s.close()
-        call.cancel()
-        channel.close()
-        _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
-        m = server.metrics()
-        assert m["jaxserve_kv_cache_pages_free"] == m["jaxserve_kv_cache_pages_total"]
+        compiled = server.metrics()["jaxserve_xla_compilations_total"]
+        held, after_cut, cuts = _unread_round(server, "grpc-unread-1")
         time.sleep(1.0)
         rss_after = _rss_kib(server.proc.pid)
         print(f"baseline {baseline:.3f} s, held {held:.3f} s, after the cut "
-              f"{max(after_cut):.3f} s; RSS {rss_before} -> {rss_after} KiB; cut {cut}")
-        # Bounds: the held request waits for the cut (the stall timeout, the
-        # watch's 0.5 s tick) plus its own time; once cut, normal speed.
+              f"{max(after_cut):.3f} s; RSS {rss_before} -> {rss_after} KiB; cut {cuts}; compiled "
+              f"{server.metrics()['jaxserve_xla_compilations_total'] - compiled}")
+        # Bounds: the held request waits for the first cut (the stall timeout,
+        # the watch's 0.5 s tick) plus its own time; after the cut, normal speed.
         assert held < STALL_S + 0.5 + 3 * baseline + 2.0, (held, baseline)
         assert max(after_cut) < 3 * baseline + 0.5, (after_cut, baseline)
         assert rss_after <= 1.05 * rss_before, (rss_before, rss_after)
         lines = [ln for ln in server.lines if "stream backpressure: request" in ln]
-        assert len([ln for ln in lines if "grpc-unread" in ln]) == 1, lines
-        assert len([ln for ln in lines if "request cmpl-" in ln]) == 7, lines
+        assert len([ln for ln in lines if "request grpc-unread-1 " in ln]) == 1, lines
+        assert len([ln for ln in lines if "request cmpl-" in ln]) == 6, lines
     finally:
         code = server.terminate()
     assert code == 0
-    assert not any("Traceback" in line for line in server.lines), server.lines[-20:]
+    tb = [i for i, line in enumerate(server.lines) if "Traceback" in line]
+    assert not tb, "".join(server.lines[tb[0] - 2:] if tb else [])
