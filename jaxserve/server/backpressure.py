@@ -20,7 +20,9 @@ The rule (``StreamLimits``):
 
 An aborted stream's queued outputs are dropped at once, and so is everything
 the engine sends it afterwards; the engine frees its pages before its next
-step, as for a client cancel. The consumer, when it runs again, sees
+step, as for a client cancel, and on the stall watch's next tick glibc's
+``malloc_trim`` hands the freed heap back to the OS (freed small objects
+otherwise keep RSS up). The consumer, when it runs again, sees
 ``StreamBackpressure`` (a ``StreamAborted``): the SSE stream ends with
 ``finish_reason`` "abort" and ``[DONE]``, the gRPC stream with its aborted
 response. One log line names the request, the reason, how long it went unread
@@ -43,6 +45,8 @@ a reader may fall 256 steps behind.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import time
@@ -101,6 +105,7 @@ class StreamGuard:
         self.metrics = metrics
         self._abort = abort
         self._error = error
+        self._trim = False  # a cut freed outputs: hand the heap back on the next tick
 
     def deliver(self, stream, item) -> None:
         """Queue an output from the engine thread; abort the request when more
@@ -137,6 +142,7 @@ class StreamGuard:
         self._abort(stream)
         stream.outputs.put_nowait(self._error(
             f"aborted: the client read nothing for {unread_s:.1f} s ({reason})"))
+        self._trim = True
         self.metrics.stream_backpressure.labels("aborted", reason).inc()
         log.warning("stream backpressure: request %s (engine %s) aborted: %s, unread %.1f s, "
                     "%d outputs buffered", stream.label or "?", stream.engine_id, reason,
@@ -148,10 +154,25 @@ class StreamGuard:
         timeout = self.limits.stall_timeout_s
         while True:
             await asyncio.sleep(self.limits.check_interval_s)
+            if self._trim:  # the last tick's cuts freed their outputs by now
+                self._trim = False
+                malloc_trim()
             now = time.monotonic()
             for s in open_streams():
                 if s.unread_since is not None and now - s.unread_since > timeout:
                     self.cut(s, "stalled", now)
+
+
+_LIBC = ctypes.util.find_library("c")
+
+
+def malloc_trim() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``), so
+    a cut stream's dropped outputs leave RSS; a no-op without glibc."""
+    try:
+        ctypes.CDLL(_LIBC).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def drop_pending(q) -> int:
