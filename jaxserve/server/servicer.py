@@ -253,7 +253,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _aborted_response(self, rid: str, prompt_len: int, last: RequestOutput | None,
                           arrival_time: float, kind: int,
                           reported_finish: set[int]) -> pb.GenerateResponse:
-        """The final message of a stream cut by shutdown: every unfinished
+        """The final message of a stream cut by shutdown or backpressure
+        (``StreamBackpressure``, a ``StreamAborted``): every unfinished
         choice gets finish_reason "abort"; usage and timing from what ran."""
         resp = pb.GenerateResponse(request_id=rid, finished=True)
         outs = last.outputs if last is not None else []
