@@ -36,6 +36,17 @@ def test_limits_refuse_bad_values(kw, msg):
     assert str(e.value) == msg
 
 
+def test_server_config_checks_the_stream_limits():
+    from jaxserve.server_config import ServerConfig
+    assert ServerConfig(stream_stall_timeout_s=None).stream_stall_timeout_s is None
+    with pytest.raises(ValueError) as e:
+        ServerConfig(stream_stall_timeout_s=-1.0)
+    assert str(e.value) == "stream_stall_timeout_s must be > 0 or None, got -1.0"
+    with pytest.raises(ValueError) as e:
+        ServerConfig(stream_buffer_outputs=0)
+    assert str(e.value) == "stream_buffer_outputs must be an int >= 1, got 0"
+
+
 def _guard(limits):
     metrics, aborted = ServingMetrics(), []
     return StreamGuard(limits, metrics, aborted.append, StreamBackpressure), metrics, aborted
