@@ -170,19 +170,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
                     if kind == pb.OUTPUT_KIND_CUMULATIVE:
-                        yield self._cumulative_response(rid, out, first, cumulative)
+                        sent = await self._write(
+                            context, self._cumulative_response(rid, out, first, cumulative))
                     else:
-                        yield self._response(rid, out, kind, first, reported_finish)
+                        sent = await self._write(
+                            context, self._response(rid, out, kind, first, reported_finish))
+                    if not sent:
+                        log.info("request %s: the client went away during a write", rid)
+                        return
                     first = False
             except StreamAborted:
-                yield self._aborted_response(rid, len(ids), last, arrival_time, kind,
-                                             reported_finish)
+                await self._write(context, self._aborted_response(
+                    rid, len(ids), last, arrival_time, kind, reported_finish))
             except EngineError as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             finally:
                 await outputs.aclose()  # aborts the request if it is still running
         finally:
             self._live_ids.discard(rid)
+
+    @staticmethod
+    async def _write(context, response: pb.GenerateResponse) -> bool:
+        """Send one response. ``Generate`` writes with ``context.write`` (not
+        ``yield``) so that a send failing because the client went away while
+        it waited on flow control (a cancel or a closed connection while the
+        stream was unread) surfaces here, not as ``grpc.aio``'s logged
+        traceback. Returns False then."""
+        try:
+            await context.write(response)
+        except grpc.aio.InternalError:  # ExecuteBatchError: the call is gone
+            return False
+        return True
 
     def _response_head(self, rid: str, out: RequestOutput, first: bool) -> pb.GenerateResponse:
         """A response without completions: prompt logprobs on the first,
