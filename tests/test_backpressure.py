@@ -217,7 +217,6 @@ def _unread_round(server, grpc_id: str, read_after: bool
     return held, after_cut, cuts
 
 
-@pytest.mark.slow
 def test_unread_streams_are_aborted_and_memory_returns(tiny_gguf):
     server = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS], warmup=True)
     try:
