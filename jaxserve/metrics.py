@@ -15,7 +15,10 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_num_preemptions_total, jaxserve_request_success_total{finish_reason},
               jaxserve_request_aborted_total, jaxserve_request_failure_total,
               jaxserve_request_rejected_total{code}, jaxserve_request_received_total,
-              jaxserve_engine_steps_total
+              jaxserve_engine_steps_total,
+              jaxserve_stream_backpressure_total{action,reason} (streams nobody read:
+              action "aborted", reason "stalled" or "buffer_full";
+              ``jaxserve.server.backpressure``)
   speculative decoding (vLLM's spec_decode_* names; 0, and no per-position
   series, without speculation):
     counters  jaxserve_spec_decode_num_drafts_total, jaxserve_spec_decode_num_draft_tokens_total,
@@ -119,6 +122,12 @@ class ServingMetrics:
         self.received = c("jaxserve_request_received", "Generate calls that reached the "
                           "server's handler (each ends as success, aborted, failed or rejected).")
         self.steps = c("jaxserve_engine_steps", "Engine steps run.")
+        self.stream_backpressure = c(
+            "jaxserve_stream_backpressure", "Streams whose client read nothing, by what was "
+            "done and why (stalled: unread past the stall timeout; buffer_full: too many "
+            "outputs waiting).", ("action", "reason"))
+        for reason in ("stalled", "buffer_full"):
+            self.stream_backpressure.labels("aborted", reason)
         self.compilations = c("jaxserve_xla_compilations",
                               "XLA programs compiled (one per new bucket shape; each is kept "
                               "in memory).")

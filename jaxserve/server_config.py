@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.config import check_positive
+from jaxserve.server.backpressure import StreamLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,10 @@ class ServerConfig:
       max_waiting_requests: requests allowed to wait for their first step;
         beyond it ``Generate`` answers RESOURCE_EXHAUSTED.
       max_prompt_len: longest prompt accepted, tokens (None: max_model_len - 1).
+      stream_stall_timeout_s, stream_buffer_outputs: a stream whose client
+        reads nothing for this many seconds while output waits (None: never),
+        or with more outputs than this waiting, is aborted
+        (``jaxserve.server.backpressure.StreamLimits``).
       max_message_bytes: largest gRPC message received or sent, bytes.
       grace_period_s: on SIGTERM, seconds running requests get to finish
         before they are aborted; the process exits within it.
@@ -96,6 +101,8 @@ class ServerConfig:
     max_http_body_bytes: int = 16 << 20
     max_waiting_requests: int = 256
     max_prompt_len: int | None = None
+    stream_stall_timeout_s: float | None = 30.0
+    stream_buffer_outputs: int = 256
     max_message_bytes: int = 16 << 20
     grace_period_s: float = 30.0
     tls_cert: str | None = None
@@ -110,6 +117,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {v!r}")
         check_positive("max_waiting_requests", self.max_waiting_requests)
         check_positive("max_prompt_len", self.max_prompt_len, allow_none=True)
+        StreamLimits(self.stream_buffer_outputs, self.stream_stall_timeout_s)  # checks them
         check_positive("max_message_bytes", self.max_message_bytes)
         check_positive("max_http_body_bytes", self.max_http_body_bytes)
         if not self.grace_period_s > 0:

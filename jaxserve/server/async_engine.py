@@ -23,6 +23,9 @@ with ``EngineError``; the loop goes on serving new requests (the failure
 counter records it). Requests arrive in the engine only through
 ``add_request``, whose checks raise ``ValueError`` for anything bad, so a
 request cannot stop the loop.
+
+Each stream's queue is bounded: a stream nobody reads is aborted
+(``StreamBackpressure``; the rule is in ``jaxserve.server.backpressure``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.multihost import MultihostError
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.metrics import ServingMetrics
+from jaxserve.server.backpressure import StreamGuard, StreamLimits
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,11 @@ class StreamAborted(Exception):
     request before its next step."""
 
 
+class StreamBackpressure(StreamAborted):
+    """The stream's consumer stopped reading (``jaxserve.server.backpressure``):
+    its request was aborted and its queued outputs dropped."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Stream:
     """The asyncio side of one request."""
@@ -73,6 +82,9 @@ class _Stream:
     done: bool = False
     first_token_seen: bool = False
     last_token_time: dict = dataclasses.field(default_factory=dict)  # choice -> monotonic s
+    label: str = ""  # the API's request id, for the log
+    unread_since: float | None = None  # monotonic s: output waits since (last read or put)
+    dropped: bool = False  # closed or aborted: outputs from the engine are discarded
 
 
 class AsyncEngine:
@@ -91,12 +103,16 @@ class AsyncEngine:
         then ended every stream with ``EngineError`` and stopped, and
         ``fatal_error`` holds the error. (A failed step of a one-process
         engine is not fatal: its requests fail, the loop goes on.)
+      stream_limits: each stream's output bound and stall timeout
+        (``StreamLimits``; its defaults when None).
     """
 
     def __init__(self, engine: Engine, *, metrics: ServingMetrics | None = None,
                  max_waiting_requests: int = 256,
-                 on_fatal: Callable[[Exception], None] | None = None):
+                 on_fatal: Callable[[Exception], None] | None = None,
+                 stream_limits: StreamLimits | None = None):
         self.engine = engine
+        self.stream_limits = stream_limits if stream_limits is not None else StreamLimits()
         self.on_fatal = on_fatal
         self.fatal_error: Exception | None = None
         self.metrics = metrics if metrics is not None else ServingMetrics()
@@ -118,6 +134,9 @@ class AsyncEngine:
         self.num_in_flight = 0     # asyncio thread: streams not yet finished
         self._open: set[_Stream] = set()  # asyncio thread: those streams
         self._adding: set[asyncio.Future] = set()  # asyncio thread: adds not yet applied
+        self._watch: asyncio.Task | None = None
+        self._guard = StreamGuard(self.stream_limits, self.metrics, self.abort,
+                                  StreamBackpressure)
 
     # ---- asyncio side -------------------------------------------------------
 
@@ -126,6 +145,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
+        if self.stream_limits.stall_timeout_s is not None:
+            self._watch = asyncio.ensure_future(self._guard.watch(lambda: list(self._open)))
 
     @property
     def num_waiting(self) -> int:
@@ -270,6 +291,7 @@ class AsyncEngine:
         for stream in self._open:
             if not stream.done:
                 stream.outputs.put_nowait(StreamAborted("aborted: the server is shutting down"))
+                stream.dropped = True
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -279,6 +301,8 @@ class AsyncEngine:
         is still running after ``timeout_s`` seconds."""
         self._stop.set()
         self._commands.put(("wake",))
+        if self._watch is not None:
+            self._watch.cancel()
         if self._thread is None:
             return True
         t_end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -289,7 +313,7 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------
 
     def _post(self, stream: _Stream, item) -> None:
-        self._loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._guard.deliver, stream, item)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -438,10 +462,15 @@ class RequestStream:
         """The request's id inside the engine (``Engine`` methods take it)."""
         return self._stream.engine_id
 
+    def set_request_id(self, request_id: str) -> None:
+        """The API's request id, for the backpressure log line."""
+        self._stream.label = request_id
+
     async def __anext__(self) -> RequestOutput:
         if self._stream.done or self._closed:
             raise StopAsyncIteration
         item = await self._stream.outputs.get()
+        self._engine._guard.read(self._stream)
         if isinstance(item, BaseException):
             self._stream.done = True  # the engine dropped it (or abort_all will)
             raise item
@@ -455,6 +484,7 @@ class RequestStream:
         self._closed = True
         self._engine.num_in_flight -= 1
         self._engine.close_stream(self._stream)
+        self._engine._guard.drop(self._stream)  # what is queued or still comes is garbage
         if not self._stream.done:
             self._engine.abort(self._stream)
 

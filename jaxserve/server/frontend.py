@@ -330,16 +330,18 @@ class Job:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every prompt's request, as they come.
         Raises ``StreamAborted`` / ``EngineError`` from any of them; closing
-        it aborts whatever still runs."""
-        queue: asyncio.Queue = asyncio.Queue()
+        it aborts whatever still runs. Each pump hands on one output at a time
+        (a bounded queue), so outputs a slow consumer has not taken wait in
+        their request's stream, where backpressure sees them."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.streams))
 
         async def pump(i: int, stream: RequestStream):
             try:
                 async for out in stream:
-                    queue.put_nowait((i, out))
+                    await queue.put((i, out))
             except (StreamAborted, EngineError) as e:
-                queue.put_nowait((i, e))
-            queue.put_nowait((i, None))
+                await queue.put((i, e))
+            await queue.put((i, None))
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
         left = len(tasks)
         try:
@@ -381,6 +383,7 @@ async def start_job(engine: AsyncEngine, request_id: str, prompt_ids: list[list[
     try:
         for ids, p in zip(prompt_ids, params):
             job.streams.append(await engine.generate(ids, p, arrival))
+            job.streams[-1].set_request_id(request_id)
     except BaseException:
         for s in job.streams:
             await s.aclose()

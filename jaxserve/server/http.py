@@ -38,7 +38,10 @@ by ``index``; deltas never split a UTF-8 character nor show a stop string
 the usage. A client that disconnects (a closed stream, or a dropped
 non-streamed request) has its request aborted in the engine before the next
 step, freeing its pages, as a gRPC cancel does; at shutdown, streams still
-running when the grace period ends get ``finish_reason`` "abort".
+running when the grace period ends get ``finish_reason`` "abort". A client
+that stops reading blocks the generator in uvicorn's ``send`` (it waits for
+the socket to drain); its request is aborted by the stream stall rule
+(``jaxserve.server.backpressure``) and, if it reads again, ends the same way.
 """
 
 from __future__ import annotations

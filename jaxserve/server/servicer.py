@@ -150,6 +150,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             try:
                 outputs = await engine.generate(ids, params, arrival_time)
+                outputs.set_request_id(rid)
             except ValueError as e:
                 engine.metrics.rejected.labels("INVALID_ARGUMENT").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(e)))
@@ -172,19 +173,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
                     if kind == pb.OUTPUT_KIND_CUMULATIVE:
-                        yield self._cumulative_response(rid, out, first, cumulative)
+                        sent = await self._write(
+                            context, self._cumulative_response(rid, out, first, cumulative))
                     else:
-                        yield self._response(rid, out, kind, first, reported_finish)
+                        sent = await self._write(
+                            context, self._response(rid, out, kind, first, reported_finish))
+                    if not sent:
+                        log.info("request %s: the client went away during a write", rid)
+                        return
                     first = False
             except StreamAborted:
-                yield self._aborted_response(rid, len(ids), last, arrival_time, kind,
-                                             reported_finish)
+                await self._write(context, self._aborted_response(
+                    rid, len(ids), last, arrival_time, kind, reported_finish))
             except EngineError as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             finally:
                 await outputs.aclose()  # aborts the request if it is still running
         finally:
             self._live_ids.discard(rid)
+
+    @staticmethod
+    async def _write(context, response: pb.GenerateResponse) -> bool:
+        """Send one response. ``Generate`` writes with ``context.write`` (not
+        ``yield``) so that a send failing because the client went away while
+        it waited on flow control (a cancel or a closed connection while the
+        stream was unread) surfaces here, not as ``grpc.aio``'s logged
+        traceback. Returns False then."""
+        try:
+            await context.write(response)
+        except grpc.aio.InternalError:  # ExecuteBatchError: the call is gone
+            return False
+        return True
 
     def _response_head(self, rid: str, out: RequestOutput, first: bool) -> pb.GenerateResponse:
         """A response without completions: prompt logprobs on the first,
@@ -255,7 +274,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _aborted_response(self, rid: str, prompt_len: int, last: RequestOutput | None,
                           arrival_time: float, kind: int,
                           reported_finish: set[int]) -> pb.GenerateResponse:
-        """The final message of a stream cut by shutdown: every unfinished
+        """The final message of a stream cut by shutdown or backpressure
+        (``StreamBackpressure``, a ``StreamAborted``): every unfinished
         choice gets finish_reason "abort"; usage and timing from what ran."""
         resp = pb.GenerateResponse(request_id=rid, finished=True)
         outs = last.outputs if last is not None else []

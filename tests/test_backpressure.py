@@ -1,0 +1,248 @@
+"""Backpressure for streams nobody reads (issue 33, finding 3): the rule's
+unit behaviour, and a real server whose slots are all held by HTTP and gRPC
+streams that are never read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import re
+import socket
+import statistics
+import time
+import urllib.request
+
+import grpc
+import pytest
+from server_util import ServerProcess
+
+from jaxserve.metrics import ServingMetrics
+from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.async_engine import StreamBackpressure, _Stream
+from jaxserve.server.backpressure import StreamGuard, StreamLimits
+from jaxserve.server.client import make_request
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(buffer_outputs=0), "stream_buffer_outputs must be an int >= 1, got 0"),
+    (dict(buffer_outputs=True), "stream_buffer_outputs must be an int >= 1, got True"),
+    (dict(stall_timeout_s=0.0), "stream_stall_timeout_s must be > 0 or None, got 0.0"),
+    (dict(stall_timeout_s=float("nan")), "stream_stall_timeout_s must be > 0 or None, got nan"),
+])
+def test_limits_refuse_bad_values(kw, msg):
+    with pytest.raises(ValueError) as e:
+        StreamLimits(**kw)
+    assert str(e.value) == msg
+
+
+def test_server_config_checks_the_stream_limits():
+    from jaxserve.server_config import ServerConfig
+    assert ServerConfig(stream_stall_timeout_s=None).stream_stall_timeout_s is None
+    with pytest.raises(ValueError) as e:
+        ServerConfig(stream_stall_timeout_s=-1.0)
+    assert str(e.value) == "stream_stall_timeout_s must be > 0 or None, got -1.0"
+    with pytest.raises(ValueError) as e:
+        ServerConfig(stream_buffer_outputs=0)
+    assert str(e.value) == "stream_buffer_outputs must be an int >= 1, got 0"
+
+
+def _guard(limits):
+    metrics, aborted = ServingMetrics(), []
+    return StreamGuard(limits, metrics, aborted.append, StreamBackpressure), metrics, aborted
+
+
+def _count(metrics, reason):
+    return metrics.registry.get_sample_value("jaxserve_stream_backpressure_total",
+                                             {"action": "aborted", "reason": reason})
+
+
+def test_buffer_full_aborts_and_drops(caplog):
+    async def run():
+        guard, metrics, aborted = _guard(StreamLimits(buffer_outputs=3, stall_timeout_s=None))
+        s = _Stream("s7", asyncio.Queue(), label="cmpl-x")
+        for i in range(3):
+            guard.deliver(s, i)
+        assert s.outputs.qsize() == 3 and not aborted
+        guard.read(s) if s.outputs.get_nowait() == 0 else None  # a read: 2 left
+        guard.deliver(s, 3)
+        guard.deliver(s, 4)  # 4 waiting > 3
+        assert aborted == [s] and s.dropped
+        assert s.outputs.qsize() == 1 and isinstance(s.outputs.get_nowait(), StreamBackpressure)
+        guard.deliver(s, 5)  # the engine's later outputs are discarded
+        assert s.outputs.qsize() == 0
+        return metrics
+    metrics = asyncio.run(run())
+    assert _count(metrics, "buffer_full") == 1 and _count(metrics, "stalled") == 0
+    lines = [r.getMessage() for r in caplog.records if "stream backpressure" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "stream backpressure: request cmpl-x (engine s7) aborted: buffer_full, unread ")
+    assert lines[0].endswith(" s, 4 outputs buffered")
+
+
+def test_stall_watch_aborts_only_unread_streams():
+    async def run():
+        guard, metrics, aborted = _guard(StreamLimits(stall_timeout_s=0.2))
+        unread, reader, idle = (_Stream(f"s{i}", asyncio.Queue()) for i in range(3))
+        watch = asyncio.ensure_future(guard.watch(lambda: [unread, reader, idle]))
+        guard.deliver(unread, "a")
+        t_end = time.monotonic() + 0.6
+        while time.monotonic() < t_end:  # the reader takes each output within 0.05 s
+            guard.deliver(reader, "b")
+            await asyncio.sleep(0.05)
+            reader.outputs.get_nowait()
+            guard.read(reader)
+        watch.cancel()
+        assert aborted == [unread] and not reader.dropped and not idle.dropped
+        return metrics
+    metrics = asyncio.run(run())
+    assert _count(metrics, "stalled") == 1
+
+
+# ---- a real server ----------------------------------------------------------------
+
+STALL_S = 2.0
+ENGINE_FLAGS = ["--num_pages", "2048", "--page_size", "8", "--max_num_seqs", "64",
+                "--max_num_batched_tokens", "512", "--http_port", "0",
+                "--stream_stall_timeout_s", str(STALL_S)]
+UNREAD = dict(n=16, logprobs=20, max_tokens=480, temperature=1.0, ignore_eos=True)
+
+
+def _post(url: str, body: dict, timeout: float = 60.0) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _short(server) -> float:
+    """Seconds a 4-token completion takes; checks it got 4 tokens."""
+    t0 = time.monotonic()
+    out = _post(server.http_url + "/v1/completions",
+                dict(prompt="hi", max_tokens=4, temperature=0, ignore_eos=True))
+    assert out["usage"]["completion_tokens"] == 4, out
+    return time.monotonic() - t0
+
+
+def _unread_http(port: int) -> socket.socket:
+    """A streamed completion posted on a socket that is never read (a small
+    receive buffer, so the server's send blocks soon)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    body = json.dumps(dict(prompt="tell me a story", stream=True, **UNREAD)).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return s
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+
+def _wait(pred, timeout_s: float, what: str):
+    t_end = time.monotonic() + timeout_s
+    while not (v := pred()):
+        assert time.monotonic() < t_end, what
+        time.sleep(0.1)
+    return v
+
+
+def _cut(server) -> dict[str, float]:
+    m = server.metrics()
+    return {r: m[f'jaxserve_stream_backpressure_total{{action="aborted",reason="{r}"}}']
+            for r in ("stalled", "buffer_full")}
+
+
+def _unread_round(server, grpc_id: str, read_after: bool
+                  ) -> tuple[float, list[float], dict[str, float]]:
+    """Three HTTP clients and one gRPC client (n 16 each: all 64 slots) post
+    streams and read nothing; a 4-token request is timed while they hold the
+    slots and five after they are cut; then the clients read what is left
+    (``read_after``) or hang up without reading (a gRPC cancel while the
+    server's write waits on flow control). Returns
+    (held latency s, latencies after the cut s, cuts by reason)."""
+    before = _cut(server)
+    socks = [_unread_http(server.http_port) for _ in range(3)]
+    # No BDP probing: the HTTP/2 window stays at its 64 KiB default.
+    channel = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.GenerationStub(channel).Generate(
+        make_request("tell me a story", request_id=grpc_id, **UNREAD))
+
+    def cut():
+        now = _cut(server)
+        return {r: now[r] - before[r] for r in now}
+    # All four in the engine: their 64 sequences running, or already cut
+    # (a slow first step may let the stall watch cut one before the last starts).
+    _wait(lambda: server.metrics()["jaxserve_num_requests_running"] +
+          16 * sum(cut().values()) >= 64, 30,
+          "the unread streams did not take every slot\n" + "".join(server.lines[-20:]))
+    held = _short(server)  # waits for a slot: the stall timeout and the cut
+    _wait(lambda: sum(cut().values()) >= 4, 60,
+          "the unread streams were not all cut\n" + "".join(server.lines[-20:]))
+    after_cut = [_short(server) for _ in range(5)]
+    cuts = cut()
+    assert sum(cuts.values()) == 4, cuts
+    if not read_after:
+        for s in socks:
+            s.close()
+        call.cancel()
+        channel.close()
+        _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
+        return held, after_cut, cuts
+    # A client that reads after the cut gets what was in flight, then every
+    # choice ends with finish_reason "abort" before its max_tokens.
+    data = b""
+    while b"data: [DONE]" not in data[-200:]:
+        chunk = socks[0].recv(1 << 20)
+        assert chunk, data[-500:]
+        data += chunk
+    tail = data.split(b"\r\n\r\n", 1)[1]
+    reasons = re.findall(rb'"finish_reason": ?"?(\w+)', tail)
+    assert sorted(set(reasons)) == [b"abort", b"null"] and reasons.count(b"abort") == 16, \
+        collections.Counter(reasons)
+    assert not re.findall(rb'"finish_reason": ?"length"', tail)
+    for s in socks:
+        s.close()
+    last = list(call)[-1]
+    assert last.finished and last.request_id == grpc_id
+    assert [c.finish_reason for c in last.completions] == ["abort"] * 16, last
+    assert 0 < last.usage.completion_tokens < 16 * UNREAD["max_tokens"], last.usage
+    channel.close()
+    _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
+    m = server.metrics()
+    assert m["jaxserve_kv_cache_pages_free"] == m["jaxserve_kv_cache_pages_total"]
+    return held, after_cut, cuts
+
+
+def test_unread_streams_are_aborted_and_memory_returns(tiny_gguf):
+    server = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS], warmup=True)
+    try:
+        # Warm-up: one whole round, so the step shapes are compiled and the
+        # allocators have grown to the steady state before RSS is read.
+        _unread_round(server, "grpc-unread-0", read_after=False)
+        baseline = statistics.median(_short(server) for _ in range(5))
+        time.sleep(1.0)
+        rss_before = _rss_kib(server.proc.pid)
+        compiled = server.metrics()["jaxserve_xla_compilations_total"]
+        held, after_cut, cuts = _unread_round(server, "grpc-unread-1", read_after=True)
+        time.sleep(1.0)
+        rss_after = _rss_kib(server.proc.pid)
+        print(f"baseline {baseline:.3f} s, held {held:.3f} s, after the cut "
+              f"{max(after_cut):.3f} s; RSS {rss_before} -> {rss_after} KiB; cut {cuts}; compiled "
+              f"{server.metrics()['jaxserve_xla_compilations_total'] - compiled}")
+        # Bounds: the held request waits for the first cut (the stall timeout,
+        # the watch's 0.5 s tick) plus its own time; after the cut, normal speed.
+        assert held < STALL_S + 0.5 + 3 * baseline + 2.0, (held, baseline)
+        assert max(after_cut) < 3 * baseline + 0.5, (after_cut, baseline)
+        assert rss_after <= 1.05 * rss_before, (rss_before, rss_after)
+        lines = [ln for ln in server.lines if "stream backpressure: request" in ln]
+        assert len([ln for ln in lines if "request grpc-unread-1 " in ln]) == 1, lines
+        assert len([ln for ln in lines if "request cmpl-" in ln]) == 6, lines
+    finally:
+        code = server.terminate()
+    assert code == 0
+    tb = [i for i, line in enumerate(server.lines) if "Traceback" in line]
+    assert not tb, "".join(server.lines[tb[0] - 2:] if tb else [])
