@@ -10,7 +10,38 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.config import check_positive
-from jaxserve.server.backpressure import StreamLimits
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLimits:
+    """Per-stream output bounds (the rule: ``jaxserve.server.backpressure``).
+
+    Args:
+      buffer_outputs: most ``RequestOutput``s waiting unread in one engine
+        request's queue (one a step); one more aborts the request.
+      stall_timeout_s: seconds output may wait while the consumer takes
+        nothing, before the request is aborted; None turns the check off.
+
+    Raises:
+      ValueError: ``buffer_outputs`` < 1, or ``stall_timeout_s`` not > 0.
+    """
+
+    buffer_outputs: int = 256
+    stall_timeout_s: float | None = 30.0
+
+    def __post_init__(self):
+        if isinstance(self.buffer_outputs, bool) or not isinstance(self.buffer_outputs, int) \
+                or self.buffer_outputs < 1:
+            raise ValueError(f"stream_buffer_outputs must be an int >= 1, got "
+                             f"{self.buffer_outputs!r}")
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
+            raise ValueError(f"stream_stall_timeout_s must be > 0 or None, got "
+                             f"{self.stall_timeout_s!r}")
+
+    @property
+    def check_interval_s(self) -> float:
+        """How often the stall watch looks (a quarter of the timeout, at most 1 s)."""
+        return min(1.0, (self.stall_timeout_s or 4.0) / 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +115,7 @@ class ServerConfig:
       stream_stall_timeout_s, stream_buffer_outputs: a stream whose client
         reads nothing for this many seconds while output waits (None: never),
         or with more outputs than this waiting, is aborted
-        (``jaxserve.server.backpressure.StreamLimits``).
+        (``StreamLimits, applied by jaxserve.server.backpressure``).
       max_message_bytes: largest gRPC message received or sent, bytes.
       grace_period_s: on SIGTERM, seconds running requests get to finish
         before they are aborted; the process exits within it.

@@ -47,44 +47,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import dataclasses
 import logging
 import time
 from typing import Callable, Iterable
 
+from jaxserve.server_config import StreamLimits
+
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamLimits:
-    """Per-stream output bounds (see the module docstring).
-
-    Args:
-      buffer_outputs: most ``RequestOutput``s waiting unread in one engine
-        request's queue (one a step); one more aborts the request.
-      stall_timeout_s: seconds output may wait while the consumer takes
-        nothing, before the request is aborted; None turns the check off.
-
-    Raises:
-      ValueError: ``buffer_outputs`` < 1, or ``stall_timeout_s`` not > 0.
-    """
-
-    buffer_outputs: int = 256
-    stall_timeout_s: float | None = 30.0
-
-    def __post_init__(self):
-        if isinstance(self.buffer_outputs, bool) or not isinstance(self.buffer_outputs, int) \
-                or self.buffer_outputs < 1:
-            raise ValueError(f"stream_buffer_outputs must be an int >= 1, got "
-                             f"{self.buffer_outputs!r}")
-        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
-            raise ValueError(f"stream_stall_timeout_s must be > 0 or None, got "
-                             f"{self.stall_timeout_s!r}")
-
-    @property
-    def check_interval_s(self) -> float:
-        """How often the stall watch looks (a quarter of the timeout, at most 1 s)."""
-        return min(1.0, (self.stall_timeout_s or 4.0) / 4)
 
 
 class StreamGuard:
