@@ -15,8 +15,8 @@ lowerings reject at trace and lowering time (block shapes that do not tile,
 shape errors, unsupported primitives or dtypes); it does not run the backend
 compilers (Mosaic's layout passes, Triton's and ptxas), so vector layouts,
 VMEM / SMEM budgets and register pressure are not checked: with jax 0.10.2
-every lowering of the kernels of issue 32's review passes, none of its
-findings shows here. The engine's start-up self-check
+every claimed lowering passes before and after the kernels' layout fixes: none
+of those layout findings shows here. The engine's start-up self-check
 (``jaxserve.engine.attention_check``) covers the compile on the device.
 
 One line per lowering::

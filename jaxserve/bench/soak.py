@@ -1,6 +1,6 @@
 """Soak benchmark: long mixed, partly hostile traffic over both APIs at once
 (gRPC and the OpenAI HTTP API of one server), watching for leaks (RSS, KV
-pages) and for calls that end wrongly (issue 33).
+pages) and for calls that end wrongly.
 
     python -m jaxserve.bench soak --minutes 20 --output /tmp/soak
     python -m jaxserve.bench soak --minutes 0.5 --clients 1 --http_clients 1 -- --num_pages 128
@@ -45,7 +45,7 @@ gRPC cases (``soak_traffic.CASES``), with the codes each may end with
 * ``bad``: a malformed request (``soak_traffic.BAD_CASES``: empty prompt, out-of-vocab id,
   negative temperature, unknown role, ...) -> INVALID_ARGUMENT.
   ``oversized``: a prompt of max_prompt_len + 1.. tokens -> INVALID_ARGUMENT.
-* ``hostile``: one of ``soak_hostile.GRPC_HOSTILE`` (issue 33's kinds: lone
+* ``hostile``: one of ``soak_hostile.GRPC_HOSTILE`` (the hostile kinds: lone
   surrogates as bytes, groups nested 100,000 deep, float32 overflows,
   max_tokens 2^31-1, n 129, authorization metadata), each with its own
   expected codes.
@@ -68,7 +68,7 @@ prompts x n 64, authorization headers ...), ``oversized`` (400),
 ``unread`` (a raw-socket stream read only to its status line, closed 2-8 s
 later), ``tokenize`` / ``models`` / ``health`` (200).
 
-The hostile cases expect what issue 33's rule says (bad input -> 400 /
+The hostile cases expect what the admission rule says (bad input -> 400 /
 INVALID_ARGUMENT, never 500; too large to ever hold -> 400, not 429; one
 auth rule for both APIs), not what today's server answers: a different
 answer is counted as an unexpected status and fails the run.

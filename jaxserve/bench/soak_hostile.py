@@ -1,5 +1,5 @@
-"""The soak's hostile requests (issue 33), for both APIs, each with the
-statuses it must end with: what a bad value deserves by issue 33's rule
+"""The soak's hostile requests, for both APIs, each with the
+statuses it must end with: what a bad value deserves by the admission rule
 ("bad input -> 400 / INVALID_ARGUMENT, never 500; a request larger than the
 server can ever hold -> 400 naming the limit, not 429; one auth rule for both
 doors"), not what today's server answers. A case answered otherwise is

@@ -90,7 +90,7 @@ class CompileCounter:
     ``JAX_LOG_COMPILES`` are counted (``Finished XLA compilation of NAME``:
     one executable built or loaded from the persistent cache) and hidden,
     the rest pass through. ``tracebacks`` counts the server's
-    ``Traceback (most recent call last):`` lines (issue 33: none allowed)."""
+    ``Traceback (most recent call last):`` lines (none allowed)."""
 
     _FINISHED = re.compile(r"Finished XLA compilation of (\S+)")
     _CACHE_HIT = re.compile(r"Persistent compilation cache hit")

@@ -51,7 +51,7 @@ import numpy as np
 # Statuses each case may end with, per API (gRPC code names; HTTP statuses as
 # strings, or a client-side outcome, see ``soak_http``); anything else is an
 # unexpected status. A ``hostile`` record carries its own (``rec["expect"]``,
-# from ``soak_hostile``): issue 33's rule, whatever today's server answers.
+# from ``soak_hostile``): the admission rule, whatever the server answers.
 EXPECTED = {
     "grpc": {
         "generate": {"OK", "RESOURCE_EXHAUSTED"},
