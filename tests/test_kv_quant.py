@@ -358,7 +358,7 @@ def test_int8_preemption_keeps_greedy_exact(make_tiny_llm):
     assert sum(r.num_preemptions for r in reqs) > 0
     for rid, want in zip(rids, ample):
         assert final[rid].outputs[0].token_ids == want
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
 
 
 # ---- SmolLM2 135M ---------------------------------------------------------------
