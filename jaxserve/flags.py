@@ -163,6 +163,10 @@ flags.DEFINE_integer("max_waiting_requests", 256,
                      "serve: sequences allowed to wait; beyond it RESOURCE_EXHAUSTED.")
 flags.DEFINE_float("stream_stall_timeout_s", 30.0, "serve: a stream whose client reads "
                    "nothing for this long while output waits is aborted; 0 turns it off.")
+flags.DEFINE_float("stream_pause_after_s", 1.0, "serve: a stream whose client reads nothing "
+                   "for this long while output waits (or with over a quarter of "
+                   "stream_buffer_outputs waiting) is paused (its slots and pages go to "
+                   "others) until the client reads; 0 turns pausing off.")
 flags.DEFINE_integer("stream_buffer_outputs", 256, "serve: outputs (one a step) that may wait "
                      "unread per request of a stream; one more aborts it.")
 flags.DEFINE_integer("max_prompt_len", None, "serve: longest prompt, tokens "
@@ -282,6 +286,7 @@ def server_config() -> ServerConfig:
         max_waiting_requests=FLAGS.max_waiting_requests, max_prompt_len=FLAGS.max_prompt_len,
         stream_stall_timeout_s=FLAGS.stream_stall_timeout_s or None,
         stream_buffer_outputs=FLAGS.stream_buffer_outputs,
+        stream_pause_after_s=FLAGS.stream_pause_after_s or None,
         max_message_bytes=FLAGS.max_message_mib << 20, grace_period_s=FLAGS.grace_period_s,
         tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, auth_token=token,
         disagg=DisaggConfig(role=FLAGS.role, prefill_workers=tuple(FLAGS.prefill_workers),

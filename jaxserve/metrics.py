@@ -8,7 +8,7 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_e2e_request_latency_seconds, jaxserve_request_prompt_tokens,
               jaxserve_request_generation_tokens, jaxserve_abort_delay_steps
   gauges      jaxserve_num_requests_running, jaxserve_num_requests_waiting,
-              jaxserve_kv_cache_pages_used, jaxserve_kv_cache_pages_free,
+              jaxserve_num_requests_paused, jaxserve_kv_cache_pages_used, jaxserve_kv_cache_pages_free,
               jaxserve_kv_cache_pages_total, jaxserve_kv_cache_usage_ratio
   counters    jaxserve_prompt_tokens_total, jaxserve_generation_tokens_total,
               jaxserve_cached_prompt_tokens_total, jaxserve_prefix_cache_queries_total,
@@ -17,8 +17,8 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_request_rejected_total{code}, jaxserve_request_received_total,
               jaxserve_engine_steps_total,
               jaxserve_stream_backpressure_total{action,reason} (streams nobody read:
-              action "aborted", reason "stalled" or "buffer_full";
-              ``jaxserve.server.backpressure``)
+              action "paused" / "resumed" (reason "unread" / "read"), "aborted"
+              (reason "stalled" or "buffer_full"); ``jaxserve.server.backpressure``)
   speculative decoding (vLLM's spec_decode_* names; 0, and no per-position
   series, without speculation):
     counters  jaxserve_spec_decode_num_drafts_total, jaxserve_spec_decode_num_draft_tokens_total,
@@ -97,6 +97,8 @@ class ServingMetrics:
         self.running = g("jaxserve_num_requests_running", "Sequences running (one per choice).")
         self.waiting = g("jaxserve_num_requests_waiting",
                          "Sequences waiting for a step, submitted-not-yet-queued included.")
+        self.paused = g("jaxserve_num_requests_paused", "Sequences set aside because their "
+                        "stream's client stopped reading (no slot, no page held).")
         self.pages_used = g("jaxserve_kv_cache_pages_used", "KV pages held by sequences.")
         self.pages_free = g("jaxserve_kv_cache_pages_free",
                             "KV pages free (including cached pages no sequence holds).")
@@ -124,10 +126,13 @@ class ServingMetrics:
         self.steps = c("jaxserve_engine_steps", "Engine steps run.")
         self.stream_backpressure = c(
             "jaxserve_stream_backpressure", "Streams whose client read nothing, by what was "
-            "done and why (stalled: unread past the stall timeout; buffer_full: too many "
-            "outputs waiting).", ("action", "reason"))
-        for reason in ("stalled", "buffer_full"):
-            self.stream_backpressure.labels("aborted", reason)
+            "done and why (paused/unread: unread past the pause time, its sequences set "
+            "aside; resumed/read: its client read again; aborted/stalled: unread past the "
+            "stall timeout; aborted/buffer_full: too many outputs waiting).",
+            ("action", "reason"))
+        for action, reason in (("paused", "unread"), ("resumed", "read"),
+                               ("aborted", "stalled"), ("aborted", "buffer_full")):
+            self.stream_backpressure.labels(action, reason)
         self.compilations = c("jaxserve_xla_compilations",
                               "XLA programs compiled (one per new bucket shape; each is kept "
                               "in memory).")
@@ -185,6 +190,7 @@ class ServingMetrics:
         (counters move by the change since the previous snapshot)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting + extra_waiting)
+        self.paused.set(stats.num_paused)
         self.pages_used.set(stats.pages_used)
         self.pages_free.set(stats.pages_free)
         self.pages_total.set(stats.pages_total)

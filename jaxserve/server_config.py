@@ -21,27 +21,39 @@ class StreamLimits:
         request's queue (one a step); one more aborts the request.
       stall_timeout_s: seconds output may wait while the consumer takes
         nothing, before the request is aborted; None turns the check off.
+      pause_after_s: seconds output may wait unread before the request is
+        paused (its sequences set aside, slots and pages freed, until the
+        consumer has read everything queued); it is paused as well when more
+        than ``buffer_outputs // 4`` outputs wait. None turns pausing off.
 
     Raises:
-      ValueError: ``buffer_outputs`` < 1, or ``stall_timeout_s`` not > 0.
+      ValueError: ``buffer_outputs`` < 1, or a time not > 0.
     """
 
     buffer_outputs: int = 256
     stall_timeout_s: float | None = 30.0
+    pause_after_s: float | None = 1.0
 
     def __post_init__(self):
         if isinstance(self.buffer_outputs, bool) or not isinstance(self.buffer_outputs, int) \
                 or self.buffer_outputs < 1:
             raise ValueError(f"stream_buffer_outputs must be an int >= 1, got "
                              f"{self.buffer_outputs!r}")
-        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
-            raise ValueError(f"stream_stall_timeout_s must be > 0 or None, got "
-                             f"{self.stall_timeout_s!r}")
+        for name in ("stall_timeout_s", "pause_after_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"stream_{name} must be > 0 or None, got {v!r}")
 
     @property
     def check_interval_s(self) -> float:
-        """How often the stall watch looks (a quarter of the timeout, at most 1 s)."""
-        return min(1.0, (self.stall_timeout_s or 4.0) / 4)
+        """How often the stall watch looks: a quarter of the stall timeout and
+        half the pause time, at most 1 s."""
+        return min(1.0, (self.stall_timeout_s or 4.0) / 4, (self.pause_after_s or 2.0) / 2)
+
+    @property
+    def watched(self) -> bool:
+        """Whether a watch must run (a stall timeout or a pause time is set)."""
+        return self.stall_timeout_s is not None or self.pause_after_s is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +128,9 @@ class ServerConfig:
         reads nothing for this many seconds while output waits (None: never),
         or with more outputs than this waiting, is aborted
         (``StreamLimits, applied by jaxserve.server.backpressure``).
+      stream_pause_after_s: a stream whose client reads nothing for this
+        many seconds while output waits is paused until it reads (None:
+        never); see ``stream_limits``.
       max_message_bytes: largest gRPC message received or sent, bytes.
       grace_period_s: on SIGTERM, seconds running requests get to finish
         before they are aborted; the process exits within it.
@@ -134,6 +149,7 @@ class ServerConfig:
     max_prompt_len: int | None = None
     stream_stall_timeout_s: float | None = 30.0
     stream_buffer_outputs: int = 256
+    stream_pause_after_s: float | None = 1.0
     max_message_bytes: int = 16 << 20
     grace_period_s: float = 30.0
     tls_cert: str | None = None
@@ -148,7 +164,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {v!r}")
         check_positive("max_waiting_requests", self.max_waiting_requests)
         check_positive("max_prompt_len", self.max_prompt_len, allow_none=True)
-        StreamLimits(self.stream_buffer_outputs, self.stream_stall_timeout_s)  # checks them
+        self.stream_limits()  # checks them
         check_positive("max_message_bytes", self.max_message_bytes)
         check_positive("max_http_body_bytes", self.max_http_body_bytes)
         if not self.grace_period_s > 0:
@@ -158,3 +174,11 @@ class ServerConfig:
                              f"and tls_key={self.tls_key!r}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must be None or a non-empty string, got ''")
+
+    def stream_limits(self) -> StreamLimits:
+        """The ``stream_*`` fields as ``StreamLimits``.
+
+        Raises:
+          ValueError: as ``StreamLimits``."""
+        return StreamLimits(self.stream_buffer_outputs, self.stream_stall_timeout_s,
+                            self.stream_pause_after_s)

@@ -224,6 +224,48 @@ def test_preemption_same_outputs_and_no_page_leaked(small_llm):
     assert [summary(o) for o in a] == [summary(o) for o in s]
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_pause_and_resume_same_outputs_and_no_page_leaked(llm, on):
+    """``Engine.pause`` (a stream nobody reads) sets a request aside with no
+    page and no slot while the others go on; after ``resume`` its outputs are
+    those of an uninterrupted run (greedy, seeded, n > 1)."""
+    engine = llm.engine
+    prompts = PROMPTS[:4]
+    params = [greedy(20), seeded(20, 5, ignore_eos=True),
+              SamplingParams(n=2, max_tokens=16, temperature=1.0, seed=3, ignore_eos=True),
+              greedy(18, logprobs=2)]
+    ref = generate(llm, prompts, params, False)
+    set_async(engine, on)
+    rids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    seen: dict[str, list] = {}
+
+    def step():
+        for o in engine.step():
+            seen.setdefault(o.request_id, []).append(o)
+    for _ in range(3):
+        step()
+    paused = [rids[0], rids[2]]  # greedy and the n = 2 seeded one, mid-decode
+    free_before = engine.allocator.num_free_pages
+    assert all(engine.pause(r) for r in paused)
+    assert not engine.pause("no-such-request")
+    seqs = [r for rid in paused for r in engine.get_sequences(rid)]
+    assert engine.stats().num_paused == 3 and all(not r.page_ids for r in seqs)
+    assert engine.allocator.num_free_pages > free_before
+    step()  # a token in flight when they paused lands now
+    held = [len(r.host_output_ids) for r in seqs]
+    for _ in range(4):  # the others go on; the paused ones do not move
+        step()
+        assert [len(r.host_output_ids) for r in seqs] == held
+        assert all(r not in engine.scheduler.running for r in seqs)
+    assert len(seen[rids[1]]) > 5
+    assert all(engine.resume(r) for r in paused) and not engine.resume(rids[1])
+    assert engine.stats().num_paused == 0
+    rest = drain(engine)
+    assert_idle(engine)
+    out = [(rest.get(r) or seen[r])[-1] for r in rids]
+    assert [summary(o) for o in out] == [summary(o) for o in ref]
+
+
 def test_penalties_and_prompt_logprobs_fall_back_to_sync(llm):
     penalised = [SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.5),
                  SamplingParams(max_tokens=12, temperature=1.0, seed=2, frequency_penalty=1.0),

@@ -1,6 +1,8 @@
-"""Backpressure for streams nobody reads (issue 33, finding 3): the rule's
-unit behaviour, and a real server whose slots are all held by HTTP and gRPC
-streams that are never read.
+"""Backpressure for streams nobody reads: the rule's unit behaviour (pause,
+resume, cut), and a real server whose slots are all taken by HTTP and gRPC
+streams that are never read: they are paused, other clients are served at
+normal speed meanwhile, they are cut after the stall timeout, and memory
+returns.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import re
 import socket
 import statistics
@@ -30,6 +33,7 @@ from jaxserve.server.client import make_request
     (dict(buffer_outputs=True), "stream_buffer_outputs must be an int >= 1, got True"),
     (dict(stall_timeout_s=0.0), "stream_stall_timeout_s must be > 0 or None, got 0.0"),
     (dict(stall_timeout_s=float("nan")), "stream_stall_timeout_s must be > 0 or None, got nan"),
+    (dict(pause_after_s=-1.0), "stream_pause_after_s must be > 0 or None, got -1.0"),
 ])
 def test_limits_refuse_bad_values(kw, msg):
     with pytest.raises(ValueError) as e:
@@ -46,16 +50,25 @@ def test_server_config_checks_the_stream_limits():
     with pytest.raises(ValueError) as e:
         ServerConfig(stream_buffer_outputs=0)
     assert str(e.value) == "stream_buffer_outputs must be an int >= 1, got 0"
+    with pytest.raises(ValueError) as e:
+        ServerConfig(stream_pause_after_s=0.0)
+    assert str(e.value) == "stream_pause_after_s must be > 0 or None, got 0.0"
+    limits = ServerConfig(stream_pause_after_s=0.5, stream_stall_timeout_s=None).stream_limits()
+    assert (limits.pause_after_s, limits.stall_timeout_s, limits.check_interval_s) == \
+        (0.5, None, 0.25)
 
 
-def _guard(limits):
+def _guard(limits, paused=None, resumed=None):
     metrics, aborted = ServingMetrics(), []
-    return StreamGuard(limits, metrics, aborted.append, StreamBackpressure), metrics, aborted
+    guard = StreamGuard(limits, metrics, aborted.append, StreamBackpressure,
+                        None if paused is None else paused.append,
+                        None if resumed is None else resumed.append)
+    return guard, metrics, aborted
 
 
-def _count(metrics, reason):
+def _count(metrics, reason, action="aborted"):
     return metrics.registry.get_sample_value("jaxserve_stream_backpressure_total",
-                                             {"action": "aborted", "reason": reason})
+                                             {"action": action, "reason": reason})
 
 
 def test_buffer_full_aborts_and_drops(caplog):
@@ -83,7 +96,7 @@ def test_buffer_full_aborts_and_drops(caplog):
 
 def test_stall_watch_aborts_only_unread_streams():
     async def run():
-        guard, metrics, aborted = _guard(StreamLimits(stall_timeout_s=0.2))
+        guard, metrics, aborted = _guard(StreamLimits(stall_timeout_s=0.2, pause_after_s=None))
         unread, reader, idle = (_Stream(f"s{i}", asyncio.Queue()) for i in range(3))
         watch = asyncio.ensure_future(guard.watch(lambda: [unread, reader, idle]))
         guard.deliver(unread, "a")
@@ -100,12 +113,92 @@ def test_stall_watch_aborts_only_unread_streams():
     assert _count(metrics, "stalled") == 1
 
 
+def test_unread_stream_is_paused_then_resumed_when_read_then_cut(caplog):
+    """Unread past ``pause_after_s``: paused once; read empty: resumed; unread
+    again past the stall timeout: cut (paused or not). A reader that keeps
+    up is never paused."""
+    caplog.set_level(logging.INFO, logger="jaxserve.server.backpressure")
+
+    async def run():
+        paused, resumed = [], []
+        guard, metrics, aborted = _guard(
+            StreamLimits(stall_timeout_s=0.9, pause_after_s=0.15), paused, resumed)
+        s, reader = _Stream("s3", asyncio.Queue(), label="cmpl-p"), _Stream("s4", asyncio.Queue())
+        watch = asyncio.ensure_future(guard.watch(lambda: [s, reader]))
+
+        async def keep_reading(seconds):
+            t_end = time.monotonic() + seconds
+            while time.monotonic() < t_end:
+                guard.deliver(reader, "r")
+                await asyncio.sleep(0.03)
+                reader.outputs.get_nowait()
+                guard.read(reader)
+        guard.deliver(s, 1)
+        guard.deliver(s, 2)
+        await keep_reading(0.4)
+        assert paused == [s] and s.paused and not resumed and not aborted
+        s.outputs.get_nowait()
+        guard.read(s)  # one still waits: not yet
+        assert not resumed and s.paused
+        s.outputs.get_nowait()
+        guard.read(s)  # all read: resumed at once
+        assert resumed == [s] and not s.paused
+        guard.deliver(s, 3)  # unread again: paused again, then cut at the stall timeout
+        await keep_reading(1.3)
+        watch.cancel()
+        assert paused == [s, s] and aborted == [s] and s.dropped
+        assert not reader.paused and not reader.dropped
+        return metrics
+    metrics = asyncio.run(run())
+    assert _count(metrics, "unread", "paused") == 2 and _count(metrics, "read", "resumed") == 1
+    assert _count(metrics, "stalled") == 1
+    lines = [r.getMessage() for r in caplog.records if "stream backpressure" in r.getMessage()]
+    assert [ln.split(":")[1].split(" ", 5)[-1].split(",")[0] for ln in lines] == [
+        "paused", "resumed", "paused", "aborted"], lines
+    assert lines[-1].endswith(" outputs buffered (paused)")
+
+
+def test_a_reader_that_falls_behind_is_paused_at_a_quarter_of_the_buffer():
+    async def run():
+        paused, resumed = [], []
+        guard, _, aborted = _guard(StreamLimits(buffer_outputs=8, stall_timeout_s=None),
+                                   paused, resumed)
+        s = _Stream("s2", asyncio.Queue())
+        for i in range(3):
+            guard.deliver(s, i)
+        assert paused == [s] and s.outputs.qsize() == 3  # 3 > 8 // 4, no tick needed
+        guard.deliver(s, 3)
+        assert paused == [s] and not aborted
+        while not s.outputs.empty():
+            s.outputs.get_nowait()
+            guard.read(s)
+        assert resumed == [s]
+    asyncio.run(run())
+
+
+def test_pausing_off_without_a_pause_time():
+    async def run():
+        paused = []
+        guard, _, aborted = _guard(StreamLimits(stall_timeout_s=0.3, pause_after_s=None),
+                                   paused, [])
+        s = _Stream("s1", asyncio.Queue())
+        watch = asyncio.ensure_future(guard.watch(lambda: [s]))
+        guard.deliver(s, 1)
+        await asyncio.sleep(0.6)
+        watch.cancel()
+        return paused, aborted, s
+    paused, aborted, s = asyncio.run(run())
+    assert paused == [] and aborted == [s]
+
+
 # ---- a real server ----------------------------------------------------------------
 
-STALL_S = 2.0
+STALL_S = 12.0
+PAUSE_S = 0.5
 ENGINE_FLAGS = ["--num_pages", "2048", "--page_size", "8", "--max_num_seqs", "64",
                 "--max_num_batched_tokens", "512", "--http_port", "0",
-                "--stream_stall_timeout_s", str(STALL_S)]
+                "--stream_stall_timeout_s", str(STALL_S), "--stream_pause_after_s", str(PAUSE_S),
+                "--stream_buffer_outputs", "64"]  # paused at 16 waiting, cut at 64
 UNREAD = dict(n=16, logprobs=20, max_tokens=480, temperature=1.0, ignore_eos=True)
 
 
@@ -150,48 +243,55 @@ def _wait(pred, timeout_s: float, what: str):
     return v
 
 
-def _cut(server) -> dict[str, float]:
+def _counts(server) -> dict[str, float]:
     m = server.metrics()
-    return {r: m[f'jaxserve_stream_backpressure_total{{action="aborted",reason="{r}"}}']
-            for r in ("stalled", "buffer_full")}
+    return {f"{a}/{r}": m[f'jaxserve_stream_backpressure_total{{action="{a}",reason="{r}"}}']
+            for a, r in (("paused", "unread"), ("resumed", "read"), ("aborted", "stalled"),
+                         ("aborted", "buffer_full"))}
 
 
-def _unread_round(server, grpc_id: str, read_after: bool
-                  ) -> tuple[float, list[float], dict[str, float]]:
+def _unread_round(server, grpc_id: str, read_after: bool):
     """Three HTTP clients and one gRPC client (n 16 each: all 64 slots) post
-    streams and read nothing; a 4-token request is timed while they hold the
-    slots and five after they are cut; then the clients read what is left
-    (``read_after``) or hang up without reading (a gRPC cancel while the
-    server's write waits on flow control). Returns
-    (held latency s, latencies after the cut s, cuts by reason)."""
-    before = _cut(server)
+    streams and read nothing. Once all four are paused (their 64 sequences
+    hold no slot), three 4-token requests are timed while the four are still
+    open and not yet cut; five more after the stall timeout cuts them; then
+    the clients read what is left (``read_after``) or hang up without
+    reading (a gRPC cancel while the server's write waits on flow control).
+    Returns (latencies while paused s, latencies after the cut s, counts by
+    action/reason of this round)."""
+    before = _counts(server)
     socks = [_unread_http(server.http_port) for _ in range(3)]
     # No BDP probing: the HTTP/2 window stays at its 64 KiB default.
     channel = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
     call = pb_grpc.GenerationStub(channel).Generate(
         make_request("tell me a story", request_id=grpc_id, **UNREAD))
 
-    def cut():
-        now = _cut(server)
-        return {r: now[r] - before[r] for r in now}
-    # All four in the engine: their 64 sequences running, or already cut
-    # (a slow first step may let the stall watch cut one before the last starts).
-    _wait(lambda: server.metrics()["jaxserve_num_requests_running"] +
-          16 * sum(cut().values()) >= 64, 30,
-          "the unread streams did not take every slot\n" + "".join(server.lines[-20:]))
-    held = _short(server)  # waits for a slot: the stall timeout and the cut
-    _wait(lambda: sum(cut().values()) >= 4, 60,
+    def counts():
+        now = _counts(server)
+        return {k: now[k] - before[k] for k in now}
+    _wait(lambda: counts()["paused/unread"] == 4 and
+          server.metrics()["jaxserve_num_requests_running"] == 0, STALL_S,
+          "the unread streams were not all paused\n" + "".join(server.lines[-20:]))
+    while_paused = [_short(server) for _ in range(3)]
+    c = counts()
+    assert c["paused/unread"] == 4 and c["resumed/read"] == 0, c
+    if read_after:  # (the first round may still wait for background compiles)
+        assert c["aborted/stalled"] + c["aborted/buffer_full"] == 0, \
+            f"cut before the requests beside them ended: {c}"
+        assert server.metrics()["jaxserve_num_requests_paused"] > 0
+    _wait(lambda: counts()["aborted/stalled"] >= 4, STALL_S + 10,
           "the unread streams were not all cut\n" + "".join(server.lines[-20:]))
     after_cut = [_short(server) for _ in range(5)]
-    cuts = cut()
-    assert sum(cuts.values()) == 4, cuts
+    c = counts()
+    assert c["aborted/stalled"] == 4 and c["aborted/buffer_full"] == 0, c
+    assert server.metrics()["jaxserve_num_requests_paused"] == 0
     if not read_after:
         for s in socks:
             s.close()
         call.cancel()
         channel.close()
         _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
-        return held, after_cut, cuts
+        return while_paused, after_cut, c
     # A client that reads after the cut gets what was in flight, then every
     # choice ends with finish_reason "abort" before its max_tokens.
     data = b""
@@ -214,10 +314,10 @@ def _unread_round(server, grpc_id: str, read_after: bool
     _wait(lambda: server.metrics()["jaxserve_num_requests_running"] == 0, 30, "drain")
     m = server.metrics()
     assert m["jaxserve_kv_cache_pages_free"] == m["jaxserve_kv_cache_pages_total"]
-    return held, after_cut, cuts
+    return while_paused, after_cut, c
 
 
-def test_unread_streams_are_aborted_and_memory_returns(tiny_gguf):
+def test_unread_streams_are_paused_then_cut_others_served_meanwhile(tiny_gguf):
     server = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS], warmup=True)
     try:
         # Warm-up: one whole round, so the step shapes are compiled and the
@@ -227,20 +327,21 @@ def test_unread_streams_are_aborted_and_memory_returns(tiny_gguf):
         time.sleep(1.0)
         rss_before = _rss_kib(server.proc.pid)
         compiled = server.metrics()["jaxserve_xla_compilations_total"]
-        held, after_cut, cuts = _unread_round(server, "grpc-unread-1", read_after=True)
+        while_paused, after_cut, counts = _unread_round(server, "grpc-unread-1", read_after=True)
         time.sleep(1.0)
         rss_after = _rss_kib(server.proc.pid)
-        print(f"baseline {baseline:.3f} s, held {held:.3f} s, after the cut "
-              f"{max(after_cut):.3f} s; RSS {rss_before} -> {rss_after} KiB; cut {cuts}; compiled "
-              f"{server.metrics()['jaxserve_xla_compilations_total'] - compiled}")
-        # Bounds: the held request waits for the first cut (the stall timeout,
-        # the watch's 0.5 s tick) plus its own time; after the cut, normal speed.
-        assert held < STALL_S + 0.5 + 3 * baseline + 2.0, (held, baseline)
+        print(f"baseline {baseline:.3f} s, while paused {max(while_paused):.3f} s, after the "
+              f"cut {max(after_cut):.3f} s; RSS {rss_before} -> {rss_after} KiB; {counts}; "
+              f"compiled {server.metrics()['jaxserve_xla_compilations_total'] - compiled}")
+        # Normal speed beside the paused streams and after the cut.
+        assert max(while_paused) < 3 * baseline + 0.5, (while_paused, baseline)
         assert max(after_cut) < 3 * baseline + 0.5, (after_cut, baseline)
         assert rss_after <= 1.05 * rss_before, (rss_before, rss_after)
         lines = [ln for ln in server.lines if "stream backpressure: request" in ln]
-        assert len([ln for ln in lines if "request grpc-unread-1 " in ln]) == 1, lines
-        assert len([ln for ln in lines if "request cmpl-" in ln]) == 6, lines
+        for what, n in (("paused", 4), ("aborted", 4)):  # each round
+            mine = [ln for ln in lines if f") {what}: " in ln]
+            assert len([ln for ln in mine if "request grpc-unread-1 " in ln]) == 1, lines
+            assert len([ln for ln in mine if "request cmpl-" in ln]) == 6, lines
     finally:
         code = server.terminate()
     assert code == 0

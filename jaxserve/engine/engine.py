@@ -52,7 +52,8 @@ class EngineStats:
     """A snapshot of the engine for metrics (counts; tokens where named).
 
     Attributes:
-      num_running, num_waiting: sequences (choices) in each state.
+      num_running, num_waiting, num_paused: sequences (choices) in each
+        state (paused: set aside by ``pause``, holding no slot or page).
       pages_total, pages_used, pages_free: KV pages; free includes cached
         pages no sequence holds (they are evicted on demand).
       pages_cached: pages findable in the prefix cache.
@@ -93,6 +94,7 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     num_compilations: int = 0
+    num_paused: int = 0
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -208,6 +210,30 @@ class Engine(EngineViews):
                     self.scheduler.finish(r, "abort")
             self._pending.append(self.outputs.group_output(group, {}, time.monotonic()))
 
+    def pause(self, request_id: str) -> bool:
+        """Set a request's unfinished choices aside: the running ones are
+        preempted (pages freed, tokens kept), none is scheduled until
+        ``resume``; a token already in flight still lands and is reported.
+        For a stream whose client stopped reading
+        (``jaxserve.server.backpressure``). Returns False for an unknown or
+        finished id."""
+        group = self.outputs.groups.get(str(request_id))
+        live = [r for r in group.seqs if not r.finished] if group else []
+        for r in live:
+            self.scheduler.pause(r)
+        return bool(live)
+
+    def resume(self, request_id: str) -> bool:
+        """Schedule a paused request's choices again (first in the queue);
+        they are prefilled again from the tokens known so far, with prefix
+        cache hits for the pages still cached, and then go on as if never
+        paused (greedy tokens unchanged). Returns False when none was paused."""
+        group = self.outputs.groups.get(str(request_id))
+        paused = [r for r in group.seqs if r in self.scheduler.paused] if group else []
+        for r in reversed(paused):
+            self.scheduler.resume(r)
+        return bool(paused)
+
     def requeue_outputs(self, outputs: Sequence[RequestOutput], front: bool = False) -> None:
         """Give back outputs ``step`` returned that the caller does not own
         (another caller's requests): the next ``step`` returns them again,
@@ -307,7 +333,8 @@ class Engine(EngineViews):
             spec_accepted_per_position=tuple(sp.stats.accepted_per_position),
             spec_mean_acceptance_length=float(sp.stats.mean_acceptance_length), spec_k=sp.k)
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), pages_total=a.num_pages,
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_paused=len(s.paused), pages_total=a.num_pages,
             pages_used=a.num_pages - a.num_free_pages, pages_free=a.num_free_pages,
             pages_cached=a.num_cached_pages, prefix_cache_queries=a.prefix_queries,
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,

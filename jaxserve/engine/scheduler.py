@@ -83,7 +83,7 @@ class Scheduler:
       allocator: the page pool of the KV cache (prefix caching lives there).
       max_model_len: longest sequence, tokens.
 
-    Counters: ``num_preemptions``.
+    Counters: ``num_preemptions``, ``num_pauses``.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int):
@@ -95,9 +95,12 @@ class Scheduler:
         # Keep ~1% of pages free when admitting, so decode does not preempt at once.
         self.watermark_pages = max(1, allocator.num_pages // 100)
         self.num_preemptions = 0
+        self.num_pauses = 0
         # Pages of finished ``hold_kv`` requests (a prefill worker's), by
         # request id, until ``release``: a decode worker pulls them first.
         self.held: dict[str, list[int]] = {}
+        # Sequences set aside by ``pause`` (no pages, no slot) until ``resume``.
+        self.paused: list[Request] = []
         # While a background warm-up compiles the larger step programs: (most
         # running sequences, most tokens of a step), both ladder values whose
         # programs exist, so no step waits on a compile; None: the config's.
@@ -334,6 +337,36 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def pause(self, req: Request) -> None:
+        """Set an unfinished ``req`` aside (its stream's client stopped
+        reading): a running sequence is preempted (pages freed, its tokens
+        kept on the host, a token in flight still lands), a waiting one
+        leaves the queue; it holds no slot and no page, and is not scheduled
+        until ``resume``. Paused already or finished: nothing happens."""
+        if req.finished or req in self.paused:
+            return
+        if req in self.running:
+            self.running.remove(req)
+            self.allocator.free(req.page_ids)
+            req.page_ids = []
+            req.num_computed_tokens = 0
+            req.num_registered_pages = 0
+            req.status = RequestStatus.WAITING
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            return
+        self.paused.append(req)
+        self.num_pauses += 1
+
+    def resume(self, req: Request) -> None:
+        """Put a paused ``req`` back at the front of the queue; it is
+        prefilled again from its prompt and outputs so far (the prefix cache
+        serves the pages it still holds). Not paused: nothing happens."""
+        if req in self.paused:
+            self.paused.remove(req)
+            self.waiting.appendleft(req)
+
     def requeue(self, req: Request) -> None:
         """Send an unfinished ``req`` back to the front of the queue with only
         its tokens known on the host (after a failed step): its pages are
@@ -366,6 +399,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.paused:
+            self.paused.remove(req)
         if req.page_ids:
             if req.hold_kv and reason != "abort":
                 self.held[req.request_id] = req.page_ids

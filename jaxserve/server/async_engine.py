@@ -24,8 +24,10 @@ counter records it). Requests arrive in the engine only through
 ``add_request``, whose checks raise ``ValueError`` for anything bad, so a
 request cannot stop the loop.
 
-Each stream's queue is bounded: a stream nobody reads is aborted
-(``StreamBackpressure``; the rule is in ``jaxserve.server.backpressure``).
+Each stream's queue is bounded: a stream nobody reads is paused (its
+request set aside in the engine until the client reads) and, if it stays
+unread, aborted (``StreamBackpressure``; the rule is in
+``jaxserve.server.backpressure``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class _Stream:
     label: str = ""  # the API's request id, for the log
     unread_since: float | None = None  # monotonic s: output waits since (last read or put)
     dropped: bool = False  # closed or aborted: outputs from the engine are discarded
+    paused: bool = False  # set aside in the engine until the consumer reads
 
 
 class AsyncEngine:
@@ -136,7 +139,7 @@ class AsyncEngine:
         self._adding: set[asyncio.Future] = set()  # asyncio thread: adds not yet applied
         self._watch: asyncio.Task | None = None
         self._guard = StreamGuard(self.stream_limits, self.metrics, self.abort,
-                                  StreamBackpressure)
+                                  StreamBackpressure, self.pause, self.resume)
 
     # ---- asyncio side -------------------------------------------------------
 
@@ -145,7 +148,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
-        if self.stream_limits.stall_timeout_s is not None:
+        if self.stream_limits.watched:
             self._watch = asyncio.ensure_future(self._guard.watch(lambda: list(self._open)))
 
     @property
@@ -273,6 +276,16 @@ class AsyncEngine:
         stream.cancel_step = self.num_steps
         self._commands.put(("abort", stream))
 
+    def pause(self, stream: _Stream) -> None:
+        """Set a stream's request aside in the engine before its next step
+        (``Engine.pause``; thread-safe)."""
+        self._commands.put(("pause", stream))
+
+    def resume(self, stream: _Stream) -> None:
+        """Schedule a paused stream's request again (``Engine.resume``;
+        thread-safe)."""
+        self._commands.put(("resume", stream))
+
     def close_stream(self, stream: _Stream) -> None:
         """A stream its consumer closed (asyncio thread): no longer open."""
         self._open.discard(stream)
@@ -365,6 +378,13 @@ class AsyncEngine:
             if stream.engine_id in self._streams:
                 engine.abort(stream.engine_id)
                 self.metrics.abort_delay.observe(max(0, self.num_steps - stream.cancel_step))
+        elif kind in ("pause", "resume"):
+            stream = cmd[1]
+            if stream.engine_id in self._streams:
+                getattr(engine, kind)(stream.engine_id)
+                self._engine_waiting = engine.num_waiting
+                self._engine_running = engine.num_running
+                self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
         elif kind == "abort_all":
             engine.abort(list(self._streams))
 

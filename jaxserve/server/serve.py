@@ -73,7 +73,6 @@ from jaxserve.engine import compile_cache, multihost
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server.async_engine import AsyncEngine
-from jaxserve.server.backpressure import StreamLimits
 from jaxserve.server.auth import BearerTokenInterceptor, tls_pair
 from jaxserve.server.checks import add_generation_servicer
 from jaxserve.server.frontend import Frontend
@@ -273,8 +272,7 @@ class Server:
                   f"{time.monotonic() - t1:.1f} s", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         kw = dict(metrics=self.metrics, max_waiting_requests=self.config.max_waiting_requests,
-                  stream_limits=StreamLimits(self.config.stream_buffer_outputs,
-                                             self.config.stream_stall_timeout_s),
+                  stream_limits=self.config.stream_limits(),
                   on_fatal=lambda e: loop.call_soon_threadsafe(self._on_fatal, e))
         self.async_engine = AsyncEngine(engine, **kw) if self.role is None else \
             self.role.async_engine(engine, **kw)
