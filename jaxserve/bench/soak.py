@@ -221,7 +221,7 @@ def soak(a) -> dict:
         while True:
             time.sleep(1.0)
             s = sample(t0, pid, url, counter)
-            idle = (s.get("running") == 0 and s.get("waiting") == 0
+            idle = (s.get("running") == 0 and s.get("waiting") == 0 and not s.get("paused")
                     and s.get("pages_free") == s.get("pages_total"))
             if idle or time.monotonic() > settle_deadline:
                 break
@@ -229,7 +229,8 @@ def soak(a) -> dict:
         s = sample(t0, pid, url, counter)
         samples.append(s)
         end = {k: s.get(k) for k in ("pages_free", "pages_total", "pages_used", "running",
-                                     "waiting")}
+                                     "waiting", "paused", "streams_paused", "streams_resumed",
+                                     "streams_stalled", "streams_buffer_full")}
         end["settle_s"] = time.monotonic() - traffic_end
         probe = malloc_probe(proc, probe_file) if proc is not None and probe_file else None
         if probe:

@@ -128,7 +128,8 @@ class CompileCounter:
 
 def sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter | None) -> dict:
     """One sample: times, the server's memory (``process_memory``), KV pages,
-    running/waiting and token counters from ``/metrics``, executables so far."""
+    running/waiting/paused, backpressure and token counters from ``/metrics``,
+    executables so far."""
     now = time.monotonic()
     s = {"t": now, "t_rel": now - t0, "wall": time.time()}
     if pid is not None:
@@ -139,6 +140,15 @@ def sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter 
                       ("pages_used", "jaxserve_kv_cache_pages_used"),
                       ("running", "jaxserve_num_requests_running"),
                       ("waiting", "jaxserve_num_requests_waiting"),
+                      ("paused", "jaxserve_num_requests_paused"),
+                      ("streams_paused", 'jaxserve_stream_backpressure_total{action="paused",'
+                                         'reason="unread"}'),
+                      ("streams_resumed", 'jaxserve_stream_backpressure_total{action="resumed",'
+                                          'reason="read"}'),
+                      ("streams_stalled", 'jaxserve_stream_backpressure_total{action="aborted",'
+                                          'reason="stalled"}'),
+                      ("streams_buffer_full", 'jaxserve_stream_backpressure_total{action='
+                                              '"aborted",reason="buffer_full"}'),
                       ("steps", "jaxserve_engine_steps_total"),
                       ("received", "jaxserve_request_received_total"),
                       ("generation_tokens", "jaxserve_generation_tokens_total"),

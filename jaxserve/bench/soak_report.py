@@ -226,6 +226,8 @@ def criteria(result: dict, max_drift: float) -> list[str]:
     if end.get("pages_free") is None or end["pages_free"] != end.get("pages_total"):
         fails.append(f"pages free {end.get('pages_free')} != total {end.get('pages_total')} "
                      "after settling")
+    if end.get("paused"):
+        fails.append(f"{end['paused']} sequences still paused after settling")
     rss = result["rss"]
     if rss and rss["drift"] >= max_drift:
         fails.append(f"RSS drift {100 * rss['drift']:.1f}% >= {100 * max_drift:.1f}%")
@@ -298,6 +300,10 @@ def markdown(res: dict) -> str:
               (f"- KV pages free / total after settling: {e.get('pages_free')} / "
               f"{e.get('pages_total')} (running {e.get('running')}, waiting {e.get('waiting')}; "
               f"settled in {_f(e.get('settle_s'))} s)"),
+              (f"- streams nobody read: paused {e.get('streams_paused', '-')}, resumed "
+               f"{e.get('streams_resumed', '-')}, aborted stalled {e.get('streams_stalled', '-')}"
+               f" / buffer full {e.get('streams_buffer_full', '-')}; paused at the end "
+               f"{e.get('paused', '-')}"),
               f"- tracebacks in the server's log: {s.get('tracebacks', '-')}",
               (f"- server exit status after SIGTERM: {s.get('exit_status')}"
                f" ({_f(s.get('stop_s'))} s)" if "exit_status" in s else
