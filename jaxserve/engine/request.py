@@ -25,6 +25,11 @@ PLACEHOLDER_ID = -1
 # logits/T underflow towards 0, ties appear and a filter no longer holds
 # (3e38 made every token pass top_k 3). vLLM sets no maximum; OpenAI's is 2.
 MAX_TEMPERATURE = 1e4
+# Most ``logit_bias`` entries of one request (OpenAI's limit): the sampler
+# carries a fixed [rows, MAX_LOGIT_BIAS] table, so no step shape depends on it.
+MAX_LOGIT_BIAS = 300
+# OpenAI's bound on each ``logit_bias`` value.
+LOGIT_BIAS_RANGE = 100.0
 
 
 def escape_text(text: str) -> str:
@@ -64,6 +69,72 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output: exactly one of its fields (vLLM's
+    ``StructuredOutputsParams``; OpenAI's ``response_format`` and vLLM's
+    ``guided_*`` fields map onto it).
+
+    Attributes:
+      json: a JSON Schema (a dict, or its JSON text): the output is one JSON
+        value that validates against it.
+      regex: the output matches this regular expression (whole output).
+      choice: the output is exactly one of these strings.
+      grammar: a context-free grammar in Lark syntax (or GBNF/EBNF as the
+        grammar backend takes it; ``jaxserve.engine.grammar``).
+      json_object: the output is one JSON object, any keys
+        (``response_format: {"type": "json_object"}``).
+
+    Raises:
+      ValueError: none or more than one field set, or a field of the wrong
+        type (naming it). A schema, regex or grammar the backend cannot
+        compile is refused when the request is added
+        (``jaxserve.engine.grammar``).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        set_ = [f for f in ("json", "regex", "choice", "grammar")
+                if getattr(self, f) is not None] + (["json_object"] if self.json_object else [])
+        if len(set_) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON Schema (object or its "
+                             f"JSON text), got {type(self.json).__name__}")
+        for f in ("regex", "grammar"):
+            v = getattr(self, f)
+            if v is not None:
+                if not isinstance(v, str) or not v:
+                    raise ValueError(f"structured_outputs.{f} must be a non-empty string, "
+                                     f"got {v!r:.80}")
+                check_text(v, f"structured_outputs.{f}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or any(
+                    not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"non-empty strings, got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            for i, c in enumerate(self.choice):
+                check_text(c, f"structured_outputs.choice[{i}]")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        for f in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f) is not None:
+                return f
+        return "json_object"
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to sample one request's output (vLLM's ``SamplingParams``).
@@ -97,6 +168,15 @@ class SamplingParams:
         (token ids keep them).
       include_stop_str_in_output: the text ends with the stop string that
         matched instead of just before it.
+      structured_outputs: a ``StructuredOutputsParams`` the output must
+        satisfy (JSON Schema, regex, choice, grammar), applied as a token
+        bitmask in the sampler; None: unconstrained.
+      logit_bias: {token id: bias in [-100, 100]} added to the logits before
+        sampling (OpenAI's; at most ``MAX_LOGIT_BIAS`` entries).
+      allowed_token_ids: only these ids may be sampled (vLLM's).
+      bad_words: words never generated (vLLM's): each is tokenized (with and
+        without a leading space) and its last token is banned wherever the
+        output so far ends with the tokens before it.
 
     Every float is checked as the float32 the device samples with
     (``float32_of``), so no value passes here that overflows, underflows
@@ -124,6 +204,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -177,6 +261,40 @@ class SamplingParams:
         for f in ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be a bool")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a dict {token id: bias}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must have at most {MAX_LOGIT_BIAS} entries")
+            lb = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)  # JSON object keys arrive as strings
+                except (TypeError, ValueError):
+                    bad("logit_bias", f"keys must be token ids, not {k!r:.40}")
+                if isinstance(k, (bool, float)) or tid < 0 or str(tid) != str(k).strip():
+                    bad("logit_bias", f"keys must be non-negative token ids, not {k!r:.40}")
+                if not -LOGIT_BIAS_RANGE <= float32_of(v) <= LOGIT_BIAS_RANGE:
+                    bad("logit_bias", f"values must be numbers in [-100, 100], not {v!r:.40} "
+                        f"(token {tid})")
+                lb[tid] = float(v)
+            self.logit_bias = lb or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not ids or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+                bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                bad("bad_words", "must be a list of non-empty strings")
+            self.bad_words = list(self.bad_words)
+            for i, w in enumerate(self.bad_words):
+                check_text(w, f"SamplingParams.bad_words[{i}]")
 
     def with_stop(self, stop: tuple[str, ...] | list[str]) -> "SamplingParams":
         """A copy that also stops at each of ``stop`` (those not already
@@ -184,6 +302,13 @@ class SamplingParams:
         pass ``Tokenizer.chat_stop``."""
         extra = [s for s in stop if s not in self.stop]
         return dataclasses.replace(self, stop=self.stop + extra) if extra else self
+
+    @property
+    def has_token_mask(self) -> bool:
+        """Whether the host fills a token bitmask for this request's rows
+        (structured outputs, allowed_token_ids or bad_words)."""
+        return (self.structured_outputs is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
     @property
     def has_penalties(self) -> bool:
@@ -386,6 +511,10 @@ class Request:
     # A prefill worker's request (``jaxserve.disagg``): when it finishes, its
     # pages stay held (``Scheduler.held``) for a decode worker to pull.
     hold_kv: bool = False
+    # The host-side token mask of a constrained request (structured outputs,
+    # allowed_token_ids, bad_words): a ``token_mask.TokenConstraint``, one per
+    # sequence (choices advance separately); None: unconstrained.
+    constraint: object | None = None
 
     def __post_init__(self):
         if self.group_id is None:
