@@ -298,9 +298,11 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def scrape(url: str | None) -> dict[str, float]:
+def scrape(url: str | None, labelled: bool = False) -> dict[str, float]:
     """Unlabelled samples of a Prometheus ``/metrics`` page: {name: value}
-    (parsed with ``prometheus_client.parser``; {} when unreachable)."""
+    (parsed with ``prometheus_client.parser``; {} when unreachable); with
+    ``labelled`` also the labelled ones, as ``name{k="v",...}`` in the page's
+    label order."""
     if not url:
         return {}
     try:
@@ -308,8 +310,10 @@ def scrape(url: str | None) -> dict[str, float]:
             text = f.read().decode()
     except OSError:
         return {}
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels}
+    return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in s.labels.items()) + "}"
+                      if s.labels else ""): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples if labelled or not s.labels}
 
 
 async def _poll(url, t0, series, stop: asyncio.Event):

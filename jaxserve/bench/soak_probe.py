@@ -134,7 +134,7 @@ def sample(t0: float, pid: int | None, url: str | None, counter: CompileCounter 
     s = {"t": now, "t_rel": now - t0, "wall": time.time()}
     if pid is not None:
         s.update(process_memory(pid))
-    m = scrape(url)
+    m = scrape(url, labelled=True)
     for key, name in (("pages_total", "jaxserve_kv_cache_pages_total"),
                       ("pages_free", "jaxserve_kv_cache_pages_free"),
                       ("pages_used", "jaxserve_kv_cache_pages_used"),
