@@ -38,6 +38,8 @@ class PlanLayout:
       max_rows: the largest row bucket S (``shapes.coarse_bucket``).
       max_tokens: the largest token bucket T of a prefill step.
       penalty_width: width of penalised steps' id tensors (``make_sampling_tensors``).
+      vocab_size: V, the logits' width: every step's ``token_bitmask`` is
+        [S, ``bitmask_width(V)``] (constrained rows or not: one program).
     """
 
     page_size: int
@@ -46,6 +48,7 @@ class PlanLayout:
     max_rows: int
     max_tokens: int
     penalty_width: int
+    vocab_size: int
 
 
 @dataclasses.dataclass
@@ -179,6 +182,13 @@ class SeqView:
     def eos_token_ids(self):
         return self.request.eos_token_ids
 
+    @property
+    def constraint(self):
+        """None: speculation skips constrained sequences
+        (``speculation.Speculator.schedule``), so no view of one is built."""
+        assert getattr(self.request, "constraint", None) is None, self.request.request_id
+        return None
+
 
 def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) -> StepPlan:
     """Build a step's host arrays (padded to the buckets) from the batch.
@@ -262,7 +272,8 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) ->
     md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                            page_indices, cu_q_lens, np.array([n], np.int32),
                            logits_indices, np.array([nd], np.int32), decode_only)
-    st = make_sampling_tensors(slot_views, rows, layout.penalty_width)
+    st = make_sampling_tensors(slot_views, rows, layout.penalty_width,
+                               vocab_size=layout.vocab_size)
     return StepPlan(decode=decode_only, rows=rows, num_top=top, md=md, sampling=st,
                     targets=targets, prev_rows=prev_rows,
                     uses_prev=bool((prev_rows >= 0).any()), num_requests=len(sample_rows),
@@ -285,7 +296,8 @@ def padding_plan(layout: PlanLayout, num_tokens: int, num_top: int = 0, decode: 
                            z(S, layout.pages_per_row), z(S + 1), z(1), z(S), z(1), decode)
     return StepPlan(decode=decode, rows=S,
                     num_top=MAX_LOGPROBS if prompt_logprobs else num_top, md=md,
-                    sampling=make_sampling_tensors([], S, layout.penalty_width, penalised),
+                    sampling=make_sampling_tensors([], S, layout.penalty_width, penalised,
+                                                   layout.vocab_size),
                     targets=z(T if prompt_logprobs else 0),
                     prev_rows=np.full(T, -1, np.int32))
 

@@ -62,6 +62,12 @@ budget. It is reset on admission and preemption (new pages), and clipped to
 only: a new sequence's draft recomputes its prompt (writing the same values
 into shared pages).
 
+Constrained sequences (structured outputs, ``allowed_token_ids``,
+``bad_words``: ``Request.constraint``) are never drafted for: they decode
+one token per step beside the speculating rows (their verification slots
+would need the constraint's mask after each draft; drafts checked against
+the grammar, or the grammar's forced tokens as drafts, are not done yet).
+
 Speculative steps are synchronous (the next plan needs the accepted tokens on
 the host); while the policy's k is 0 the engine's async scheduling runs as
 without speculation.
@@ -205,7 +211,9 @@ class Speculator:
     def schedule(self, scheduler: Scheduler) -> ScheduledBatch | None:
         """Plan a step as ``scheduler.schedule`` does, with drafts for the
         decode-ready sequences when the policy's k is above 0."""
-        ready = [r for r in scheduler.running if decode_ready(r)]
+        # Constrained sequences are not drafted: their verification slots
+        # would need the constraint's mask after each draft.
+        ready = [r for r in scheduler.running if decode_ready(r) and r.constraint is None]
         if self.config.adaptive:
             decoding = sum(1 for r in scheduler.running
                            if r.num_tokens - r.num_computed_tokens <= 1)
