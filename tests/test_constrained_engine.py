@@ -5,8 +5,9 @@ forces a token and -100 bans it; plain rows batched with constrained ones get
 exactly their tokens alone, and nothing compiles after warm-up; async
 scheduling on and off agree (steps after a constrained row run synchronously);
 a constraint that completes ends the sequence with "stop", one that rejects
-its token ends it too; preemption does not advance a constraint twice;
-speculation leaves constrained rows undrafted and exact; no page leaks.
+its token ends it too; forced tokens ride as free drafts (fewer steps, the
+same tokens); preemption does not advance a constraint twice; speculation
+leaves constrained rows undrafted and exact; no page leaks.
 
 The constraints here are test-local ``TokenConstraint``s, installed by
 replacing the engine's ``ConstraintFactory.build`` (the grammar backend is
@@ -56,25 +57,39 @@ class AllowedIds:
         return False
 
 
-class Forced(AllowedIds):
-    """Exactly ``seq``, then done (allows nothing but EOS 1)."""
+class Template(AllowedIds):
+    """Output position i allows ``sets[i]``; then done (allows nothing but
+    EOS 1). Runs of one-token sets are forced tokens."""
 
-    def __init__(self, seq):
-        super().__init__(seq)
-        self.seq = list(seq)
+    def __init__(self, sets):
+        super().__init__(set().union(*sets))
+        self.sets = [sorted(x) for x in sets]
 
     def fill(self, row):
         n = len(self.taken)
-        row &= pack_token_ids([self.seq[n]] if n < len(self.seq) else [1], VOCAB)
+        row &= pack_token_ids(self.sets[n] if n < len(self.sets) else [1], VOCAB)
 
     def advance(self, tok):
         n = len(self.taken)
         self.taken.append(tok)
-        return n < len(self.seq) and tok == self.seq[n]
+        return n < len(self.sets) and tok in self.sets[n]
+
+    def forced_tokens(self):
+        out = []
+        for x in self.sets[len(self.taken):]:
+            if len(x) != 1:
+                break
+            out.append(x[0])
+        return out
 
     @property
     def is_done(self):
-        return self.taken == self.seq
+        return len(self.taken) == len(self.sets)
+
+
+def Forced(seq):
+    """Exactly ``seq``, then done."""
+    return Template([[t] for t in seq])
 
 
 class Nothing(AllowedIds):
@@ -286,4 +301,70 @@ def test_speculation_skips_constrained_rows_and_stays_exact(tiny_parts):
     assert outs[2].metrics.num_draft_tokens == outs[3].metrics.num_draft_tokens == 0
     assert built[0].taken == got[2] and built[1].taken == got[3]
     assert set(got[3]) <= set(motif[3])
+    assert_idle(e)
+
+
+# A schema-like template: runs of forced tokens between free positions.
+TEMPLATE = [[10], [11], [12], ALLOWED, [13], [14], ALLOWED, ALLOWED, [15], [16], [17], [18],
+            [19], [20], [21], [22], [23], [24], ALLOWED, [25]]
+
+
+def _template_run(llm, monkeypatch, max_forced):
+    from jaxserve.engine import constraints
+    monkeypatch.setattr(constraints, "MAX_FORCED_DRAFTS", max_forced)
+    built = install(llm, lambda p: Template(TEMPLATE))
+    e = llm.engine
+    steps, forced = e.stats().num_steps, e.stats().num_forced_tokens
+    params = [greedy(30, allowed_token_ids=[0]), greedy(4),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True,
+                             allowed_token_ids=[0]),
+              SamplingParams(max_tokens=4, temperature=1.0, seed=9, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params)
+    for c, o in zip(built, outs[::2]):
+        assert c.taken == o.outputs[0].token_ids
+    assert_idle(e)
+    return outs, e.stats().num_steps - steps, e.stats().num_forced_tokens - forced
+
+
+def test_forced_tokens_ride_as_drafts_same_tokens_fewer_steps(llm, monkeypatch):
+    ref, ref_steps, ref_forced = _template_run(llm, monkeypatch, 0)
+    got, got_steps, got_forced = _template_run(llm, monkeypatch, 8)
+    assert tokens(got) == tokens(ref) and ref_forced == 0
+    for o in got[::2]:
+        c = o.outputs[0]
+        assert len(c.token_ids) == len(TEMPLATE) and c.finish_reason == "stop"
+        assert all(t in x for t, x in zip(c.token_ids, TEMPLATE))
+    # 16 of each 20 tokens are forced: the first is sampled at the prefill, and
+    # the one after a run of 8 drafts in the run's bonus slot; the rest ride
+    # as drafts (up to 9 tokens a step instead of one)
+    assert 2 * 12 <= got_forced <= 2 * 14, got_forced
+    assert ref_steps == 20 and got_steps <= 8, (got_steps, ref_steps)
+    assert [len(o.outputs[0].token_ids) for o in got[1::2]] == [4, 4]
+
+
+def test_forced_drafts_in_a_speculating_engine(tiny_parts):
+    spec = LLM(num_pages=256, page_size=8, compilation_cache_dir=XLA_CACHE,
+               speculative_config=dict(method="ngram", num_speculative_tokens=4,
+                                       adaptive=False), **tiny_parts)
+    e = spec.engine
+    install(spec, lambda p: Template(TEMPLATE))
+    params = [greedy(30, allowed_token_ids=[0]), greedy(16, logit_bias={77: 100.0})]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    outs = spec.generate(prompts, params)
+    got = tokens(outs)
+    st = e.stats()
+    assert st.num_forced_tokens >= 12 and st.spec_num_accepted_tokens > 0
+    # the speculation statistics count the proposer's drafts only
+    assert outs[0].metrics.num_draft_tokens == 0
+    assert st.spec_num_draft_tokens == outs[1].metrics.num_draft_tokens
+    saved = e.speculator
+    e.speculator = e._steps.speculator = None
+    try:
+        from jaxserve.engine import constraints
+        old, constraints.MAX_FORCED_DRAFTS = constraints.MAX_FORCED_DRAFTS, 0
+        ref = tokens(spec.generate(prompts, params))
+    finally:
+        e.speculator = e._steps.speculator = saved
+        constraints.MAX_FORCED_DRAFTS = old
+    assert got == ref and got[1] == [77] * 16
     assert_idle(e)

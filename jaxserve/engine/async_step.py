@@ -75,6 +75,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxserve.engine.constraints import forced_drafts
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 
@@ -230,8 +231,12 @@ class StepPipeline:
             (the step launched just before), or None (synchronous).
         """
         t0 = time.monotonic()
-        batch = self.scheduler.schedule() if self.speculator is None \
-            else self.speculator.schedule(self.scheduler)
+        if self.speculator is None:  # constrained rows' forced tokens ride as drafts
+            forced = forced_drafts(self.scheduler.running)
+            batch = self.scheduler.schedule(forced or None,
+                                            self.runner.max_rows if forced else None)
+        else:
+            batch = self.speculator.schedule(self.scheduler)
         if batch is None:
             return None
         last = self._last

@@ -13,11 +13,35 @@ again only if the engine's EOS ids change. ``structured`` is imported there
 too, so an engine that never sees a constrained request never loads the
 grammar library. ``check_token_ids`` checks the params' token ids against
 the vocabulary, which only the engine knows.
+
+Forced tokens ride as free drafts. When a constrained sequence's
+constraint has only one legal continuation for its next tokens
+(``TokenConstraint.forced_tokens``: a JSON schema's fixed keys and
+punctuation), ``forced_drafts`` offers up to ``MAX_FORCED_DRAFTS`` of them
+as drafts of the next step, verified in the same ragged step as speculative
+drafts (``speculation``'s slots: the row samples after its last token and
+after each draft). Slot j's mask is the constraint's after the first j
+drafts (``SlotConstraint``): the one forced token ``drafts[j]`` for j below
+the draft count, the constraint's own mask after all of them for the last
+slot. So every forced draft is accepted (its slot's mask allows nothing
+else), the step keeps ``1 + len(drafts)`` tokens, and the output is the one
+plain constrained decoding gives, token for token (a seeded draw folds the
+same output position into its key). The scheduler trims drafts as it trims
+speculative ones (budget, pages, logits rows, ``max_tokens``); steps with
+drafts are synchronous. Logits rows bound them: an engine without
+speculation has ``max_rows`` (``coarse_bucket(max_num_seqs)``) rows, so
+forced drafts use the rows its running sequences leave free (all but one at
+batch 1, none in a full batch); a speculating engine has twice as many.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve.engine.request import SamplingParams
+
+# Most forced tokens one step carries for a sequence as drafts.
+MAX_FORCED_DRAFTS = 8
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -71,3 +95,48 @@ class ConstraintFactory:
             self._eos = eos_token_ids
         return structured.build_constraint(params, self._backend, self.tokenizer,
                                            self.vocab_size)
+
+
+def forced_drafts(running) -> dict:
+    """{sequence: its forced tokens (at most ``MAX_FORCED_DRAFTS``)} for the
+    constrained sequences of ``running`` that can be drafted for
+    (``speculation.decode_ready``) and whose constraint forces a token."""
+    from jaxserve.engine.speculation import decode_ready
+    out = {}
+    if MAX_FORCED_DRAFTS <= 0:
+        return out
+    for r in running:
+        if r.constraint is not None and decode_ready(r):
+            forced = list(r.constraint.forced_tokens()[:MAX_FORCED_DRAFTS])
+            if forced:
+                out[r] = forced
+    return out
+
+
+class SlotConstraint:
+    """What ``make_sampling_tensors`` fills for the verification slot after
+    the first ``j`` (1 <= j <= len(drafts)) of a constrained sequence's
+    forced ``drafts``: the single token ``drafts[j]`` while j < len(drafts)
+    (forced tokens are the only legal continuation), else the constraint's
+    mask after all of them (advanced, filled, rolled back)."""
+
+    def __init__(self, constraint, drafts, j: int):
+        self.constraint, self.drafts, self.j = constraint, list(drafts), j
+
+    def fill(self, row: np.ndarray) -> None:
+        if self.j < len(self.drafts):
+            tok = int(self.drafts[self.j])
+            only = np.zeros(row.shape, np.uint32)
+            only[tok // 32] = np.uint32(1) << np.uint32(tok % 32)
+            row &= only.view(np.int32)
+            return
+        taken = 0
+        for tok in self.drafts:
+            if not self.constraint.advance(int(tok)):
+                break
+            taken += 1
+        if taken == len(self.drafts):
+            self.constraint.fill(row)
+        else:  # not forced after all: a mask allowing nothing (the engine ends it)
+            row[:] = 0
+        self.constraint.rollback(taken)

@@ -74,6 +74,9 @@ class EngineStats:
       spec_accepted_per_position: drafts accepted at each draft position
         0..k-1; spec_mean_acceptance_length: 1 + accepted / drafts (tokens
         per verification row, vLLM's figure); spec_k: the policy's latest k.
+      num_forced_tokens: output tokens of constrained sequences that a
+        grammar forced and that rode a step as free drafts
+        (``constraints.forced_drafts``).
       attention_impl: the attention path serving ("pallas" or "xla").
       attention_fallback: why the Pallas kernel's start-up self-check sent
         the engine to the XLA path ("compile_error" or "mismatch"), or ""
@@ -101,6 +104,7 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_mean_acceptance_length: float = 0.0
     spec_k: int = 0
+    num_forced_tokens: int = 0
     attention_impl: str = ""
     attention_fallback: str = ""
 
@@ -340,7 +344,8 @@ class Engine(EngineViews):
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
             num_preemptions=s.num_preemptions, prompt_tokens=self._steps.num_prompt_tokens,
             generation_tokens=self.outputs.num_generation_tokens, num_steps=self._num_steps,
-            num_compilations=self.runner.num_compilations, attention_impl=self.attention_impl,
+            num_compilations=self.runner.num_compilations,
+            num_forced_tokens=self.outputs.num_forced_tokens, attention_impl=self.attention_impl,
             attention_fallback=(self.attention_check.reason or "") if self.attention_check
             else "", **spec)
 

@@ -58,6 +58,8 @@ class OutputProcessor:
     Attributes:
       groups: request id -> its live ``Group``.
       num_generation_tokens: tokens sampled into outputs since start.
+      num_forced_tokens: of them, forced tokens of constrained sequences
+        kept as drafts (``constraints.forced_drafts``).
     """
 
     def __init__(self, tokenizer, scheduler: Scheduler, max_model_len: int):
@@ -66,6 +68,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.groups: dict[str, Group] = {}
         self.num_generation_tokens = 0
+        self.num_forced_tokens = 0
 
     def add(self, group: Group) -> None:
         """Register a new request's group (its outputs are reported from now)."""
@@ -94,7 +97,10 @@ class OutputProcessor:
             if drafts:  # speculation: roll back past the first rejected draft
                 m = accept(drafts, res.token_ids[slot:slot + len(drafts) + 1])
                 r.num_computed_tokens -= len(drafts) - m
-                speculator.record(r, len(drafts), m)
+                if r.constraint is not None:  # its drafts are forced tokens
+                    self.num_forced_tokens += m
+                else:
+                    speculator.record(r, len(drafts), m)
             n_out = r.resolve_placeholder(int(res.token_ids[slot]))
             self.scheduler.cache_computed_pages(r)
             delta, toks = self._append(r, res, slot, n_out, now)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine import shapes
+from jaxserve.engine.constraints import SlotConstraint
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import SamplingTensors, make_sampling_tensors
 from jaxserve.models.llama import AttentionMetadata
@@ -143,8 +144,10 @@ class SeqView:
     position. Two uses: the sampling row after a speculating request's j-th
     draft (its first j drafts appended to its output, so the PRNG fold
     ``steps``, min_tokens bans and penalties are those of the output position
-    the slot samples, as a plain decode step there would have them), and a
-    draft-model step (``speculation.DraftModelProposer``: the draft's
+    the slot samples, as a plain decode step there would have them; for a
+    constrained sequence, whose drafts are its forced tokens, ``constraint``
+    is ``constraints.SlotConstraint``: its mask there), and a draft-model
+    step (``speculation.DraftModelProposer``: the draft's
     computed position, params without logprobs)."""
 
     request: object
@@ -153,6 +156,7 @@ class SeqView:
     num_computed_tokens: int = 0
     num_placeholders: int = 0
     wants_prompt_logprobs: bool = False
+    constraint: object = None
 
     @property
     def page_ids(self):
@@ -182,12 +186,6 @@ class SeqView:
     def eos_token_ids(self):
         return self.request.eos_token_ids
 
-    @property
-    def constraint(self):
-        """None: speculation skips constrained sequences
-        (``speculation.Speculator.schedule``), so no view of one is built."""
-        assert getattr(self.request, "constraint", None) is None, self.request.request_id
-        return None
 
 
 def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) -> StepPlan:
@@ -251,7 +249,9 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) ->
         row_slots.append(len(sample_rows))
         sample_rows.extend(range(t + q - 1 - len(d), t + q))
         slot_views.append(r)
-        slot_views.extend(SeqView(r, r.params, r.all_token_ids + list(d[:j]))
+        c = getattr(r, "constraint", None)
+        slot_views.extend(SeqView(r, r.params, r.all_token_ids + list(d[:j]),
+                                  constraint=None if c is None else SlotConstraint(c, d, j))
                           for j in range(1, len(d) + 1))
         if r.wants_prompt_logprobs:
             # Position j predicts prompt token j + 1; collect the missing ones.
