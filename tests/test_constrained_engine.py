@@ -27,7 +27,7 @@ from jaxserve.engine.token_mask import pack_token_ids
 
 VOCAB = 256
 RNG = np.random.default_rng(5)
-PROMPTS = [list(map(int, RNG.integers(2, VOCAB, n))) for n in (5, 11, 3, 17, 8, 25)]
+PROMPTS = [list(map(int, RNG.integers(2, VOCAB, n))) for n in (5, 11, 3, 17, 8, 25, 9)]
 ALLOWED = [5, 17, 42, 99, 200, 201]
 
 
@@ -114,6 +114,10 @@ def install(llm, make):
 
 
 def by_allowed(params):
+    """``allowed_token_ids`` [0] means the ``TEMPLATE`` (forced runs), others
+    an ``AllowedIds`` of them."""
+    if params.allowed_token_ids == [0]:
+        return Template(TEMPLATE)
     return AllowedIds(params.allowed_token_ids)
 
 
@@ -175,7 +179,7 @@ def _mixed_params():
     constrained = [greedy(9, allowed_token_ids=ALLOWED),
                    SamplingParams(max_tokens=9, temperature=1.0, seed=4, ignore_eos=True,
                                   allowed_token_ids=ALLOWED[:3], logit_bias={5: 3.0}),
-                   greedy(9, logit_bias={40: 100.0})]
+                   greedy(9, logit_bias={40: 100.0}), greedy(30, allowed_token_ids=[0])]
     return plain, constrained
 
 
@@ -189,6 +193,7 @@ def test_plain_rows_unchanged_beside_constrained_ones_and_nothing_compiles(llm, 
     plain_prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     alone = tokens(llm.generate(plain_prompts, plain))
     before = e.runner.num_compilations
+    forced = e.stats().num_forced_tokens
     outs = llm.generate(plain_prompts + [{"prompt_token_ids": p} for p in PROMPTS[3:]],
                         plain + constrained)
     assert e.runner.num_compilations == before, "a constrained row compiled a program"
@@ -196,6 +201,7 @@ def test_plain_rows_unchanged_beside_constrained_ones_and_nothing_compiles(llm, 
     assert got[:3] == alone
     assert set(got[3]) <= set(ALLOWED) and set(got[4]) <= set(ALLOWED[:3])
     assert got[5] == [40] * 9
+    assert len(got[6]) == len(TEMPLATE) and e.stats().num_forced_tokens > forced
     set_async(llm, True)
     assert_idle(e)
 
@@ -265,7 +271,7 @@ def test_preemption_keeps_each_constraint_advanced_once(tiny_parts):
     runs = {}
     for name, m in (("small", small), ("big", big)):
         built = install(m, by_allowed)
-        outs = m.generate([{"prompt_token_ids": p} for p in PROMPTS],
+        outs = m.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]],
                           [greedy(24, allowed_token_ids=ALLOWED), greedy(24)] * 3)
         runs[name] = tokens(outs)
         for c, o in zip(built, outs[::2]):
