@@ -374,3 +374,32 @@ def test_forced_drafts_in_a_speculating_engine(tiny_parts):
         constraints.MAX_FORCED_DRAFTS = old
     assert got == ref and got[1] == [77] * 16
     assert_idle(e)
+
+
+def test_constraints_built_off_the_engine_thread(llm):
+    import threading
+    built = install(llm, by_allowed)
+    e = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2,
+                            allowed_token_ids=ALLOWED)
+    got = []
+    t = threading.Thread(target=lambda: got.append(e.build_constraints(params)))
+    t.start()
+    t.join()
+    cs = got[0]
+    assert len(cs) == 2 and cs[0] is not cs[1] and len(built) == 2
+    assert e.build_constraints(greedy(4)) == [None]
+    with pytest.raises(ValueError, match="1 constraints for a request of n=2"):
+        e.add_request(None, PROMPTS[0], params, constraints=cs[:1])
+    rid = e.add_request(None, PROMPTS[0], params, constraints=cs)
+    assert len(built) == 2  # used as given, not built again
+    last = None
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.request_id == rid:
+                last = o
+    assert last.finished
+    for c, comp in zip(cs, last.outputs):
+        assert len(comp.token_ids) == 4 and set(comp.token_ids) <= set(ALLOWED)
+        assert c.taken == comp.token_ids
+    assert_idle(e)

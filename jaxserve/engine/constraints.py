@@ -14,6 +14,12 @@ too, so an engine that never sees a constrained request never loads the
 grammar library. ``check_token_ids`` checks the params' token ids against
 the vocabulary, which only the engine knows.
 
+Building runs where ``add_request`` runs (the engine's thread) unless the
+caller built the constraints first: ``Engine.build_constraints(params)``
+is safe on any thread (a server runs it in a worker thread, so a grammar
+compile never stalls the step loop) and ``Engine.add_request(...,
+constraints=...)`` takes its result.
+
 Forced tokens ride as free drafts. When a constrained sequence's
 constraint has only one legal continuation for its next tokens
 (``TokenConstraint.forced_tokens``: a JSON schema's fixed keys and
@@ -35,6 +41,8 @@ batch 1, none in a full batch); a speculating engine has twice as many.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -72,6 +80,14 @@ class ConstraintFactory:
         self.vocab_size = vocab_size
         self._backend = None
         self._eos: frozenset[int] | None = None
+        self._lock = threading.Lock()  # build may run on a server's worker threads
+
+    def build_all(self, params: SamplingParams, eos_token_ids: frozenset[int]) -> list:
+        """One ``build`` per sequence of a request (``params.n``): a list of
+        constraints, or of None when the params need no mask."""
+        if not params.has_token_mask:
+            return [None] * params.n
+        return [self.build(params, eos_token_ids) for _ in range(params.n)]
 
     def build(self, params: SamplingParams, eos_token_ids: frozenset[int]):
         """A new ``TokenConstraint`` for one sequence of a request with
@@ -89,12 +105,13 @@ class ConstraintFactory:
         except ImportError as e:
             raise ValueError(f"structured outputs, allowed_token_ids and bad_words need the "
                              f"structured-outputs backend, which failed to load: {e}") from e
-        if self._backend is None or self._eos != eos_token_ids:
-            self._backend = structured.GrammarBackend(self.tokenizer, self.vocab_size,
-                                                      eos_token_ids)
-            self._eos = eos_token_ids
-        return structured.build_constraint(params, self._backend, self.tokenizer,
-                                           self.vocab_size)
+        with self._lock:
+            if self._backend is None or self._eos != eos_token_ids:
+                self._backend = structured.GrammarBackend(self.tokenizer, self.vocab_size,
+                                                          eos_token_ids)
+                self._eos = eos_token_ids
+            backend = self._backend
+        return structured.build_constraint(params, backend, self.tokenizer, self.vocab_size)
 
 
 def forced_drafts(running) -> dict:

@@ -90,7 +90,7 @@ class Intake:
 
     def new_group(self, request_id: str | None, prompt, params: SamplingParams | None,
                   arrival_time: float | None, eos_token_ids: frozenset[int],
-                  taken: Container[str]) -> Group:
+                  taken: Container[str], constraints: list | None = None) -> Group:
         """Check a request and build its group (not yet registered or queued).
 
         Args:
@@ -100,6 +100,9 @@ class Intake:
           arrival_time: ``time.monotonic()`` seconds it arrived (None: now).
           eos_token_ids: the ids that end its sequences (the engine's now).
           taken: ids in use (the engine's live requests).
+          constraints: each sequence's token constraint, built beforehand
+            (``ConstraintFactory.build_all``, off the engine's thread); None
+            builds them here.
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that
@@ -136,7 +139,10 @@ class Intake:
             raise ValueError(f"min_tokens supports at most {MAX_BANNED} stop and EOS ids, "
                              f"got {len(params.stop_token_ids) + len(eos_token_ids)}")
         check_token_ids(params, self.vocab_size)
-        constraints = [self.constraints.build(params, eos_token_ids) for _ in range(params.n)]
+        if constraints is None:
+            constraints = self.constraints.build_all(params, eos_token_ids)
+        elif len(constraints) != params.n:
+            raise ValueError(f"{len(constraints)} constraints for a request of n={params.n}")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time)

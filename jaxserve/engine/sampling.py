@@ -291,7 +291,8 @@ def unpack_token_mask(bitmask_SW, vocab_size: int):
 def apply_token_mask(logits_SV, bitmask_SW):
     """Logits with the tokens each row's bitmask does not allow at -inf
     (step 1 of the module docstring). A row allowing no token below V is
-    returned unchanged. A zero-width bitmask (W = 0) masks nothing.
+    returned unchanged. A zero-width bitmask (W = 0) masks nothing; skipped
+    (``lax.cond``) when every word is all ones.
 
     Args:
       logits_SV: f32[S, V].
@@ -302,15 +303,20 @@ def apply_token_mask(logits_SV, bitmask_SW):
     """
     if bitmask_SW.shape[1] == 0:
         return logits_SV
-    allowed_SV = unpack_token_mask(bitmask_SW, logits_SV.shape[1])
-    allowed_SV = allowed_SV | ~jnp.any(allowed_SV, axis=-1, keepdims=True)
-    return jnp.where(allowed_SV, logits_SV, NEG_INF)
+
+    def mask(x_SV):
+        allowed_SV = unpack_token_mask(bitmask_SW, x_SV.shape[1])
+        allowed_SV = allowed_SV | ~jnp.any(allowed_SV, axis=-1, keepdims=True)
+        return jnp.where(allowed_SV, x_SV, NEG_INF)
+    # Skipped when every row allows every word's tokens (no constrained row).
+    return jax.lax.cond(jnp.any(bitmask_SW != -1), mask, lambda x: x, logits_SV)
 
 
 def apply_logit_bias(logits_SV, ids_SB, values_SB):
     """``logits[s, ids[s, b]] += values[s, b]`` for every row s and entry b
     (OpenAI's ``logit_bias``); padding entries (id 0, value 0) add nothing
-    and ids outside [0, V) are dropped.
+    and ids outside [0, V) are dropped. Skipped (``lax.cond``) when no row
+    has a bias.
 
     Args:
       logits_SV: f32[S, V].
@@ -318,7 +324,10 @@ def apply_logit_bias(logits_SV, ids_SB, values_SB):
       values_SB: f32[S, B] biases.
     """
     S = logits_SV.shape[0]
-    return logits_SV.at[jnp.arange(S)[:, None], ids_SB].add(values_SB, mode="drop")
+
+    def add(x_SV):
+        return x_SV.at[jnp.arange(S)[:, None], ids_SB].add(values_SB, mode="drop")
+    return jax.lax.cond(jnp.any(values_SB != 0), add, lambda x: x, logits_SV)
 
 
 def _filter(logits_SV, t: SamplingTensors):
@@ -383,11 +392,14 @@ def sample(logits_SV, t: SamplingTensors, num_top: int = 0, want_top=None) -> Sa
     banned = jnp.where(t.banned_ids >= 0, t.banned_ids, V)
     logits_SV = logits_SV.at[rows, banned].set(NEG_INF, mode="drop")
     logits_SV = apply_penalties(logits_SV, t)
-    # A row with no finite logit left (bans over a one-token mask): argmax of
-    # its masked logits, bans ignored.
-    dead_S = ~jnp.any(logits_SV > NEG_INF, axis=-1)
-    greedy_S = jnp.where(dead_S, jnp.argmax(masked_SV, axis=-1),
-                         jnp.argmax(logits_SV, axis=-1)).astype(jnp.int32)
+    greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    # A row with no finite logit left (bans over a one-token mask; its argmax
+    # is then -inf): the argmax of its masked logits, bans ignored.
+    dead_S = jnp.take_along_axis(logits_SV, greedy_S[:, None], axis=-1)[:, 0] == NEG_INF
+    greedy_S = jax.lax.cond(
+        jnp.any(dead_S),
+        lambda: jnp.where(dead_S, jnp.argmax(masked_SV, axis=-1).astype(jnp.int32), greedy_S),
+        lambda: greedy_S)
 
     def sampled():
         scaled = logits_SV / jnp.maximum(t.temperature, 1e-6)[:, None]
