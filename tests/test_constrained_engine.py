@@ -403,3 +403,32 @@ def test_constraints_built_off_the_engine_thread(llm):
         assert len(comp.token_ids) == 4 and set(comp.token_ids) <= set(ALLOWED)
         assert c.taken == comp.token_ids
     assert_idle(e)
+
+
+class Claims(Template):
+    """A ``Template`` whose ``forced_tokens`` claim each position's first id
+    even where another is allowed too (as a grammar allowing two
+    tokenizations of its forced text): such drafts can be refused."""
+
+    def forced_tokens(self):
+        return [x[0] for x in self.sets[len(self.taken):len(self.taken) + 3]]
+
+
+def test_refused_forced_drafts_keep_the_models_token(llm, monkeypatch):
+    from jaxserve.engine import constraints
+    sets = [[10], [11, 12], [13, 14], [15], [16, 17], [18, 19], [20, 21], [22], [23, 24]] * 2
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    params = [greedy(30, allowed_token_ids=[0]),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True,
+                             allowed_token_ids=[0])] * 2
+    runs = {}
+    for k in (0, 8):
+        monkeypatch.setattr(constraints, "MAX_FORCED_DRAFTS", k)
+        built = install(llm, lambda p: Claims(sets))
+        runs[k] = tokens(llm.generate(prompts, params))
+        for c, t in zip(built, runs[k]):
+            assert c.taken == t and len(t) == len(sets)
+        assert_idle(llm.engine)
+    assert runs[8] == runs[0]
+    # some outputs take a position's second id: a claimed draft was refused there
+    assert any(t != x[0] for out in runs[8] for t, x in zip(out, sets))

@@ -20,21 +20,23 @@ is safe on any thread (a server runs it in a worker thread, so a grammar
 compile never stalls the step loop) and ``Engine.add_request(...,
 constraints=...)`` takes its result.
 
-Forced tokens ride as free drafts. When a constrained sequence's
+Forced tokens ride as drafts. When a constrained sequence's
 constraint has only one legal continuation for its next tokens
 (``TokenConstraint.forced_tokens``: a JSON schema's fixed keys and
 punctuation), ``forced_drafts`` offers up to ``MAX_FORCED_DRAFTS`` of them
 as drafts of the next step, verified in the same ragged step as speculative
 drafts (``speculation``'s slots: the row samples after its last token and
-after each draft). Slot j's mask is the constraint's after the first j
-drafts (``SlotConstraint``): the one forced token ``drafts[j]`` for j below
-the draft count, the constraint's own mask after all of them for the last
-slot. So every forced draft is accepted (its slot's mask allows nothing
-else), the step keeps ``1 + len(drafts)`` tokens, and the output is the one
-plain constrained decoding gives, token for token (a seeded draw folds the
-same output position into its key). The scheduler trims drafts as it trims
-speculative ones (budget, pages, logits rows, ``max_tokens``); steps with
-drafts are synchronous. Logits rows bound them: an engine without
+after each draft). Slot j's mask is the constraint's own after the first j
+drafts (``SlotConstraint``), and a seeded draw folds the same output
+position into its key, so each slot samples what plain constrained decoding
+samples there, and the output is the same token for token. A forced draft
+is almost always accepted (the slot before it allows it and little else);
+it can be refused where the grammar allows another tokenization of the
+forced text than the one ``forced_tokens`` gives (llguidance's fast-forward
+tokens are the canonical one) and the model samples that instead: the
+speculation rule then keeps the model's token and drops the rest. The
+scheduler trims drafts as it trims speculative ones (budget, pages, logits
+rows, ``max_tokens``); steps with drafts are synchronous. Logits rows bound them: an engine without
 speculation has ``max_rows`` (``coarse_bucket(max_num_seqs)``) rows, so
 forced drafts use the rows its running sequences leave free (all but one at
 batch 1, none in a full batch); a speculating engine has twice as many.
@@ -133,27 +135,23 @@ def forced_drafts(running) -> dict:
 class SlotConstraint:
     """What ``make_sampling_tensors`` fills for the verification slot after
     the first ``j`` (1 <= j <= len(drafts)) of a constrained sequence's
-    forced ``drafts``: the single token ``drafts[j]`` while j < len(drafts)
-    (forced tokens are the only legal continuation), else the constraint's
-    mask after all of them (advanced, filled, rolled back)."""
+    forced ``drafts``: the constraint's own mask after those j tokens
+    (advanced, filled, rolled back), so the slot samples exactly what plain
+    constrained decoding would there. A draft the constraint refuses leaves
+    the later slots a mask allowing nothing; they are discarded anyway (the
+    slot before samples under a mask without that draft, so it is rejected)."""
 
     def __init__(self, constraint, drafts, j: int):
         self.constraint, self.drafts, self.j = constraint, list(drafts), j
 
     def fill(self, row: np.ndarray) -> None:
-        if self.j < len(self.drafts):
-            tok = int(self.drafts[self.j])
-            only = np.zeros(row.shape, np.uint32)
-            only[tok // 32] = np.uint32(1) << np.uint32(tok % 32)
-            row &= only.view(np.int32)
-            return
         taken = 0
-        for tok in self.drafts:
+        for tok in self.drafts[:self.j]:
             if not self.constraint.advance(int(tok)):
                 break
             taken += 1
-        if taken == len(self.drafts):
+        if taken == self.j:
             self.constraint.fill(row)
-        else:  # not forced after all: a mask allowing nothing (the engine ends it)
+        else:
             row[:] = 0
         self.constraint.rollback(taken)
