@@ -348,10 +348,14 @@ def test_forced_tokens_ride_as_drafts_same_tokens_fewer_steps(llm, monkeypatch):
     assert [len(o.outputs[0].token_ids) for o in got[1::2]] == [4, 4]
 
 
-def test_forced_drafts_in_a_speculating_engine(tiny_parts):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_forced_drafts_in_a_speculating_engine(tiny_parts, method):
+    # method "draft": a draft model with the target's own weights
+    extra = dict(model="tiny-same") if method == "draft" else {}
     spec = LLM(num_pages=256, page_size=8, compilation_cache_dir=XLA_CACHE,
-               speculative_config=dict(method="ngram", num_speculative_tokens=4,
-                                       adaptive=False), **tiny_parts)
+               speculative_config=dict(method=method, num_speculative_tokens=4,
+                                       adaptive=False, **extra),
+               draft_parts=tiny_parts if method == "draft" else None, **tiny_parts)
     e = spec.engine
     install(spec, lambda p: Template(TEMPLATE))
     params = [greedy(30, allowed_token_ids=[0]), greedy(16, logit_bias={77: 100.0})]
