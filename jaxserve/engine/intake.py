@@ -9,7 +9,8 @@ banned ids, ``logit_bias`` and ``allowed_token_ids`` against the
 vocabulary) and builds its ``outputs.Group``: one ``Request`` per choice,
 seeded (its own seed, or one drawn from the engine's seed), with a
 detokenizer each and, when its params need a token mask, its own token
-constraint (``constraints.ConstraintFactory``). Nothing is registered or queued here: the engine does that.
+constraint (``constraints.ConstraintFactory``). Nothing is registered or
+queued here: the engine does that.
 """
 
 from __future__ import annotations

@@ -187,7 +187,6 @@ class SeqView:
         return self.request.eos_token_ids
 
 
-
 def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) -> StepPlan:
     """Build a step's host arrays (padded to the buckets) from the batch.
 
