@@ -39,10 +39,17 @@ Synchronous fallback (``sync_reason``): N+1 is not launched before N's
 results are read when N verified speculative drafts (or the speculation
 policy's k is above 0: the engine's check), when a live sequence of N uses presence / frequency /
 repetition penalties (they need the output history on the host) or prompt
-logprobs (their spans follow the logprobs already on the host), or when
-another step ran on the runner since N (``Engine.last_token_logits``):
-``prev_rows`` always index the step launched just before; and in a
-multi-host job (below).
+logprobs (their spans follow the logprobs already on the host), when a live
+sequence that N samples carries a token constraint (structured outputs,
+``allowed_token_ids``, ``bad_words``: its next bitmask row is filled from
+the constraint's state after N's token, which only the host can advance),
+or when another step ran on the runner since N
+(``Engine.last_token_logits``): ``prev_rows`` always index the step
+launched just before; and in a multi-host job (below). So a step with a
+constrained row waits for the one before it: its mask filling does not
+overlap the device yet (a first version; overlapping it needs the mask of
+every possible previous token, or the fill on device); batches without one
+stay asynchronous.
 
 Multi-host (``runner.channel`` set): every step is synchronous. The plan
 could carry ``prev_rows`` (it is one more leaf of the broadcast, and every
@@ -68,6 +75,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxserve.engine.constraints import forced_drafts
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 
@@ -190,6 +198,9 @@ def sync_reason(step: InFlightStep, runner) -> str | None:
             return "penalties need the output history on the host"
         if r.wants_prompt_logprobs:
             return "prompt logprobs follow the logprobs on the host"
+    for r, samples in zip(step.batch.requests, step.samples):
+        if samples and not r.finished and r.constraint is not None:
+            return "a token constraint's next mask needs this step's token on the host"
     return None
 
 
@@ -220,8 +231,12 @@ class StepPipeline:
             (the step launched just before), or None (synchronous).
         """
         t0 = time.monotonic()
-        batch = self.scheduler.schedule() if self.speculator is None \
-            else self.speculator.schedule(self.scheduler)
+        if self.speculator is None:  # constrained rows' forced tokens ride as drafts
+            forced = forced_drafts(self.scheduler.running)
+            batch = self.scheduler.schedule(forced or None,
+                                            self.runner.max_rows if forced else None)
+        else:
+            batch = self.speculator.schedule(self.scheduler)
         if batch is None:
             return None
         last = self._last

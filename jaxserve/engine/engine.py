@@ -74,6 +74,9 @@ class EngineStats:
       spec_accepted_per_position: drafts accepted at each draft position
         0..k-1; spec_mean_acceptance_length: 1 + accepted / drafts (tokens
         per verification row, vLLM's figure); spec_k: the policy's latest k.
+      num_forced_tokens: output tokens of constrained sequences that a
+        grammar forced and that rode a step as free drafts
+        (``constraints.forced_drafts``).
       attention_impl: the attention path serving ("pallas" or "xla").
       attention_fallback: why the Pallas kernel's start-up self-check sent
         the engine to the XLA path ("compile_error" or "mismatch"), or ""
@@ -101,6 +104,7 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_mean_acceptance_length: float = 0.0
     spec_k: int = 0
+    num_forced_tokens: int = 0
     attention_impl: str = ""
     attention_fallback: str = ""
 
@@ -166,7 +170,8 @@ class Engine(EngineViews):
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None, hold_kv: bool = False) -> str:
+                    arrival_time: float | None = None, hold_kv: bool = False,
+                    constraints: list | None = None) -> str:
         """Queue a request (its ``params.n`` choices); returns its id.
 
         ``arrival_time`` (``time.monotonic()`` seconds, default now) is where
@@ -174,14 +179,20 @@ class Engine(EngineViews):
         reached it. ``hold_kv`` (a prefill worker's request, ``n == 1``):
         when it finishes, its pages stay held for ``export_kv`` /
         ``release_kv`` instead of being freed (an abort still frees them).
+        ``constraints``: its sequences' token constraints from
+        ``build_constraints`` (built off this thread); None builds them here
+        when ``params`` need a token mask (structured outputs,
+        ``allowed_token_ids``, ``bad_words``).
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that leaves no
             room in ``max_model_len``, ``n`` above ``max_num_seqs``, a
-            sequence larger than the whole KV cache, or ``hold_kv`` with
-            ``n > 1``.
+            sequence larger than the whole KV cache, ``hold_kv`` with
+            ``n > 1``, token ids of ``logit_bias`` / ``allowed_token_ids``
+            outside the vocabulary, or a constraint the structured-outputs
+            backend rejects.
         """
-        group = self._new_group(request_id, prompt, params, arrival_time)
+        group = self._new_group(request_id, prompt, params, arrival_time, constraints)
         if hold_kv:
             if group.params.n != 1:
                 raise ValueError(f"hold_kv needs SamplingParams.n == 1, got {group.params.n}")
@@ -191,9 +202,20 @@ class Engine(EngineViews):
             self.scheduler.add(r)
         return group.request_id
 
-    def _new_group(self, request_id, prompt, params, arrival_time) -> Group:
+    def _new_group(self, request_id, prompt, params, arrival_time, constraints=None) -> Group:
         return self._intake.new_group(request_id, prompt, params, arrival_time,
-                                      self.eos_token_ids, self.outputs.groups)
+                                      self.eos_token_ids, self.outputs.groups, constraints)
+
+    def build_constraints(self, params: SamplingParams) -> list:
+        """Each sequence's token constraint for a request with ``params``
+        (``constraints.ConstraintFactory.build_all``), for ``add_request``'s
+        ``constraints``. Safe on any thread: a server calls it in a worker
+        thread so a grammar compile never stalls the step loop.
+
+        Raises:
+          ValueError: params the structured-outputs backend rejects.
+        """
+        return self._intake.constraints.build_all(params, self.eos_token_ids)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of an iterable of ids) in any state
@@ -340,7 +362,8 @@ class Engine(EngineViews):
             prefix_cache_hits=a.prefix_hits, prefix_cache_hit_rate=a.prefix_hit_rate,
             num_preemptions=s.num_preemptions, prompt_tokens=self._steps.num_prompt_tokens,
             generation_tokens=self.outputs.num_generation_tokens, num_steps=self._num_steps,
-            num_compilations=self.runner.num_compilations, attention_impl=self.attention_impl,
+            num_compilations=self.runner.num_compilations,
+            num_forced_tokens=self.outputs.num_forced_tokens, attention_impl=self.attention_impl,
             attention_fallback=(self.attention_check.reason or "") if self.attention_check
             else "", **spec)
 

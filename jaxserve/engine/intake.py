@@ -5,9 +5,12 @@ engine's limits, once, before anything is queued.
 vLLM's dict prompts) to checked ids; ``Intake.new_group`` checks the request
 (id, prompt length against ``max_model_len``, ``n`` against
 ``max_num_seqs``, its longest sequence against the KV cache, ``min_tokens``'
-banned ids) and builds its ``outputs.Group``: one ``Request`` per choice,
+banned ids, ``logit_bias`` and ``allowed_token_ids`` against the
+vocabulary) and builds its ``outputs.Group``: one ``Request`` per choice,
 seeded (its own seed, or one drawn from the engine's seed), with a
-detokenizer each. Nothing is registered or queued here: the engine does that.
+detokenizer each and, when its params need a token mask, its own token
+constraint (``constraints.ConstraintFactory``). Nothing is registered or
+queued here: the engine does that.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Container
 
 import numpy as np
 
+from jaxserve.engine.constraints import ConstraintFactory, check_token_ids
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import Group
 from jaxserve.engine.page_table import cdiv
@@ -47,6 +51,8 @@ class Intake:
         self.num_pages = num_pages
         self._seed_rng = np.random.default_rng(seed)
         self._ids = itertools.count()
+        # Each constrained sequence's TokenConstraint (constraints.py).
+        self.constraints = ConstraintFactory(tokenizer, vocab_size)
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a string, a list of ids, or vLLM's dict forms
@@ -85,7 +91,7 @@ class Intake:
 
     def new_group(self, request_id: str | None, prompt, params: SamplingParams | None,
                   arrival_time: float | None, eos_token_ids: frozenset[int],
-                  taken: Container[str]) -> Group:
+                  taken: Container[str], constraints: list | None = None) -> Group:
         """Check a request and build its group (not yet registered or queued).
 
         Args:
@@ -95,12 +101,17 @@ class Intake:
           arrival_time: ``time.monotonic()`` seconds it arrived (None: now).
           eos_token_ids: the ids that end its sequences (the engine's now).
           taken: ids in use (the engine's live requests).
+          constraints: each sequence's token constraint, built beforehand
+            (``ConstraintFactory.build_all``, off the engine's thread); None
+            builds them here.
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that
             leaves no room in ``max_model_len``, ``n`` above
-            ``max_num_seqs``, a sequence larger than the whole KV cache, or
-            more stop and EOS ids than ``min_tokens`` can ban.
+            ``max_num_seqs``, a sequence larger than the whole KV cache,
+            more stop and EOS ids than ``min_tokens`` can ban, token ids of
+            ``logit_bias`` / ``allowed_token_ids`` outside the vocabulary, or
+            a constraint the structured-outputs backend rejects.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -128,6 +139,11 @@ class Intake:
         if params.min_tokens and len(params.stop_token_ids) + len(eos_token_ids) > MAX_BANNED:
             raise ValueError(f"min_tokens supports at most {MAX_BANNED} stop and EOS ids, "
                              f"got {len(params.stop_token_ids) + len(eos_token_ids)}")
+        check_token_ids(params, self.vocab_size)
+        if constraints is None:
+            constraints = self.constraints.build_all(params, eos_token_ids)
+        elif len(constraints) != params.n:
+            raise ValueError(f"{len(constraints)} constraints for a request of n={params.n}")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time)
@@ -137,7 +153,8 @@ class Intake:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Request(seq_id, text, ids, params, (seed + i) % 2**32,
                                 eos_token_ids, metrics=metrics, group_id=request_id,
-                                index=i, fork_of=seqs[0] if i else None))
+                                index=i, fork_of=seqs[0] if i else None,
+                                constraint=constraints[i]))
         if params.prompt_logprobs is not None:
             seqs[0].prompt_logprobs = [None]
         return Group(

@@ -6,8 +6,12 @@ logprobs into their requests, sampled tokens in place of their async
 placeholders, the drafts a speculating row got accepted (``speculation.accept``),
 each token's logprobs (the chosen one and the top ``logprobs``, with their
 text), metrics, incremental detokenization, and the stop checks (stop
-strings, EOS, stop ids, ``max_tokens``, ``max_model_len``), retiring finished
-sequences through the scheduler. It reports per user request (``Group``: the
+strings, EOS, stop ids, ``max_tokens``, ``max_model_len``, a token
+constraint that completes or rejects the token), retiring finished sequences
+through the scheduler. Every kept token (an accepted draft's too) advances
+the sequence's token constraint (``Request.constraint``) once; a
+recomputation after preemption or pause samples nothing already kept, so it
+advances nothing. It reports per user request (``Group``: the
 ``n`` choices of one request and their detokenizers), one ``RequestOutput``
 per step in which any choice changed, and retires a group once every choice
 is done.
@@ -16,6 +20,7 @@ is done.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxserve.engine.async_step import InFlightStep
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -24,6 +29,8 @@ from jaxserve.engine.request import (CompletionOutput, Logprob, Request, Request
                                      RequestOutput, SamplingParams)
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.speculation import accept
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,6 +58,8 @@ class OutputProcessor:
     Attributes:
       groups: request id -> its live ``Group``.
       num_generation_tokens: tokens sampled into outputs since start.
+      num_forced_tokens: of them, forced tokens of constrained sequences
+        kept as drafts (``constraints.forced_drafts``).
     """
 
     def __init__(self, tokenizer, scheduler: Scheduler, max_model_len: int):
@@ -59,6 +68,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.groups: dict[str, Group] = {}
         self.num_generation_tokens = 0
+        self.num_forced_tokens = 0
 
     def add(self, group: Group) -> None:
         """Register a new request's group (its outputs are reported from now)."""
@@ -87,7 +97,10 @@ class OutputProcessor:
             if drafts:  # speculation: roll back past the first rejected draft
                 m = accept(drafts, res.token_ids[slot:slot + len(drafts) + 1])
                 r.num_computed_tokens -= len(drafts) - m
-                speculator.record(r, len(drafts), m)
+                if r.constraint is not None:  # its drafts are forced tokens
+                    self.num_forced_tokens += m
+                else:
+                    speculator.record(r, len(drafts), m)
             n_out = r.resolve_placeholder(int(res.token_ids[slot]))
             self.scheduler.cache_computed_pages(r)
             delta, toks = self._append(r, res, slot, n_out, now)
@@ -152,18 +165,37 @@ class OutputProcessor:
         p = r.params
         delta = detok.add(tok, check_stop=n_out >= p.min_tokens)
         reason, stop_reason = None, None
+        ended = r.constraint is not None and self._constraint_ends(r, tok)
         if detok.stopped_on is not None:
             reason, stop_reason = "stop", detok.stopped_on
         elif n_out >= p.min_tokens and not p.ignore_eos and tok in r.eos_token_ids:
             reason = "stop"
         elif n_out >= p.min_tokens and tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
+        elif ended:
+            reason = "stop"
         elif n_out >= p.max_tokens or len(r.prompt_token_ids) + n_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(r, reason, stop_reason)
             delta += detok.finish()
         return delta
+
+    @staticmethod
+    def _constraint_ends(r: Request, tok: int) -> bool:
+        """Advance ``r``'s constraint with its kept token ``tok``; True when
+        the sequence must end there: the constraint is complete
+        (``is_done``: it allows nothing but EOS, so the EOS step is skipped;
+        an EOS it took also completes it), or it rejected ``tok`` (a token
+        sampled from a row whose mask allowed nothing, or a backend whose
+        mask and matcher disagree: nothing valid can follow). Either way
+        the finish reason is ``"stop"``, as for EOS (vLLM's for a finished
+        grammar); a rejection is logged."""
+        if r.constraint.advance(tok):
+            return r.constraint.is_done
+        logger.warning("request %s: its token constraint rejected token %d after %d output "
+                       "tokens; the sequence ends", r.request_id, tok, len(r.host_output_ids))
+        return True
 
     def group_output(self, g: Group, deltas: dict, now: float) -> RequestOutput:
         """The group's output after a step: each choice's text and ids so far

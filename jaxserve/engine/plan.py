@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine import shapes
+from jaxserve.engine.constraints import SlotConstraint
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import SamplingTensors, make_sampling_tensors
 from jaxserve.models.llama import AttentionMetadata
@@ -38,6 +39,8 @@ class PlanLayout:
       max_rows: the largest row bucket S (``shapes.coarse_bucket``).
       max_tokens: the largest token bucket T of a prefill step.
       penalty_width: width of penalised steps' id tensors (``make_sampling_tensors``).
+      vocab_size: V, the logits' width: every step's ``token_bitmask`` is
+        [S, ``bitmask_width(V)``] (constrained rows or not: one program).
     """
 
     page_size: int
@@ -46,6 +49,7 @@ class PlanLayout:
     max_rows: int
     max_tokens: int
     penalty_width: int
+    vocab_size: int
 
 
 @dataclasses.dataclass
@@ -140,8 +144,10 @@ class SeqView:
     position. Two uses: the sampling row after a speculating request's j-th
     draft (its first j drafts appended to its output, so the PRNG fold
     ``steps``, min_tokens bans and penalties are those of the output position
-    the slot samples, as a plain decode step there would have them), and a
-    draft-model step (``speculation.DraftModelProposer``: the draft's
+    the slot samples, as a plain decode step there would have them; for a
+    constrained sequence, whose drafts are its forced tokens, ``constraint``
+    is ``constraints.SlotConstraint``: its mask there), and a draft-model
+    step (``speculation.DraftModelProposer``: the draft's
     computed position, params without logprobs)."""
 
     request: object
@@ -150,6 +156,7 @@ class SeqView:
     num_computed_tokens: int = 0
     num_placeholders: int = 0
     wants_prompt_logprobs: bool = False
+    constraint: object = None
 
     @property
     def page_ids(self):
@@ -241,7 +248,9 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) ->
         row_slots.append(len(sample_rows))
         sample_rows.extend(range(t + q - 1 - len(d), t + q))
         slot_views.append(r)
-        slot_views.extend(SeqView(r, r.params, r.all_token_ids + list(d[:j]))
+        c = getattr(r, "constraint", None)
+        slot_views.extend(SeqView(r, r.params, r.all_token_ids + list(d[:j]),
+                                  constraint=None if c is None else SlotConstraint(c, d, j))
                           for j in range(1, len(d) + 1))
         if r.wants_prompt_logprobs:
             # Position j predicts prompt token j + 1; collect the missing ones.
@@ -262,7 +271,8 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) ->
     md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                            page_indices, cu_q_lens, np.array([n], np.int32),
                            logits_indices, np.array([nd], np.int32), decode_only)
-    st = make_sampling_tensors(slot_views, rows, layout.penalty_width)
+    st = make_sampling_tensors(slot_views, rows, layout.penalty_width,
+                               vocab_size=layout.vocab_size)
     return StepPlan(decode=decode_only, rows=rows, num_top=top, md=md, sampling=st,
                     targets=targets, prev_rows=prev_rows,
                     uses_prev=bool((prev_rows >= 0).any()), num_requests=len(sample_rows),
@@ -285,7 +295,8 @@ def padding_plan(layout: PlanLayout, num_tokens: int, num_top: int = 0, decode: 
                            z(S, layout.pages_per_row), z(S + 1), z(1), z(S), z(1), decode)
     return StepPlan(decode=decode, rows=S,
                     num_top=MAX_LOGPROBS if prompt_logprobs else num_top, md=md,
-                    sampling=make_sampling_tensors([], S, layout.penalty_width, penalised),
+                    sampling=make_sampling_tensors([], S, layout.penalty_width, penalised,
+                                                   layout.vocab_size),
                     targets=z(T if prompt_logprobs else 0),
                     prev_rows=np.full(T, -1, np.int32))
 

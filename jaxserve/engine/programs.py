@@ -16,6 +16,12 @@ model, shapes, mesh and devices), and one XLA compiled afresh is saved there.
 In a multi-host job padding plans of those shapes run instead, so every
 process builds the same programs.
 
+A step's sampling tensors always carry the token bitmask ([S, W], W =
+``bitmask_width(V)``) and the logit_bias table ([S, ``MAX_LOGIT_BIAS``]),
+constrained rows or not, so a sampling program's name (its S and penalty
+widths) is all that varies, and steps with constrained rows reach the same
+programs as plain ones.
+
 ``ProgramsMixin`` is mixed into ``runner.ModelRunner``.
 """
 

@@ -161,7 +161,7 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
         # warm-up, serves every penalised step.
         self.penalty_width = next_pow2(min(max_model_len, cfg.vocab_size))
         self.layout = PlanLayout(page_size, num_pages, self.pages_per_row, self.max_rows,
-                                 self.max_tokens, self.penalty_width)
+                                 self.max_tokens, self.penalty_width, cfg.vocab_size)
         # One KVPages per K and V for every layer: [layers, P, L, K, H] pages
         # (and f32 [layers, P, L, K] scales when quantized), donated into
         # every step and updated in place (models.stack.layer_kv).

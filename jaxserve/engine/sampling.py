@@ -7,15 +7,41 @@ per-request generators, done functionally). Sampling is the Gumbel-max trick
 over the filtered, temperature-scaled logits; ``temperature == 0`` is greedy
 argmax.
 
-Order per row, as vLLM v1's ``Sampler``: raw log-probs are taken first (what
-``logprobs`` report), then min_tokens bans, then penalties
-(vllm/model_executor/layers/utils.py ``apply_penalties``), then greedy argmax or
-temperature, top-k/top-p/min-p and the draw. Filters follow HF
-``TopKLogitsWarper`` / ``TopPLogitsWarper`` / ``MinPLogitsWarper`` (applied
-after temperature, as vLLM does): tokens outside the filter get -inf.
+Order per row, as vLLM v1 (the grammar bitmask in its model runner, the rest
+in its ``Sampler``):
 
-Letters: S rows (sequences), V vocab, M unique output ids per row, Mp unique
-prompt ids per row, R prompt positions, N top log-probs.
+1. the token mask (``token_bitmask``, packed as ``token_mask`` describes:
+   structured outputs, ``allowed_token_ids`` and ``bad_words`` in one row):
+   tokens it does not allow get -inf. vLLM v1 applies the grammar bitmask
+   to the logits before its sampler runs, so the log-probs it reports for a
+   guided request are those of the masked distribution (renormalised over
+   the allowed tokens; what ``guided_choice`` + ``logprobs`` classification
+   reads); we do the same for the whole mask. (vLLM applies
+   ``allowed_token_ids`` and ``bad_words`` after its raw log-probs, so there
+   our log-probs differ from vLLM's: a masked token has log-prob -inf.) A
+   row of all ones (every unconstrained and padding row) is unchanged, and
+   bits at or past V are ignored. A row whose mask allows no token below V
+   is left unmasked (never NaN): it is sampled as an unconstrained row, and
+   the engine ends the sequence when the constraint rejects that token
+   (``outputs.OutputProcessor.take_token``).
+2. raw log-probs (what ``logprobs`` report): log_softmax of (1).
+3. ``logit_bias`` (OpenAI's, a logits processor as vLLM's
+   ``LogitBiasLogitsProcessor``, after the raw log-probs): each row's
+   ``logit_bias_values`` added at its ``logit_bias_ids``.
+4. min_tokens bans, then penalties
+   (vllm/model_executor/layers/utils.py ``apply_penalties``), then greedy
+   argmax or temperature, top-k/top-p/min-p and the draw. Filters follow HF
+   ``TopKLogitsWarper`` / ``TopPLogitsWarper`` / ``MinPLogitsWarper`` (applied
+   after temperature, as vLLM does): tokens outside the filter get -inf. A
+   row left with no finite logit (min_tokens banning the one token its mask
+   allows) takes the argmax of its masked logits, bans ignored.
+
+The mask and bias tensors have fixed shapes (``[S, W]`` with W =
+``token_mask.bitmask_width(V)``, ``[S, MAX_LOGIT_BIAS]``) and are always
+present, so constrained and plain rows share one sampling program per S.
+
+Letters: S rows (sequences), V vocab, W bitmask words per row, M unique output
+ids per row, Mp unique prompt ids per row, R prompt positions, N top log-probs.
 """
 
 from __future__ import annotations
@@ -26,8 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.request import MAX_LOGPROBS  # noqa: F401  (re-exported)
+from jaxserve.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS  # noqa: F401  (re-exported)
 from jaxserve.engine.scheduler import next_pow2
+from jaxserve.engine.token_mask import bitmask_width
 
 NEG_INF = -jnp.inf
 # Most banned ids (stop/EOS ids held back by min_tokens) per row.
@@ -54,6 +81,13 @@ class SamplingTensors:
       output_ids: i32[S, M] unique ids generated so far; -1 pads.
       output_counts: i32[S, M] how often each of ``output_ids`` was generated; 0 pads.
       prompt_ids: i32[S, Mp] unique prompt ids; -1 pads.
+      token_bitmask: i32[S, W] packed allowed tokens (``token_mask``: bit j
+        of word i allows token 32 i + j); all -1 (every token) for
+        unconstrained and padding rows. W = ``bitmask_width(V)``, or 0 when
+        built without a vocabulary size (no mask: unit tests).
+      logit_bias_ids: i32[S, MAX_LOGIT_BIAS] token ids of ``logit_bias``;
+        0 pads (with value 0).
+      logit_bias_values: f32[S, MAX_LOGIT_BIAS] the bias added at each id.
     """
 
     temperature: jax.Array
@@ -69,14 +103,18 @@ class SamplingTensors:
     output_ids: jax.Array
     output_counts: jax.Array
     prompt_ids: jax.Array
+    token_bitmask: jax.Array
+    logit_bias_ids: jax.Array
+    logit_bias_values: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SampleOutput:
     """What ``sample`` returns; log-probs are of the raw distribution
-    (log_softmax of the model's logits, before bans, penalties, temperature
-    and filters: vLLM v1's default ``logprobs_mode``).
+    (log_softmax of the model's logits after the token mask, before
+    logit_bias, bans, penalties, temperature and filters: vLLM v1's default
+    ``logprobs_mode`` with its grammar bitmask; module docstring).
 
     Attributes:
       token_ids: i32[S] chosen ids.
@@ -95,7 +133,8 @@ class SampleOutput:
 
 
 def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
-                          penalised: bool = False) -> SamplingTensors:
+                          penalised: bool = False,
+                          vocab_size: int | None = None) -> SamplingTensors:
     """Build one step's ``SamplingTensors`` on the host (numpy).
 
     Args:
@@ -113,6 +152,14 @@ def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
         most unique ids of any penalised row up to a power of two.
       penalised: give the ``penalty_width`` shapes even when no row is
         penalised (what a warm-up compiles).
+      vocab_size: V, for the ``token_bitmask`` width W = ``bitmask_width(V)``
+        (a runner always passes it, so every step has the same W); None
+        gives W = 0 (no mask), allowed only when no row has a constraint.
+        A row whose request has ``constraint`` (a
+        ``token_mask.TokenConstraint``; ``getattr``, so duck-typed rows
+        without the attribute are unconstrained) starts from all ones and
+        its constraint's ``fill`` ANDs its allowed tokens in. Each row's
+        ``params.logit_bias`` fills its bias columns.
 
     Returns:
       ``SamplingTensors`` of numpy arrays. M (Mp) is the most unique output
@@ -121,7 +168,7 @@ def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
 
     Raises:
       ValueError: a row has more unique output or prompt ids than
-        ``penalty_width``.
+        ``penalty_width``; a constrained row without ``vocab_size``.
     """
     temp = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
@@ -134,8 +181,21 @@ def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
     frequency = np.zeros(rows, np.float32)
     repetition = np.ones(rows, np.float32)
     outs, prompts = {}, {}  # row -> (unique ids, counts) / unique ids
+    bitmask = np.full((rows, 0 if vocab_size is None else bitmask_width(vocab_size)), -1,
+                      np.int32)
+    bias_ids = np.zeros((rows, MAX_LOGIT_BIAS), np.int32)
+    bias_values = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
     for i, r in enumerate(reqs):
         p = r.params
+        constraint = getattr(r, "constraint", None)
+        if constraint is not None:
+            if vocab_size is None:
+                raise ValueError("make_sampling_tensors: a constrained row needs vocab_size")
+            constraint.fill(bitmask[i])
+        if p.logit_bias:
+            nb = len(p.logit_bias)
+            bias_ids[i, :nb] = list(p.logit_bias)
+            bias_values[i, :nb] = list(p.logit_bias.values())
         temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         seeds[i] = r.seed
         steps[i] = len(r.output_token_ids)
@@ -165,7 +225,8 @@ def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
         prompt_ids[i, :len(u)] = u
     return SamplingTensors(temp, top_k, top_p, min_p, seeds, steps, banned,
                            presence, frequency, repetition,
-                           output_ids, output_counts, prompt_ids)
+                           output_ids, output_counts, prompt_ids,
+                           bitmask, bias_ids, bias_values)
 
 
 def apply_penalties(logits_SV, t: SamplingTensors):
@@ -205,6 +266,68 @@ def apply_penalties(logits_SV, t: SamplingTensors):
     active = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0)
                      | (t.repetition_penalty != 1))
     return jax.lax.cond(active, penalise, lambda x: x, logits_SV)
+
+
+def unpack_token_mask(bitmask_SW, vocab_size: int):
+    """bool[S, V] of packed bitmask rows: True where a token may be sampled.
+
+    Args:
+      bitmask_SW: i32[S, W] rows (``token_mask`` layout: bit j of word i is
+        token 32 i + j), W >= ceil(V / 32); bits at or past V are ignored.
+      vocab_size: V (static).
+
+    Raises:
+      ValueError: W * 32 < V (the rows do not cover the vocabulary).
+    """
+    S, W = bitmask_SW.shape
+    if W * 32 < vocab_size:
+        raise ValueError(f"token_bitmask has {W} words per row; a vocabulary of "
+                         f"{vocab_size} needs {bitmask_width(vocab_size)}")
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits_SW32 = (bitmask_SW.astype(jnp.uint32)[:, :, None] >> shifts) & jnp.uint32(1)
+    return bits_SW32.reshape(S, W * 32)[:, :vocab_size].astype(bool)
+
+
+def apply_token_mask(logits_SV, bitmask_SW):
+    """Logits with the tokens each row's bitmask does not allow at -inf
+    (step 1 of the module docstring). A row allowing no token below V is
+    returned unchanged. A zero-width bitmask (W = 0) masks nothing; skipped
+    (``lax.cond``) when every word is all ones.
+
+    Args:
+      logits_SV: f32[S, V].
+      bitmask_SW: i32[S, W] packed rows (``unpack_token_mask``).
+
+    Returns:
+      f32[S, V].
+    """
+    if bitmask_SW.shape[1] == 0:
+        return logits_SV
+
+    def mask(x_SV):
+        allowed_SV = unpack_token_mask(bitmask_SW, x_SV.shape[1])
+        allowed_SV = allowed_SV | ~jnp.any(allowed_SV, axis=-1, keepdims=True)
+        return jnp.where(allowed_SV, x_SV, NEG_INF)
+    # Skipped when every row allows every word's tokens (no constrained row).
+    return jax.lax.cond(jnp.any(bitmask_SW != -1), mask, lambda x: x, logits_SV)
+
+
+def apply_logit_bias(logits_SV, ids_SB, values_SB):
+    """``logits[s, ids[s, b]] += values[s, b]`` for every row s and entry b
+    (OpenAI's ``logit_bias``); padding entries (id 0, value 0) add nothing
+    and ids outside [0, V) are dropped. Skipped (``lax.cond``) when no row
+    has a bias.
+
+    Args:
+      logits_SV: f32[S, V].
+      ids_SB: i32[S, B] token ids.
+      values_SB: f32[S, B] biases.
+    """
+    S = logits_SV.shape[0]
+
+    def add(x_SV):
+        return x_SV.at[jnp.arange(S)[:, None], ids_SB].add(values_SB, mode="drop")
+    return jax.lax.cond(jnp.any(values_SB != 0), add, lambda x: x, logits_SV)
 
 
 def _filter(logits_SV, t: SamplingTensors):
@@ -256,17 +379,27 @@ def sample(logits_SV, t: SamplingTensors, num_top: int = 0, want_top=None) -> Sa
 
     Returns:
       ``SampleOutput``: the chosen ids, and their log probs, ranks and the
-      top-N ids and log probs under the raw (temperature 1, unpenalised,
-      unfiltered) distribution.
+      top-N ids and log probs under the raw (temperature 1, unbiased,
+      unpenalised, unfiltered) distribution of the masked logits (module
+      docstring).
     """
     logits_SV = jnp.asarray(logits_SV, jnp.float32)
     S, V = logits_SV.shape
-    logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)  # raw distribution
+    masked_SV = apply_token_mask(logits_SV, t.token_bitmask)
+    logprobs_SV = jax.nn.log_softmax(masked_SV, axis=-1)  # raw distribution (masked)
     rows = jnp.arange(S)[:, None]
+    logits_SV = apply_logit_bias(masked_SV, t.logit_bias_ids, t.logit_bias_values)
     banned = jnp.where(t.banned_ids >= 0, t.banned_ids, V)
     logits_SV = logits_SV.at[rows, banned].set(NEG_INF, mode="drop")
     logits_SV = apply_penalties(logits_SV, t)
     greedy_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    # A row with no finite logit left (bans over a one-token mask; its argmax
+    # is then -inf): the argmax of its masked logits, bans ignored.
+    dead_S = jnp.take_along_axis(logits_SV, greedy_S[:, None], axis=-1)[:, 0] == NEG_INF
+    greedy_S = jax.lax.cond(
+        jnp.any(dead_S),
+        lambda: jnp.where(dead_S, jnp.argmax(masked_SV, axis=-1).astype(jnp.int32), greedy_S),
+        lambda: greedy_S)
 
     def sampled():
         scaled = logits_SV / jnp.maximum(t.temperature, 1e-6)[:, None]
@@ -279,7 +412,7 @@ def sample(logits_SV, t: SamplingTensors, num_top: int = 0, want_top=None) -> Sa
 
         g_SV = jax.vmap(gumbel)(t.seeds, t.steps)
         drawn = jnp.argmax(scaled + g_SV, axis=-1).astype(jnp.int32)
-        return jnp.where(t.temperature > 0, drawn, greedy_S)
+        return jnp.where((t.temperature > 0) & ~dead_S, drawn, greedy_S)
 
     token_ids = jax.lax.cond(jnp.any(t.temperature > 0), sampled, lambda: greedy_S)
     if want_top is None:

@@ -62,6 +62,14 @@ budget. It is reset on admission and preemption (new pages), and clipped to
 only: a new sequence's draft recomputes its prompt (writing the same values
 into shared pages).
 
+Constrained sequences (structured outputs, ``allowed_token_ids``,
+``bad_words``: ``Request.constraint``) are never drafted for by the
+proposer (a slot after a free draft would need the constraint's state after
+it, and a draft the grammar rejects would waste its slot); their only
+drafts are the tokens their constraint forces (``constraints.forced_drafts``,
+with or without a speculator), always accepted, and not counted in the
+speculation statistics or the policy's acceptance.
+
 Speculative steps are synchronous (the next plan needs the accepted tokens on
 the host); while the policy's k is 0 the engine's async scheduling runs as
 without speculation.
@@ -73,6 +81,7 @@ import dataclasses
 import time
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.constraints import forced_drafts
 from jaxserve.engine.plan import SeqView
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -205,7 +214,9 @@ class Speculator:
     def schedule(self, scheduler: Scheduler) -> ScheduledBatch | None:
         """Plan a step as ``scheduler.schedule`` does, with drafts for the
         decode-ready sequences when the policy's k is above 0."""
-        ready = [r for r in scheduler.running if decode_ready(r)]
+        # Constrained sequences are not drafted: their verification slots
+        # would need the constraint's mask after each draft.
+        ready = [r for r in scheduler.running if decode_ready(r) and r.constraint is None]
         if self.config.adaptive:
             decoding = sum(1 for r in scheduler.running
                            if r.num_tokens - r.num_computed_tokens <= 1)
@@ -213,10 +224,11 @@ class Speculator:
                           sum(max(0, r.num_tokens - r.num_computed_tokens - 1)
                               for r in scheduler.running))
             self.k = self.policy.choose_k(decoding, prefill)
+        forced = forced_drafts(scheduler.running)  # constrained rows' free drafts
         if self.k == 0 or not ready:
             if self.config.method == "ngram":
                 self._shadow_propose(scheduler)
-            return scheduler.schedule()
+            return scheduler.schedule(forced or None, self.max_slots if forced else None)
         if self.config.method == "ngram":
             props = ngram_propose([r.all_token_ids for r in ready], [self.k] * len(ready),
                                   self.config.prompt_lookup_min, self.config.prompt_lookup_max)
@@ -225,9 +237,10 @@ class Speculator:
                 self.policy.observe_acceptance(0, 0)
         else:
             drafts = {r: [0] * self.k for r in ready}
-        batch = scheduler.schedule(drafts or None, self.max_slots)
+        batch = scheduler.schedule({**drafts, **forced} or None, self.max_slots)
         if batch is not None and batch.drafts is not None and self.draft is not None:
-            rows = [k for k, d in enumerate(batch.drafts) if d]
+            rows = [k for k, d in enumerate(batch.drafts)
+                    if d and batch.requests[k].constraint is None]
             proposed = self.draft.propose([batch.requests[k] for k in rows],
                                           [len(batch.drafts[k]) for k in rows])
             for k, d in zip(rows, proposed):
