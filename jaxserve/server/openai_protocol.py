@@ -33,7 +33,8 @@ from typing import Any, Iterator, Sequence
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.request import Logprob, RequestOutput, SamplingParams, escape_text
+from jaxserve.engine.request import (Logprob, RequestOutput, SamplingParams,
+                                     StructuredOutputsParams, escape_text)
 
 # OpenAI's error "type" for each status jaxserve answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -64,14 +65,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-
-
 # vLLM's extras that change what is generated and that jaxserve does not
 # implement: refused with 400 rather than ignored with a warning.
-REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "chat_template", "chat_template_kwargs",
-                  "continue_final_message", "echo", "allowed_token_ids", "bad_words",
-                  "logits_processors", "truncate_prompt_tokens")
+REFUSED_FIELDS = ("chat_template", "chat_template_kwargs",
+                  "continue_final_message", "echo", "logits_processors", "truncate_prompt_tokens")
 
 
 class _Request(BaseModel):
@@ -95,7 +92,8 @@ class StreamOptions(_Request):
 
 
 class _Sampling(_Request):
-    """The fields both APIs share (OpenAI's, then vLLM's extras)."""
+    """The fields both APIs share (OpenAI's, then vLLM's extras; vLLM's
+    ``guided_whitespace_pattern`` is an unknown field, logged and ignored)."""
 
     model: str | None = None
     temperature: float | None = None
@@ -119,6 +117,17 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Output constraints: OpenAI's ``response_format``, vLLM's
+    # ``structured_outputs`` and ``guided_*`` (``output_constraints``).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None  # accepted and ignored (one backend)
 
     @property
     def include_usage(self) -> bool:
@@ -147,6 +156,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to this call
 
 
 class ChatCompletionRequest(_Sampling):
@@ -159,7 +170,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(cls: type[_Request], body: Any) -> _Request:
@@ -192,7 +204,8 @@ _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
-                    names: dict[str, str]) -> SamplingParams:
+                    names: dict[str, str],
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``req``.
 
     Args:
@@ -200,13 +213,14 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
       logprobs: the engine's ``logprobs`` (top candidates per position) or None.
       names: engine field -> the API field a user set it by (``logprobs`` is
         ``top_logprobs`` in chat, ``max_tokens`` may be ``max_completion_tokens``).
+      structured: the output constraint (``output_constraints``) or None.
 
     Raises:
       APIError: 400 naming the API field whose value the engine refuses.
     """
-    if req.logit_bias:
-        raise bad_request("logit_bias: is not supported", "logit_bias")
-    kw = dict(max_tokens=max_tokens, n=req.n, stop=req.stop, seed=req.seed,
+    kw = dict(structured_outputs=structured, logit_bias=req.logit_bias or None,
+              allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+              max_tokens=max_tokens, n=req.n, stop=req.stop, seed=req.seed,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
               min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
               skip_special_tokens=req.skip_special_tokens,
@@ -245,36 +259,8 @@ def completion_prompts(req: CompletionRequest) -> list:
 
 def check_chat(req: ChatCompletionRequest) -> None:
     """Raises ``APIError`` 400 for a chat option jaxserve does not implement."""
-    if req.tools:
-        raise bad_request("tools: tool calling is not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format: only {'type': 'text'} is supported",
-                          "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-
-
-def chat_pairs(req: ChatCompletionRequest) -> list[tuple[str, str | None]]:
-    """(role, content) of each message, text parts joined by newlines (as
-    vLLM does); roles and text are checked by ``frontend.chat_messages``.
-
-    Raises:
-      APIError: 400 naming a part that is not text.
-    """
-    out = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages.{i}.content.{j}: only text parts are supported, got "
-                        f"type {part.type!r}", f"messages.{i}.content.{j}")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        out.append((m.role, content))
-    return out
 
 
 # ---- responses ----------------------------------------------------------------
@@ -487,7 +473,7 @@ def chat_chunks(head: dict, out: RequestOutput, k: int | None,
 
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DONE", "ERROR_TYPES",
-           "bad_request", "chat_chunk", "chat_chunks", "chat_logprobs", "chat_pairs",
+           "bad_request", "chat_chunk", "chat_chunks", "chat_logprobs",
            "chat_response", "chat_role_chunks", "check_chat", "completion_chunk",
            "completion_chunks", "completion_logprobs", "completion_prompts",
            "completion_response", "head", "model_card", "parse", "prompt_logprobs_json",
