@@ -43,7 +43,7 @@ IGNORED_STRUCTURED_KEYS = ("backend", "disable_fallback", "disable_any_whitespac
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _json_schema(value: Any, field: str) -> dict | bool:
+def json_schema_value(value: Any, field: str) -> dict | bool:
     """A JSON Schema given as an object (or a bool schema) or as its JSON text."""
     if isinstance(value, str):
         try:
@@ -85,7 +85,7 @@ def response_format_spec(rf: Any) -> tuple[str, dict] | None:
                                  "'schema' (and a 'name')")
         if "schema" not in js:
             raise InvalidRequest("response_format.json_schema.schema: is required")
-        return "response_format", {"json": _json_schema(
+        return "response_format", {"json": json_schema_value(
             js["schema"], "response_format.json_schema.schema")}
     shown = kind if isinstance(kind, str) else type(kind).__name__
     raise InvalidRequest(f"response_format.type: must be 'text', 'json_object' or "
@@ -116,7 +116,7 @@ def structured_object_spec(obj: Any) -> tuple[str, dict] | None:
             raise InvalidRequest(f"structured_outputs.{key}: {why}")
         if value is None or value is False:
             continue
-        kw[key] = _json_schema(value, "structured_outputs.json") if key == "json" else value
+        kw[key] = json_schema_value(value, "structured_outputs.json") if key == "json" else value
     if len(kw) > 1:
         raise InvalidRequest(f"structured_outputs: sets {' and '.join(kw)}; only one "
                              f"constraint per request")
@@ -130,7 +130,7 @@ def guided_specs(fields: dict[str, Any]) -> list[tuple[str, dict]]:
         value = fields.get(name)
         if value is None:
             continue
-        out.append((name, {key: _json_schema(value, name) if key == "json" else value}))
+        out.append((name, {key: json_schema_value(value, name) if key == "json" else value}))
     return out
 
 
@@ -172,4 +172,5 @@ def ignored_backend_fields(fields: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["GUIDED_FIELDS", "IGNORED_STRUCTURED_KEYS", "guided_specs", "ignored_backend_fields",
+           "json_schema_value",
            "response_format_spec", "structured_object_spec", "structured_outputs_of"]
