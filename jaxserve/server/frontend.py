@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from typing import AsyncIterator, Iterable, Sequence
 
 import jinja2
@@ -212,22 +213,25 @@ class Frontend:
         or grammar is refused here and the engine's own compile of the same
         spec is a cache hit. ``field`` is the API field that set it.
 
-        The compiler is ``AsyncEngine.compile_structured(spec)`` (blocking,
-        thread-safe, cached by spec; ValueError for what it cannot
-        compile); an engine without one (before the grammar backend lands)
-        skips this check.
+        The compiler is ``Engine.compile_structured(spec)`` (the engine
+        behind the ``AsyncEngine``; it must be safe to call from any
+        thread while the engine thread steps: blocking, cached by spec,
+        ValueError for what it cannot compile); an engine without one skips
+        this check (its ``add_request`` still refuses the spec, as a 400
+        without the API field's name).
 
         Raises:
           InvalidRequest: the backend refused the spec (``<field>: <why>``).
         """
         spec = params.structured_outputs
-        compile_fn = getattr(self.engine, "compile_structured", None)
+        compile_fn = getattr(getattr(self.engine, "engine", None), "compile_structured", None)
         if spec is None or compile_fn is None:
             return
         try:
             await asyncio.to_thread(compile_fn, spec)
-        except ValueError as e:
-            raise InvalidRequest(f"{field}: {e}") from None
+        except ValueError as e:  # "structured_outputs.json: <why>" -> "<field>: <why>"
+            why = re.sub(r"^(SamplingParams\.)?structured_outputs(\.\w+)?:?\s*", "", str(e))
+            raise InvalidRequest(f"{field}: {why}") from None
 
     def output_budget(self, asked: int | None, prompt_len: int, field: str) -> int:
         """Output tokens for a prompt of ``prompt_len`` tokens: ``asked``, or
