@@ -196,3 +196,36 @@ def test_grpc_constraint_oneof_uses_the_same_rule():
             constraint_from_proto(msg)
     with pytest.raises(InvalidRequest, match="logit_bias"):
         sampling_params_from_proto(pb.SamplingParams(logit_bias={5: 101}))
+
+
+def test_compile_constraint_runs_off_the_loop_and_names_the_field():
+    """``Frontend.compile_constraint`` calls ``Engine.compile_structured`` on
+    a worker thread; a ValueError is an InvalidRequest naming the API field."""
+    import asyncio
+    import threading
+    import types
+
+    from jaxserve.engine.request import SamplingParams
+    from jaxserve.server.frontend import Frontend
+
+    seen = []
+
+    def compile_structured(spec):
+        seen.append((spec, threading.current_thread()))
+        if spec.regex == "(":
+            raise ValueError("structured_outputs.regex: unbalanced parenthesis at 0")
+
+    fe = Frontend("m")
+    fe.engine = types.SimpleNamespace(engine=types.SimpleNamespace(
+        compile_structured=compile_structured))
+    ok = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    asyncio.run(fe.compile_constraint(ok, "guided_regex"))
+    assert seen[0][0] == ok.structured_outputs and seen[0][1] is not threading.main_thread()
+    asyncio.run(fe.compile_constraint(SamplingParams(), "guided_regex"))  # nothing to compile
+    assert len(seen) == 1
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="("))
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(fe.compile_constraint(bad, "guided_regex"))
+    assert str(e.value) == "guided_regex: unbalanced parenthesis at 0"
+    fe.engine = types.SimpleNamespace(engine=object())  # an engine without a compiler
+    asyncio.run(fe.compile_constraint(bad, "guided_regex"))
