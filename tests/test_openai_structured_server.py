@@ -37,12 +37,13 @@ VOCAB = 320  # the tiny GGUF's
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    """The suite's tiny GGUF (vocab 320, 2 layers) with 2048 positions: its
-    byte-level tokenizer spends ~800 tokens on a Hermes tools prompt."""
+    """The suite's tiny GGUF (vocab 320, 2 layers) with 4096 positions: its
+    byte-level tokenizer spends ~800 tokens on a Hermes tools prompt, ~1400
+    with the schema instructor sends."""
     from tiny_gguf import write_tiny_gguf
     from jaxserve.config import ModelConfig
-    path = tmp_path_factory.mktemp("tiny-gguf-2k") / "tiny.gguf"
-    write_tiny_gguf(path, ModelConfig(vocab_size=VOCAB, max_position_embeddings=2048,
+    path = tmp_path_factory.mktemp("tiny-gguf-4k") / "tiny.gguf"
+    write_tiny_gguf(path, ModelConfig(vocab_size=VOCAB, max_position_embeddings=4096,
                                       num_layers=2))
     return str(path)
 
@@ -272,10 +273,15 @@ def test_parse_pydantic_model_always_valid(server, client, tiny_gguf):
 
 @needs_engine
 def test_json_object_regex_choice_and_grammar_always_match(server, client, tiny_gguf):
+    stopped = 0
     for seed in range(10):
         kw = dict(model=tiny_gguf, messages=HI, temperature=1.0, seed=seed, max_tokens=200)
         out = client.chat.completions.create(response_format={"type": "json_object"}, **kw)
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
+        # A random model may write a string until max_tokens ("length": a
+        # prefix); every output that ended is one JSON object.
+        if out.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(out.choices[0].message.content), dict)
+            stopped += 1
         for regex in (r"\(\d{3}\) \d{3}-\d{4}", r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"):
             out = client.chat.completions.create(extra_body={"guided_regex": regex}, **kw)
             assert re.fullmatch(regex, out.choices[0].message.content)
@@ -284,6 +290,7 @@ def test_json_object_regex_choice_and_grammar_always_match(server, client, tiny_
         grammar = 'root ::= "(" digit "+" digit ")"\ndigit ::= [0-9]'
         out = client.chat.completions.create(extra_body={"guided_grammar": grammar}, **kw)
         assert re.fullmatch(r"\(\d\+\d\)", out.choices[0].message.content)
+    assert stopped >= 3, stopped
 
 
 @needs_engine
@@ -291,17 +298,22 @@ def test_json_object_regex_choice_and_grammar_always_match(server, client, tiny_
                                                       "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_always_validate(server, client, tiny_gguf, tool_choice):
     params = {t["function"]["name"]: t["function"]["parameters"] for t in (ADD, WEATHER)}
+    finished = 0
     for seed in range(10):
         resp = client.chat.completions.create(model=tiny_gguf, messages=HI, tools=[ADD, WEATHER],
                                               tool_choice=tool_choice, temperature=1.0,
                                               seed=seed, max_tokens=200)
         choice = resp.choices[0]
+        if choice.finish_reason == "length":  # a random model's endless number or string
+            continue
+        finished += 1
         calls = _check_calls(choice.message.tool_calls)
-        assert calls and choice.finish_reason == "tool_calls"
+        assert calls and choice.finish_reason == "tool_calls" and choice.message.content is None
         for name, args in calls:
             jsonschema.validate(args, params[name])
             if isinstance(tool_choice, dict):
                 assert name == "get_weather"
+    assert finished >= 5, finished
 
 
 @needs_engine
@@ -315,30 +327,57 @@ def test_logit_bias_bans_and_forces(server, stub):
     assert first not in banned.completions[0].token_ids
 
 
-@needs_engine
-def test_langchain_and_instructor_work_unchanged(server, tiny_gguf):
-    import instructor
-    from langchain_core.tools import tool
+def _langchain(server, tiny_gguf):
     from langchain_openai import ChatOpenAI
+    return ChatOpenAI(base_url=server.http_url + "/v1", api_key="unused", model=tiny_gguf,
+                      temperature=1.0, max_tokens=300, seed=0, max_retries=0)
 
-    llm = ChatOpenAI(base_url=server.http_url + "/v1", api_key="unused", model=tiny_gguf,
-                     temperature=1.0, max_tokens=300, seed=0)
-    for method in ("json_schema", "function_calling"):
-        out = llm.with_structured_output(Person, method=method).invoke("Make up a person.")
-        assert isinstance(out, Person)
+
+@needs_engine
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(server, tiny_gguf, method):
+    out = _langchain(server, tiny_gguf).with_structured_output(Person, method=method).invoke(
+        "Make up a person.")
+    assert isinstance(out, Person)
+
+
+@needs_engine
+def test_langchain_bind_tools(server, tiny_gguf):
+    from langchain_core.tools import tool
 
     @tool
     def add(a: int, b: int) -> int:
         """Add two integers."""
         return a + b
-    msg = llm.bind_tools([add], tool_choice="add").invoke("What is 1+2?")
-    assert msg.tool_calls and msg.tool_calls[0]["name"] == "add"
-    assert set(msg.tool_calls[0]["args"]) == {"a", "b"}
+    msg = _langchain(server, tiny_gguf).bind_tools([add], tool_choice="add").invoke(
+        "What is 1+2?")
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "add"
+    assert {k: type(v) for k, v in msg.tool_calls[0]["args"].items()} == {"a": int, "b": int}
 
+
+class Note(BaseModel):
+    """What instructor's JSON mode can check on a random model: it sends
+    ``response_format: json_object`` and the schema only in the prompt, so
+    the server guarantees an object, not its keys; extra keys are ignored."""
+    note: Optional[str] = None
+
+
+@needs_engine
+@pytest.mark.parametrize("mode, model", [("TOOLS", Person), ("JSON", Note)])
+def test_instructor_modes(server, tiny_gguf, mode, model):
+    import instructor
     oa = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0)
-    for mode in (instructor.Mode.JSON, instructor.Mode.TOOLS):
-        ic = instructor.from_openai(oa, mode=mode)
-        person = ic.chat.completions.create(model=tiny_gguf, response_model=Person,
-                                            max_retries=0, max_tokens=300, messages=[
-                                                {"role": "user", "content": "A person."}])
-        assert isinstance(person, Person)
+    ic = instructor.from_openai(oa, mode=getattr(instructor.Mode, mode))
+    done = 0
+    for seed in range(6):
+        try:
+            out = ic.chat.completions.create(
+                model=tiny_gguf, response_model=model, max_retries=0, max_tokens=1000,
+                seed=seed, temperature=1.0, messages=[{"role": "user", "content": "Fill it in."}])
+        except Exception as e:  # noqa: BLE001 - instructor has two classes of this name
+            if type(e).__name__ != "IncompleteOutputException":
+                raise
+            continue  # a random model's endless string: cut by max_tokens, not invalid
+        assert isinstance(out, model)
+        done += 1
+    assert done >= 2, done

@@ -316,3 +316,41 @@ def test_template_without_tools_gets_a_hermes_prompt_and_calls_as_text():
     assert _render(CHATML, HISTORY[:1], [ADD]).startswith("<|im_start|>system\n# Tools")
     plain = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]
     assert tool_messages(CHATML, plain, None) == (plain, None)
+
+
+def test_forced_schema_keeps_pydantic_refs_resolvable():
+    """Parameters from pydantic (instructor, LangChain) hold ``$defs`` and
+    ``#/$defs/...`` refs, recursive ones too; under ``arguments`` they must
+    still resolve: they are gathered at the root, per tool."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: Literal["Paris", "Oslo"]
+
+    class Person(BaseModel):
+        name: str
+        address: Address
+        friends: list["Person"] = []
+
+    person = {"type": "function", "function": {"name": "Person",
+                                               "parameters": Person.model_json_schema()}}
+    other = {"type": "function", "function": {"name": "Address",  # its own "Address"
+                                              "parameters": Address.model_json_schema()}}
+    good = {"name": "Person", "arguments": {"name": "a", "address": {"city": "Oslo"},
+                                            "friends": [{"name": "b",
+                                                         "address": {"city": "Paris"}}]}}
+    bad = {"name": "Person", "arguments": {"name": "a", "address": {"city": "Rome"}}}
+    bad_friend = {"name": "Person", "arguments": {"name": "a", "address": {"city": "Oslo"},
+                                                  "friends": [{"name": "b"}]}}
+    for plan, wrap in ((ToolPlan([person, other], "Person"), lambda x: x),
+                       (ToolPlan([person, other], "required"), lambda x: [x])):
+        schema = forced_tool_schema(plan)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        jsonschema.validate(wrap(good), schema)
+        for b in (bad, bad_friend):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(wrap(b), schema)
+    jsonschema.validate([{"name": "Address", "arguments": {"city": "Paris"}}],
+                        forced_tool_schema(ToolPlan([person, other], "required")))

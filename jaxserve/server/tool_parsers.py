@@ -159,11 +159,45 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -
                     bool(parallel_tool_calls))
 
 
-def _call_schema(tool: dict) -> dict:
+_DEFS = ("$defs", "definitions")
+
+
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    """``node`` with local ``$ref``s (``#/$defs/X``, ``#/definitions/X``,
+    ``#``) pointing at ``#/$defs/<prefix>X`` (``<prefix>`` for ``#``)."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            if v == "#":
+                v = f"#/$defs/{prefix}"
+            for d in _DEFS:
+                if v.startswith(f"#/{d}/"):
+                    v = f"#/$defs/{prefix}{v[len(d) + 3:]}"
+        out[k] = _rebase_refs(v, prefix)
+    return out
+
+
+def _call_schema(tool: dict, i: int, defs: dict) -> dict:
+    """Tool ``i``'s call object schema. Its parameters' ``$defs`` move to
+    the root (``defs``, names prefixed ``tool<i>_``) and their refs with
+    them: a schema from pydantic (``#/$defs/Model``) only resolves from the
+    root, and the parameters sit under ``properties.arguments``."""
     fn = tool["function"]
+    params = dict(fn.get("parameters") or {"type": "object"})
+    prefix = f"tool{i}_"
+    own = {}
+    for d in _DEFS:
+        own.update(params.pop(d, None) or {})
+    params = _rebase_refs(params, prefix)
+    defs.update({prefix + k: _rebase_refs(v, prefix) for k, v in own.items()})
+    defs[prefix] = params  # the target of a recursive "#" ref
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                           "arguments": fn.get("parameters") or {"type": "object"}},
+                           "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -171,13 +205,26 @@ def forced_tool_schema(plan: ToolPlan) -> dict:
     """The JSON schema the output of a forced ``tool_choice`` must satisfy:
     a call object for the named tool; for "required" one call to any tool
     (``anyOf``, each arguments schema tied to its name), as an array of at
-    least one when ``plan.parallel``."""
+    least one when ``plan.parallel``. Tools' ``$defs`` are gathered at the
+    root (``_call_schema``)."""
+    defs: dict = {}
     if plan.choice not in ("required",):
-        tool = next(t for t in plan.tools if t["function"]["name"] == plan.choice)
-        return _call_schema(tool)
-    one = {"anyOf": [_call_schema(t) for t in plan.tools]} if len(plan.tools) > 1 else \
-        _call_schema(plan.tools[0])
-    return {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
+        i, tool = next((i, t) for i, t in enumerate(plan.tools)
+                       if t["function"]["name"] == plan.choice)
+        schema = _call_schema(tool, i, defs)
+    else:
+        calls = [_call_schema(t, i, defs) for i, t in enumerate(plan.tools)]
+        one = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        schema = {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
+    used = json.dumps(schema)
+    defs = {k: v for k, v in defs.items() if f'"#/$defs/{k}"' in used or k in _referenced(defs)}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _referenced(defs: dict) -> set[str]:
+    """Names of ``defs`` that some def refers to."""
+    text = json.dumps(defs)
+    return {k for k in defs if f'"#/$defs/{k}"' in text}
 
 
 # ---- the output ------------------------------------------------------------------
