@@ -13,7 +13,9 @@ front ends share the queue, the prefix cache and the metrics:
 
 This module holds the routes only: requests and responses follow OpenAI's
 API with vLLM's extras, parsed and built by ``jaxserve.server.openai_protocol``
-(pydantic models, pure response builders), and every request is checked and
+(pydantic models, pure response builders); output constraints and tools by
+``output_constraints``, ``chat_tools`` and ``tool_parsers`` (README
+"Structured outputs and tool calling"); every request is checked and
 tokenized by the front end the gRPC servicer uses too
 (``jaxserve.server.frontend``: one set of checks, one tokenizer pool, so
 large prompts never hold the event loop). Errors are OpenAI's

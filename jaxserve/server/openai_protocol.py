@@ -4,7 +4,11 @@ Requests are pydantic models of OpenAI's fields (``/v1/completions``,
 ``/v1/chat/completions``) plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``prompt_logprobs``),
-with vLLM's defaults. Unknown fields are kept aside (``unknown_fields``) so
+with vLLM's defaults, and the fields that constrain the output
+(``response_format``, ``structured_outputs``, ``guided_*``, ``logit_bias``,
+``allowed_token_ids``, ``bad_words``; chat: ``tools``, ``tool_choice``,
+``parallel_tool_calls``, messages' ``tool_calls`` / ``tool_call_id``),
+translated by ``output_constraints`` and ``chat_tools``. Unknown fields are kept aside (``unknown_fields``) so
 the server can log and ignore them, as vLLM does; a known field with a bad
 type or value is an ``APIError`` 400 whose ``param`` names it.
 
