@@ -229,3 +229,14 @@ def test_compile_constraint_runs_off_the_loop_and_names_the_field():
     assert str(e.value) == "guided_regex: unbalanced parenthesis at 0"
     fe.engine = types.SimpleNamespace(engine=object())  # an engine without a compiler
     asyncio.run(fe.compile_constraint(bad, "guided_regex"))
+
+
+def test_python_grpc_client_builds_constraints():
+    from jaxserve.server.client import make_request
+    from jaxserve.server.servicer import constraint_from_proto
+    req = make_request("hi", choice=["a", "b"], logit_bias={3: 1.0}, max_tokens=3)
+    assert constraint_from_proto(req.sampling) == (StructuredOutputsParams(choice=("a", "b")),
+                                                   "sampling.choice")
+    assert dict(req.sampling.logit_bias) == {3: 1.0}
+    req = make_request("hi", json_schema=json.dumps(SCHEMA))
+    assert constraint_from_proto(req.sampling)[0] == StructuredOutputsParams(json=SCHEMA)
