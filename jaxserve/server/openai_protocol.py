@@ -8,7 +8,8 @@ with vLLM's defaults, and the fields that constrain the output
 (``response_format``, ``structured_outputs``, ``guided_*``, ``logit_bias``,
 ``allowed_token_ids``, ``bad_words``; chat: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, messages' ``tool_calls`` / ``tool_call_id``),
-translated by ``output_constraints`` and ``chat_tools``. Unknown fields are kept aside (``unknown_fields``) so
+translated by ``output_constraints`` and ``chat_tools``. Unknown fields are
+kept aside (``unknown_fields``) so
 the server can log and ignore them, as vLLM does; a known field with a bad
 type or value is an ``APIError`` 400 whose ``param`` names it.
 

@@ -113,8 +113,8 @@ def _check_tool(i: int, tool: Any) -> dict:
         raise InvalidRequest(f"{field}.function: must be an object with a 'name'")
     name = fn.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[^\s\ud800-\udfff]{1,256}", name):
-        raise InvalidRequest(f"{field}.function.name: must be 1-256 characters of valid Unicode, no whitespace "
-                             f"(OpenAI's are letters, digits, '_' and '-')")
+        raise InvalidRequest(f"{field}.function.name: must be 1-256 characters of valid "
+                             f"Unicode, no whitespace (OpenAI's: letters, digits, '_', '-')")
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise InvalidRequest(f"{field}.function.parameters: must be a JSON Schema object")
