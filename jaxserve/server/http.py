@@ -381,6 +381,13 @@ class OpenAIServer:
         except EngineError as e:
             raise oai.APIError(500, str(e)) from None
 
+    def _token_text(self):
+        """id -> the token decoded alone, special tokens included (the echoed
+        first prompt token's text in completions logprobs); None without a
+        tokenizer."""
+        tok = self.frontend.engine.tokenizer
+        return None if tok is None else (lambda i: tok.decode([i], skip_special_tokens=False))
+
     def _head(self, job: Job, obj: str) -> dict:
         return oai.head(job.request_id, obj, self.frontend.model_name)
 
@@ -389,15 +396,17 @@ class OpenAIServer:
     async def _completion_body(self, job: Job, req: oai.CompletionRequest, k) -> dict:
         last, aborted = await self._collect(job)
         return oai.completion_response(self._head(job, "text_completion"), req, job.prompt_ids,
-                                       job.prompt_texts, job.n, last, aborted, k)
+                                       job.prompt_texts, job.n, last, aborted, k,
+                                       self._token_text())
 
     def _completion_chunks(self, job: Job, req: oai.CompletionRequest, k):
         head = self._head(job, "text_completion")
         offsets: dict[int, int] = {}  # choice index -> characters sent
+        token_text = self._token_text()
 
         def on_output(i: int, out: RequestOutput, finished: set[int]):
             return oai.completion_chunks(head, req, i, out, job.n, job.prompt_ids[i],
-                                         job.prompt_texts[i], k, offsets, finished)
+                                         job.prompt_texts[i], k, offsets, finished, token_text)
         return sse_events(job, req, head, on_output,
                             lambda idx: oai.completion_chunk(head, idx, "", None, "abort"))
 

@@ -286,18 +286,23 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
-def completion_logprobs(token_ids: list[int], entries: list, k: int, offset: int) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list, k: int, offset: int,
+                        token_text=None) -> dict:
     """The legacy completions ``logprobs`` object of ``token_ids`` (one
     ``{token_id: Logprob}`` entry each, None for a position without one: the
-    first prompt token under ``echo``); ``offset`` is the character offset
-    of the first token in the choice's text."""
+    first prompt token under ``echo``, whose text is ``token_text(id)``, the
+    token decoded alone, and whose logprobs are null, as vLLM and OpenAI
+    send it); ``offset`` is the character offset of the first token in the
+    choice's text, each next one's is the previous plus its token's length."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok, entry in zip(token_ids, entries):
         out["text_offset"].append(offset)
         if entry is None:
-            out["tokens"].append("")
+            text = token_text(tok) if token_text is not None else ""
+            out["tokens"].append(text)
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
+            offset += len(text)
             continue
         chosen = entry[tok]
         out["tokens"].append(_text(chosen))
@@ -366,10 +371,11 @@ def _echo_logprobs(prompt_ids: Sequence[int], out: RequestOutput):
 def completion_response(head: dict, req: CompletionRequest, prompt_ids: list[list[int]],
                         prompt_texts: list[str | None], n: int,
                         last: list[RequestOutput | None], aborted: bool,
-                        k: int | None) -> dict:
+                        k: int | None, token_text=None) -> dict:
     """A whole ``/v1/completions`` response: ``n`` choices per prompt (in
     ``index`` order), from each prompt's last output (None: aborted at
-    shutdown before its first); ``k``: top logprobs per position or None."""
+    shutdown before its first); ``k``: top logprobs per position or None;
+    ``token_text``: id -> text, for the echoed first prompt token."""
     choices = []
     for i, out in enumerate(last):
         if out is None:
@@ -385,7 +391,7 @@ def completion_response(head: dict, req: CompletionRequest, prompt_ids: list[lis
                     pids, pentries = _echo_logprobs(prompt_ids[i], out)
                     ids, entries = pids + ids, pentries + entries
             if k is not None:
-                lp = completion_logprobs(ids, entries, k, 0)
+                lp = completion_logprobs(ids, entries, k, 0, token_text)
             choice = {"index": i * n + c.index, "text": text, "logprobs": lp,
                       "finish_reason": c.finish_reason or ("abort" if aborted else None),
                       "stop_reason": c.stop_reason}
@@ -404,7 +410,8 @@ def completion_chunk(head: dict, index: int, text: str, lp, finish, stop_reason=
 
 def completion_chunks(head: dict, req: CompletionRequest, i: int, out: RequestOutput, n: int,
                       prompt_ids: list[int], prompt_text: str | None, k: int | None,
-                      offsets: dict[int, int], finished: set[int]) -> Iterator[str]:
+                      offsets: dict[int, int], finished: set[int],
+                      token_text=None) -> Iterator[str]:
     """The events of prompt ``i``'s output ``out``: one per choice that
     gained text (or tokens with logprobs) or finished. ``offsets`` (choice
     index -> characters sent) and ``finished`` (choice indices reported
@@ -422,7 +429,8 @@ def completion_chunks(head: dict, req: CompletionRequest, i: int, out: RequestOu
                 ids, entries = pids + ids, pentries + entries
         if not (text or new_finish or (k is not None and ids)):
             continue
-        lp = completion_logprobs(ids, entries, k, offsets.get(idx, 0)) if k is not None else None
+        lp = completion_logprobs(ids, entries, k, offsets.get(idx, 0), token_text) \
+            if k is not None else None
         offsets[idx] = offsets.get(idx, 0) + len(text)
         if new_finish:
             finished.add(idx)
