@@ -8,6 +8,7 @@ front ends share the queue, the prefix cache and the metrics:
   ``POST /v1/chat/completions``   messages rendered with the model's chat template
   ``GET  /v1/models``             the served model
   ``GET  /health``                200 serving; 503 while loading or draining
+  ``GET  /version``               ``{"version"}`` (vLLM's), the installed jaxserve
   ``GET  /metrics``               the Prometheus registry of the metrics port
   ``POST /tokenize``, ``/detokenize``   vLLM's shapes
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import socket
 import time
@@ -89,6 +91,13 @@ log = logging.getLogger(__name__)
 # The gRPC status names ``jaxserve_requests_rejected_total`` is labelled with.
 _REJECT_LABEL = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
                  413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -186,6 +195,7 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model)
         app.api_route("/health", methods=["GET", "HEAD"])(self.health)
         app.get("/metrics")(self.prometheus)
+        app.get("/version")(lambda: {"version": _version()})
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app

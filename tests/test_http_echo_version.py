@@ -3,7 +3,7 @@ prompts: the first prompt token is in ``tokens`` (its text, null logprobs)
 and ``text_offset`` is each token's character offset in the returned text
 (OpenAI's and vLLM's: the previous offset plus the previous token's length).
 A unit check of ``openai_protocol.completion_logprobs`` and the same through
-a real server (whole and streamed)."""
+a real server (whole and streamed). And vLLM's ``GET /version``."""
 
 from __future__ import annotations
 
@@ -56,3 +56,11 @@ def test_echo_logprobs_through_the_server(server, tiny_gguf):
     tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
     offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
     assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+@pytest.mark.slow
+def test_version_route(server):
+    import importlib.metadata
+    r = httpx.get(server.http_url + "/version", timeout=30)
+    assert r.status_code == 200 and r.json() == {
+        "version": importlib.metadata.version("jaxserve")}
