@@ -9,6 +9,16 @@ HTML-escape. The special-token strings (``bos_token``, ``eos_token``, ...) are
 passed as template variables, as HF passes its ``special_tokens_map``.
 
 ``render_transcript`` is the fallback for a model without a template.
+
+Tools: ``render_chat_template`` passes ``tools`` (OpenAI's function tools) to
+the template as transformers does, and messages keep their ``tool_calls``
+(arguments as objects, as HF templates expect) and ``tool_call_id``.
+``tool_messages`` prepares them for a template that knows no tools (or for
+the transcript): the tool descriptions go into the system prompt in the
+Hermes style (``hermes_tools_prompt``, Qwen 2.5's text), assistant calls
+become ``<tool_call>`` blocks in the content and tool results
+``<tool_response>`` blocks, so a call and its result are never dropped from
+the prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -135,4 +146,68 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
         messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
-__all__ = ["TRANSCRIPT_STOP", "compile_template", "render_chat_template", "render_transcript"]
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its context (``tools``,
+    ``messages``, ...); empty for a template that does not parse."""
+    try:
+        env = ImmutableSandboxedEnvironment(extensions=[_Generation, jinja2.ext.loopcontrols])
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateError:
+        return frozenset()
+
+
+def hermes_tools_prompt(tools: list[dict]) -> str:
+    """The Hermes / Qwen 2.5 system-prompt text describing ``tools`` and the
+    ``<tool_call>`` format to answer in."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function", call)
+    return ("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments":
+                                           fn.get("arguments")}, ensure_ascii=False)
+            + "\n</tool_call>")
+
+
+def tool_messages(source: str | None, messages: list[dict], tools: list[dict] | None
+                  ) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) to render with template ``source`` (None: the
+    transcript). A template that reads ``tools`` gets both unchanged; one
+    that does not gets the tools as a Hermes system prompt
+    (``hermes_tools_prompt``, merged into a leading system message) and
+    ``tools`` None. A template that never reads ``tool_calls`` gets each
+    assistant call as a ``<tool_call>`` block in its content, and each
+    ``tool`` message's content wrapped in ``<tool_response>``. A
+    conversation with neither tools nor calls is returned as it is.
+    """
+    if not tools and not any(m.get("tool_calls") for m in messages):
+        return messages, tools  # a conversation without tools renders as before
+    names = template_variables(source) if source else frozenset()
+    knows_calls = bool(source) and "tool_calls" in source
+    out = []
+    for m in messages:
+        if not knows_calls and m.get("tool_calls"):
+            text = "\n".join([m.get("content") or ""] + [_call_text(c) for c in m["tool_calls"]])
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text.strip()}
+        elif not knows_calls and m.get("role") == "tool":
+            m = {**m, "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if not tools or "tools" in names:
+        return out, tools
+    prompt = hermes_tools_prompt(tools)
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+__all__ = ["TRANSCRIPT_STOP", "compile_template", "hermes_tools_prompt", "render_chat_template",
+           "render_transcript", "template_variables", "tool_messages"]

@@ -42,7 +42,8 @@ from typing import Any, Iterable, Mapping
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from checkpoints.chat_template import TRANSCRIPT_STOP, render_chat_template, render_transcript
+from checkpoints.chat_template import (TRANSCRIPT_STOP, render_chat_template, render_transcript,
+                                       tool_messages)
 from checkpoints.tokenizer_spm import spm_backend
 
 SUPPORTED_KINDS = ("gpt2", "llama")
@@ -310,7 +311,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
+                            tokenize: bool = False,
+                            tools: list[dict] | None = None) -> str | list[int]:
         """Render the model's chat template over ``messages`` as HF does; a
         model without one gets a plain transcript (``render_transcript``),
         whose assistant turn ends at ``chat_stop``.
@@ -321,11 +323,15 @@ class Tokenizer:
           tokenize: return ids (a template's text encoded with
             ``add_special_tokens=False``, HF semantics; a transcript with
             them, like any completion prompt) instead of text.
+          tools: OpenAI function tools, the template's ``tools`` variable (a
+            template or transcript without tools support gets them in the
+            system prompt, ``chat_template.tool_messages``).
 
         Raises:
           ValueError: a transcript message with an unknown role.
           jinja2.TemplateError: the template rejected the conversation.
         """
+        messages, tools = tool_messages(self.chat_template, messages, tools)
         if not self.chat_template:
             text = render_transcript(messages, add_generation_prompt)
             return self.encode(text) if tokenize else text
@@ -333,7 +339,8 @@ class Tokenizer:
                  "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}
         variables = {k: self.id_to_token(i) for k, i in names.items() if i is not None}
         text = render_chat_template(self.chat_template, messages,
-                                    add_generation_prompt=add_generation_prompt, **variables)
+                                    add_generation_prompt=add_generation_prompt, tools=tools,
+                                    **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -127,9 +127,9 @@ SURROGATE_CASES = [  # (route, body, status, param)
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": [
         {"type": S, "text": "hi"}]}]), 400, "messages.0.content.0"),
     ("/v1/chat/completions", dict(messages=HI, tools=[{"type": "function", "function": {
-        "name": S}}]), 400, "tools"),
+        "name": S}}]), 400, "tools.0.function.name"),
     ("/v1/chat/completions", dict(messages=HI, response_format={"type": S}), 400,
-     "response_format"),
+     "response_format.type"),
     ("/v1/chat/completions", dict(messages=HI, logit_bias={S: 1}), 400, "logit_bias"),
     ("/tokenize", dict(prompt=S), 400, "prompt"),
     ("/tokenize", dict(messages=[{"role": S, "content": "x"}]), 400, "messages.0.role"),

@@ -56,7 +56,7 @@ BAD = [  # (route, body, status, param)
     # output if honoured: refused, not ignored
     ("/v1/completions", dict(prompt="hi", stream_options={"include_usage": True}), 400,
      "stream_options"),
-    ("/v1/completions", dict(prompt="hi", guided_json={"type": "object"}), 400, "guided_json"),
+    ("/v1/completions", dict(prompt="hi", logits_processors=["x"]), 400, "logits_processors"),
     ("/v1/chat/completions", dict(messages=HI, add_generation_prompt=False), 400,
      "add_generation_prompt"),
     ("/v1/chat/completions", dict(messages=HI, echo=True), 400, "echo"),

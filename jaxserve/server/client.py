@@ -37,7 +37,9 @@ def make_request(prompt: str | None = None, *, token_ids=None, messages=None,
                  **sampling) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from exactly one of ``prompt`` (text), ``token_ids``
     or ``messages`` (``[{"role", "content"}]``), and ``SamplingParams`` fields
-    as keywords (``max_tokens=16, temperature=0, stop=[...]``, ...).
+    as keywords (``max_tokens=16, temperature=0, stop=[...]``, ...; one
+    constraint: ``json_schema=<JSON text>``, ``regex=``, ``choice=[...]``,
+    ``grammar=``, ``json_object=True``; ``logit_bias={id: bias}``).
 
     Raises:
       ValueError: not exactly one prompt form, or an unknown sampling field.
@@ -48,6 +50,8 @@ def make_request(prompt: str | None = None, *, token_ids=None, messages=None,
     unknown = sorted(set(sampling) - set(fields))
     if unknown:
         raise ValueError(f"unknown sampling fields {unknown}")
+    if isinstance(sampling.get("choice"), (list, tuple)):
+        sampling["choice"] = pb.Choices(choices=sampling["choice"])
     req = pb.GenerateRequest(request_id=request_id, output_kind=output_kind,
                              sampling=pb.SamplingParams(**{
                                  k: v for k, v in sampling.items() if v is not None}))

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import re
 from typing import AsyncIterator, Iterable, Sequence
 
 import jinja2
@@ -64,24 +66,54 @@ def max_text_bytes(tokenizer, max_prompt_len: int) -> int:
     return max_prompt_len * max(longest, 4) + 1024
 
 
-def chat_messages(messages: Iterable[tuple[str, str | None]], field: str) -> list[dict]:
-    """The role/content dicts the chat template takes, from (role, content)
-    pairs: ``developer`` is ``system``, content must be valid Unicode.
+def chat_messages(messages: Iterable[tuple], field: str) -> list[dict]:
+    """The message dicts the chat template takes, from (role, content) or
+    (role, content, extras) tuples: ``developer`` is ``system``, content
+    must be valid Unicode; extras are an assistant's ``tool_calls`` (each
+    ``{id, type, function: {name, arguments}}``, arguments given as JSON
+    text become an object, as chat templates expect: vLLM does the same),
+    a tool message's ``tool_call_id`` and a ``name``.
 
     Raises:
-      InvalidRequest: no message, an unknown role or bad text, naming
-        ``<field>.<i>.role`` / ``<field>.<i>.content``.
+      InvalidRequest: no message, an unknown role, bad text or a malformed
+        tool call, naming ``<field>.<i>.role`` / ``<field>.<i>.content`` /
+        ``<field>.<i>.tool_calls.<j>``.
     """
     out = []
-    for i, (role, content) in enumerate(messages):
+    for i, (role, content, *rest) in enumerate(messages):
         role = _ROLE_ALIASES.get(role, role)
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"{field}.{i}.role: unknown role {role!r}; expected one of "
                                  f"{', '.join((*_ROLE_ALIASES, *CHAT_ROLES))}")
-        out.append({"role": role, "content": _text(content or "", f"{field}.{i}.content")})
+        m = {"role": role, "content": _text(content or "", f"{field}.{i}.content")}
+        extras = rest[0] if rest else {}
+        for key in ("tool_call_id", "name"):
+            if extras.get(key) is not None:
+                m[key] = _text(str(extras[key]), f"{field}.{i}.{key}")
+        if extras.get("tool_calls"):
+            m["tool_calls"] = [_tool_call(c, f"{field}.{i}.tool_calls.{j}")
+                               for j, c in enumerate(extras["tool_calls"])]
+        out.append(m)
     if not out:
         raise InvalidRequest(f"{field}: at least one message is needed")
     return out
+
+
+def _tool_call(call, field: str) -> dict:
+    """An assistant message's tool call as templates take it (arguments an object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"{field}: must be {{id, type: 'function', function: {{name, "
+                             f"arguments}}}}")
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(_text(args, f"{field}.function.arguments"))
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"{field}.function.arguments: is not valid JSON: {e}") from None
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": _text(fn["name"], f"{field}.function.name"),
+                         "arguments": args}}
 
 
 def _text(text: str, field: str) -> str:
@@ -152,7 +184,8 @@ class Frontend:
             sequences in all than ``max_num_seqs + max_waiting_requests``
             (an idle server could not take them: without this the queue
             check would answer a retryable 429), or stop token ids outside
-            the vocabulary.
+            the vocabulary; ``logit_bias`` keys or ``allowed_token_ids``
+            outside the vocabulary.
         """
         limit = self.engine.max_num_seqs
         if params.n > limit:
@@ -168,6 +201,37 @@ class Frontend:
                 f"max_waiting_requests={self.engine.max_waiting_requests} waiting = {most}")
         if params.stop_token_ids:
             self.check_ids(params.stop_token_ids, f"{prefix}stop_token_ids")
+        if params.logit_bias:
+            self.check_ids(params.logit_bias, f"{prefix}logit_bias")
+        if params.allowed_token_ids:
+            self.check_ids(params.allowed_token_ids, f"{prefix}allowed_token_ids")
+
+    async def compile_constraint(self, params: SamplingParams, field: str) -> None:
+        """Compile ``params.structured_outputs`` with the engine's grammar
+        backend on a worker thread (never on the event loop: a large schema
+        takes tens of milliseconds to seconds), so an invalid schema, regex
+        or grammar is refused here and the engine's own compile of the same
+        spec is a cache hit. ``field`` is the API field that set it.
+
+        The compiler is ``Engine.compile_structured(spec)`` (the engine
+        behind the ``AsyncEngine``; it must be safe to call from any
+        thread while the engine thread steps: blocking, cached by spec,
+        ValueError for what it cannot compile); an engine without one skips
+        this check (its ``add_request`` still refuses the spec, as a 400
+        without the API field's name).
+
+        Raises:
+          InvalidRequest: the backend refused the spec (``<field>: <why>``).
+        """
+        spec = params.structured_outputs
+        compile_fn = getattr(getattr(self.engine, "engine", None), "compile_structured", None)
+        if spec is None or compile_fn is None:
+            return
+        try:
+            await asyncio.to_thread(compile_fn, spec)
+        except ValueError as e:  # "structured_outputs.json: <why>" -> "<field>: <why>"
+            why = re.sub(r"^(SamplingParams\.)?structured_outputs(\.\w+)?:?\s*", "", str(e))
+            raise InvalidRequest(f"{field}: {why}") from None
 
     def output_budget(self, asked: int | None, prompt_len: int, field: str) -> int:
         """Output tokens for a prompt of ``prompt_len`` tokens: ``asked``, or
@@ -201,9 +265,11 @@ class Frontend:
             raise InvalidRequest(f"{field}: is empty")
         return self._fits(self.check_ids(ids, field), field)
 
-    async def chat_prompt(self, messages: list[dict], field: str) -> list[int]:
-        """A conversation's token ids (``chat_messages``' dicts), checked."""
-        return self._fits(await self.chat_ids(messages, field), field)
+    async def chat_prompt(self, messages: list[dict], field: str,
+                          tools: list[dict] | None = None) -> list[int]:
+        """A conversation's token ids (``chat_messages``' dicts; ``tools``
+        for the template), checked."""
+        return self._fits(await self.chat_ids(messages, field, tools), field)
 
     def _fits(self, ids: list[int], field: str) -> list[int]:
         if not ids:
@@ -242,10 +308,13 @@ class Frontend:
             lambda: tok.encode(text, add_special_tokens=add_special_tokens),
             lambda: self.tokenizer_pool.encode(text, add_special_tokens), len(text))
 
-    async def chat_ids(self, messages: list[dict], field: str) -> list[int]:
+    async def chat_ids(self, messages: list[dict], field: str,
+                       tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation (``chat_messages``' dicts) rendered
         with the chat template and the generation prompt; large ones on the
-        tokenizer pool.
+        tokenizer pool. ``tools`` (OpenAI function tools) are the template's
+        ``tools`` variable, or a Hermes system prompt for a template without
+        (``checkpoints.chat_template.tool_messages``).
 
         Raises:
           InvalidRequest: no tokenizer, too much text for ``max_prompt_len``,
@@ -253,14 +322,14 @@ class Frontend:
           QueueFullError: too many large prompts are being tokenized.
         """
         tok = self._tokenizer(field, " or chat template")
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self._check_text_size(chars, lambda: sum(len(m["content"].encode()) for m in messages),
                               field)
         try:
             return await self._off_loop(
                 lambda: tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True),
-                lambda: self.tokenizer_pool.chat_ids(messages), chars)
+                                                tokenize=True, tools=tools),
+                lambda: self.tokenizer_pool.chat_ids(messages, tools), chars)
         except (ValueError, jinja2.TemplateError) as e:
             raise InvalidRequest(f"{field}: the chat template rejected it: {e}") from None
 

@@ -8,12 +8,15 @@ front ends share the queue, the prefix cache and the metrics:
   ``POST /v1/chat/completions``   messages rendered with the model's chat template
   ``GET  /v1/models``             the served model
   ``GET  /health``                200 serving; 503 while loading or draining
+  ``GET  /version``               ``{"version"}`` (vLLM's), the installed jaxserve
   ``GET  /metrics``               the Prometheus registry of the metrics port
   ``POST /tokenize``, ``/detokenize``   vLLM's shapes
 
 This module holds the routes only: requests and responses follow OpenAI's
 API with vLLM's extras, parsed and built by ``jaxserve.server.openai_protocol``
-(pydantic models, pure response builders), and every request is checked and
+(pydantic models, pure response builders); output constraints and tools by
+``output_constraints``, ``chat_tools`` and ``tool_parsers`` (README
+"Structured outputs and tool calling"); every request is checked and
 tokenized by the front end the gRPC servicer uses too
 (``jaxserve.server.frontend``: one set of checks, one tokenizer pool, so
 large prompts never hold the event loop). Errors are OpenAI's
@@ -49,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import socket
 import time
@@ -75,14 +79,25 @@ from jaxserve.server.async_engine import (
     StreamAborted,
 )
 from jaxserve.server.auth import bearer_refusal
+from jaxserve.server.chat_tools import (chat_pairs, chat_tool_chunks, chat_tool_response,
+                                        prepare_chat, request_constraint)
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
 from jaxserve.server.frontend import Frontend, Job, chat_messages, start_job
+from jaxserve.server.sse_events import sse_events
+from jaxserve.server.tool_parsers import plan_tools
 
 log = logging.getLogger(__name__)
 
 # The gRPC status names ``jaxserve_requests_rejected_total`` is labelled with.
 _REJECT_LABEL = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
                  413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -180,6 +195,7 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model)
         app.api_route("/health", methods=["GET", "HEAD"])(self.health)
         app.get("/metrics")(self.prometheus)
+        app.get("/version")(lambda: {"version": _version()})
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
@@ -285,13 +301,16 @@ class OpenAIServer:
         plp = req.prompt_logprobs
         if req.echo and k is not None:
             plp = max(plp or 0, k)
+        with self._errors():
+            structured, field = request_constraint(req)
         base = oai.sampling_params(req.model_copy(update={"prompt_logprobs": plp}),
                                    engine.max_model_len if asked is None else asked, k,
-                                   {"max_tokens": "max_tokens"})
+                                   {"max_tokens": "max_tokens"}, structured)
         fe = self.frontend
         with self._errors():
             fe.check_limits(base, num_prompts=len(prompts))
             engine.check_queue(dataclasses.replace(base, n=base.n * len(prompts)))
+            await fe.compile_constraint(base, field)
             ids, texts = [], []
             for i, p in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -319,24 +338,26 @@ class OpenAIServer:
         req = await self._parse(request, oai.ChatCompletionRequest)
         oai.check_chat(req)
         with self._errors():
-            messages = chat_messages(oai.chat_pairs(req), "messages")
+            chat = prepare_chat(req)
         if req.max_completion_tokens is not None:
             asked, max_name = req.max_completion_tokens, "max_completion_tokens"
         else:
             asked, max_name = req.max_tokens, "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
         base = oai.sampling_params(req, engine.max_model_len if asked is None else asked, k,
-                                   {"max_tokens": max_name, "logprobs": "top_logprobs"})
+                                   {"max_tokens": max_name, "logprobs": "top_logprobs"},
+                                   chat.structured)
         with self._errors():
             self.frontend.check_limits(base)
             engine.check_queue(base)
-            ids = await self.frontend.chat_prompt(messages, "messages")
+            await self.frontend.compile_constraint(base, chat.constraint_field)
+            ids = await self.frontend.chat_prompt(chat.messages, "messages", chat.tools)
         base = base.with_stop(engine.tokenizer.chat_stop)  # a transcript's turn end
         job = await self._start(engine, self._request_id(request, "chatcmpl"), [ids], [None],
                                 base, asked, max_name, arrival)
         if req.stream:
-            return self._sse_response(self._chat_chunks(job, req, k))
-        return await self._until_done(request, self._chat_body(job, req, k))
+            return self._sse_response(self._chat_chunks(job, req, k, chat.plan))
+        return await self._until_done(request, self._chat_body(job, req, k, chat.plan))
 
     async def _until_done(self, request: Request, work) -> Response:
         """Await a non-streamed response; a client that disconnects first
@@ -370,6 +391,13 @@ class OpenAIServer:
         except EngineError as e:
             raise oai.APIError(500, str(e)) from None
 
+    def _token_text(self):
+        """id -> the token decoded alone, special tokens included (the echoed
+        first prompt token's text in completions logprobs); None without a
+        tokenizer."""
+        tok = self.frontend.engine.tokenizer
+        return None if tok is None else (lambda i: tok.decode([i], skip_special_tokens=False))
+
     def _head(self, job: Job, obj: str) -> dict:
         return oai.head(job.request_id, obj, self.frontend.model_name)
 
@@ -378,59 +406,36 @@ class OpenAIServer:
     async def _completion_body(self, job: Job, req: oai.CompletionRequest, k) -> dict:
         last, aborted = await self._collect(job)
         return oai.completion_response(self._head(job, "text_completion"), req, job.prompt_ids,
-                                       job.prompt_texts, job.n, last, aborted, k)
+                                       job.prompt_texts, job.n, last, aborted, k,
+                                       self._token_text())
 
     def _completion_chunks(self, job: Job, req: oai.CompletionRequest, k):
         head = self._head(job, "text_completion")
         offsets: dict[int, int] = {}  # choice index -> characters sent
+        token_text = self._token_text()
 
         def on_output(i: int, out: RequestOutput, finished: set[int]):
             return oai.completion_chunks(head, req, i, out, job.n, job.prompt_ids[i],
-                                         job.prompt_texts[i], k, offsets, finished)
-        return self._events(job, req, head, on_output,
+                                         job.prompt_texts[i], k, offsets, finished, token_text)
+        return sse_events(job, req, head, on_output,
                             lambda idx: oai.completion_chunk(head, idx, "", None, "abort"))
 
-    async def _chat_body(self, job: Job, req: oai.ChatCompletionRequest, k) -> dict:
+    async def _chat_body(self, job: Job, req: oai.ChatCompletionRequest, k, plan) -> dict:
         (out,), aborted = await self._collect(job)
-        return oai.chat_response(self._head(job, "chat.completion"), job.prompt_ids[0], job.n,
-                                 out, aborted, k)
+        return chat_tool_response(oai.chat_response(
+            self._head(job, "chat.completion"), job.prompt_ids[0], job.n, out, aborted, k), plan)
 
-    def _chat_chunks(self, job: Job, req: oai.ChatCompletionRequest, k):
+    def _chat_chunks(self, job: Job, req: oai.ChatCompletionRequest, k, plan):
         head = self._head(job, "chat.completion.chunk")
-        return self._events(job, req, head,
-                            lambda i, out, finished: oai.chat_chunks(head, out, k, finished),
+        streams: dict = {}  # choice index -> its ToolCallStream
+
+        def on_output(i, out, finished):
+            if plan is not None and plan.parses:
+                return chat_tool_chunks(head, out, k, finished, streams, plan)
+            return oai.chat_chunks(head, out, k, finished)
+        return sse_events(job, req, head, on_output,
                             lambda idx: oai.chat_chunk(head, idx, {}, None, "abort"),
                             oai.chat_role_chunks(head, job.n))
-
-    async def _events(self, job: Job, req, head: dict, on_output, aborted_chunk,
-                      first: tuple[str, ...] = ()):
-        """A stream's SSE events: ``first``, then ``on_output(prompt index,
-        output, finished choice indices)``'s chunks for each output; at
-        shutdown ``aborted_chunk(index)`` for every unfinished choice, on an
-        engine failure an error event; the usage chunk if asked; ``[DONE]``."""
-        last: list[RequestOutput | None] = [None] * len(job.streams)
-        finished: set[int] = set()
-        outputs = job.outputs()
-        for event in first:
-            yield event
-        try:
-            async for i, out in outputs:
-                last[i] = out
-                for event in on_output(i, out, finished):
-                    yield event
-        except StreamAborted:
-            for idx in range(len(job.streams) * job.n):
-                if idx not in finished:
-                    yield aborted_chunk(idx)
-        except EngineError as e:
-            yield oai.sse(oai.APIError(500, str(e)).body())
-            yield oai.DONE
-            return
-        finally:
-            await outputs.aclose()
-        if req.include_usage:
-            yield oai.sse({**head, "choices": [], "usage": oai.usage_of(job.prompt_ids, last)})
-        yield oai.DONE
 
     # ---- the other routes -------------------------------------------------------
 
@@ -457,7 +462,7 @@ class OpenAIServer:
 
     async def tokenize(self, request: Request):
         """vLLM's ``/tokenize``: ``{prompt, add_special_tokens (default true)}``
-        or ``{messages}`` -> ``{tokens, count, max_model_len}``."""
+        or ``{messages, tools (optional)}`` -> ``{tokens, count, max_model_len}``."""
         self._auth(request)
         engine = self._ready()
         body = await self._body(request)
@@ -472,9 +477,11 @@ class OpenAIServer:
                                           "prompt")
                 ids = await self.frontend.text_ids(prompt, "prompt", special)
             else:
-                req = oai.parse(oai.ChatCompletionRequest, {"messages": body["messages"]})
-                ids = await self.frontend.chat_ids(
-                    chat_messages(oai.chat_pairs(req), "messages"), "messages")
+                req = oai.parse(oai.ChatCompletionRequest, {"messages": body["messages"],
+                                                            "tools": body.get("tools")})
+                plan = plan_tools(req.tools, None, None)
+                ids = await self.frontend.chat_ids(chat_messages(chat_pairs(req), "messages"),
+                                                   "messages", plan.tools if plan else None)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     async def detokenize(self, request: Request):

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ejaxserve/server/jaxserve.proto\x12\x0bjaxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xf0\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\xf3\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x0boutput_kind\x18\x06 \x01(\x0e\x32\x17.jaxserve.v1.OutputKindB\x08\n\x06prompt\"L\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.jaxserve.v1.TopLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"\xb5\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.jaxserve.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x07 \x01(\x01\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"J\n\x06\x44isagg\x12\r\n\x05route\x18\x01 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x02 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x03 \x01(\x03\"\x8b\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x17.jaxserve.v1.Completion\x12\x36\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1d.jaxserve.v1.PositionLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12#\n\x06timing\x18\x06 \x01(\x0b\x32\x13.jaxserve.v1.Timing\x12#\n\x06\x64isagg\x18\x07 \x01(\x0b\x32\x13.jaxserve.v1.Disagg\"q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xea\x02\n\x11ModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x36\n\x04mesh\x18\x06 \x03(\x0b\x32(.jaxserve.v1.ModelInfoResponse.MeshEntry\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x13\n\x0bnum_devices\x18\x08 \x01(\x05\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x11\n\tpage_size\x18\n \x01(\x05\x12\x11\n\tnum_pages\x18\x0b \x01(\x05\x12\x16\n\x0e\x61ttention_impl\x18\x0c \x01(\t\x12\x16\n\x0emax_prompt_len\x18\r \x01(\x05\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*[\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_CUMULATIVE\x10\x01\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x02\x32\xbb\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxserve.v1.DetokenizeRequest\x1a\x1f.jaxserve.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x1e.jaxserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ejaxserve/server/jaxserve.proto\x12\x0bjaxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x98\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x08\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\t\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x14.jaxserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12>\n\nlogit_bias\x18\x16 \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\x03\x12\x11\n\tbad_words\x18\x18 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf3\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x0boutput_kind\x18\x06 \x01(\x0e\x32\x17.jaxserve.v1.OutputKindB\x08\n\x06prompt\"L\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.jaxserve.v1.TopLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"\xb5\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.jaxserve.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x07 \x01(\x01\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"J\n\x06\x44isagg\x12\r\n\x05route\x18\x01 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x02 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x03 \x01(\x03\"\x8b\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x17.jaxserve.v1.Completion\x12\x36\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1d.jaxserve.v1.PositionLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12#\n\x06timing\x18\x06 \x01(\x0b\x32\x13.jaxserve.v1.Timing\x12#\n\x06\x64isagg\x18\x07 \x01(\x0b\x32\x13.jaxserve.v1.Disagg\"q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xea\x02\n\x11ModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x36\n\x04mesh\x18\x06 \x03(\x0b\x32(.jaxserve.v1.ModelInfoResponse.MeshEntry\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x13\n\x0bnum_devices\x18\x08 \x01(\x05\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x11\n\tpage_size\x18\n \x01(\x05\x12\x11\n\tnum_pages\x18\x0b \x01(\x05\x12\x16\n\x0e\x61ttention_impl\x18\x0c \x01(\t\x12\x16\n\x0emax_prompt_len\x18\r \x01(\x05\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*[\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_CUMULATIVE\x10\x01\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x02\x32\xbb\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxserve.v1.DetokenizeRequest\x1a\x1f.jaxserve.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x1e.jaxserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.server.jaxserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFORESPONSE_MESHENTRY']._loaded_options = None
   _globals['_MODELINFORESPONSE_MESHENTRY']._serialized_options = b'8\001'
-  _globals['_OUTPUTKIND']._serialized_start=2506
-  _globals['_OUTPUTKIND']._serialized_end=2597
+  _globals['_OUTPUTKIND']._serialized_start=2830
+  _globals['_OUTPUTKIND']._serialized_end=2921
   _globals['_CHATMESSAGE']._serialized_start=47
   _globals['_CHATMESSAGE']._serialized_end=91
   _globals['_CHATMESSAGES']._serialized_start=93
@@ -42,37 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=153
   _globals['_TOKENIDS']._serialized_end=176
   _globals['_SAMPLINGPARAMS']._serialized_start=179
-  _globals['_SAMPLINGPARAMS']._serialized_end=675
-  _globals['_GENERATEREQUEST']._serialized_start=678
-  _globals['_GENERATEREQUEST']._serialized_end=921
-  _globals['_TOPLOGPROB']._serialized_start=923
-  _globals['_TOPLOGPROB']._serialized_end=999
-  _globals['_POSITIONLOGPROBS']._serialized_start=1001
-  _globals['_POSITIONLOGPROBS']._serialized_end=1098
-  _globals['_COMPLETION']._serialized_start=1101
-  _globals['_COMPLETION']._serialized_end=1282
-  _globals['_USAGE']._serialized_start=1285
-  _globals['_USAGE']._serialized_end=1420
-  _globals['_TIMING']._serialized_start=1422
-  _globals['_TIMING']._serialized_end=1498
-  _globals['_DISAGG']._serialized_start=1500
-  _globals['_DISAGG']._serialized_end=1574
-  _globals['_GENERATERESPONSE']._serialized_start=1577
-  _globals['_GENERATERESPONSE']._serialized_end=1844
-  _globals['_TOKENIZEREQUEST']._serialized_start=1846
-  _globals['_TOKENIZEREQUEST']._serialized_end=1959
-  _globals['_TOKENIZERESPONSE']._serialized_start=1961
-  _globals['_TOKENIZERESPONSE']._serialized_end=2014
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2016
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2083
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2085
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2119
-  _globals['_MODELINFOREQUEST']._serialized_start=2121
-  _globals['_MODELINFOREQUEST']._serialized_end=2139
-  _globals['_MODELINFORESPONSE']._serialized_start=2142
-  _globals['_MODELINFORESPONSE']._serialized_end=2504
-  _globals['_MODELINFORESPONSE_MESHENTRY']._serialized_start=2461
-  _globals['_MODELINFORESPONSE_MESHENTRY']._serialized_end=2504
-  _globals['_GENERATION']._serialized_start=2600
-  _globals['_GENERATION']._serialized_end=2915
+  _globals['_SAMPLINGPARAMS']._serialized_end=971
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=787
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=835
+  _globals['_CHOICES']._serialized_start=973
+  _globals['_CHOICES']._serialized_end=999
+  _globals['_GENERATEREQUEST']._serialized_start=1002
+  _globals['_GENERATEREQUEST']._serialized_end=1245
+  _globals['_TOPLOGPROB']._serialized_start=1247
+  _globals['_TOPLOGPROB']._serialized_end=1323
+  _globals['_POSITIONLOGPROBS']._serialized_start=1325
+  _globals['_POSITIONLOGPROBS']._serialized_end=1422
+  _globals['_COMPLETION']._serialized_start=1425
+  _globals['_COMPLETION']._serialized_end=1606
+  _globals['_USAGE']._serialized_start=1609
+  _globals['_USAGE']._serialized_end=1744
+  _globals['_TIMING']._serialized_start=1746
+  _globals['_TIMING']._serialized_end=1822
+  _globals['_DISAGG']._serialized_start=1824
+  _globals['_DISAGG']._serialized_end=1898
+  _globals['_GENERATERESPONSE']._serialized_start=1901
+  _globals['_GENERATERESPONSE']._serialized_end=2168
+  _globals['_TOKENIZEREQUEST']._serialized_start=2170
+  _globals['_TOKENIZEREQUEST']._serialized_end=2283
+  _globals['_TOKENIZERESPONSE']._serialized_start=2285
+  _globals['_TOKENIZERESPONSE']._serialized_end=2338
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2340
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2407
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2409
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2443
+  _globals['_MODELINFOREQUEST']._serialized_start=2445
+  _globals['_MODELINFOREQUEST']._serialized_end=2463
+  _globals['_MODELINFORESPONSE']._serialized_start=2466
+  _globals['_MODELINFORESPONSE']._serialized_end=2828
+  _globals['_MODELINFORESPONSE_MESHENTRY']._serialized_start=2785
+  _globals['_MODELINFORESPONSE_MESHENTRY']._serialized_end=2828
+  _globals['_GENERATION']._serialized_start=2924
+  _globals['_GENERATION']._serialized_end=3239
 # @@protoc_insertion_point(module_scope)

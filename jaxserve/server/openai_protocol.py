@@ -4,7 +4,12 @@ Requests are pydantic models of OpenAI's fields (``/v1/completions``,
 ``/v1/chat/completions``) plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``prompt_logprobs``),
-with vLLM's defaults. Unknown fields are kept aside (``unknown_fields``) so
+with vLLM's defaults, and the fields that constrain the output
+(``response_format``, ``structured_outputs``, ``guided_*``, ``logit_bias``,
+``allowed_token_ids``, ``bad_words``; chat: ``tools``, ``tool_choice``,
+``parallel_tool_calls``, messages' ``tool_calls`` / ``tool_call_id``),
+translated by ``output_constraints`` and ``chat_tools``. Unknown fields are
+kept aside (``unknown_fields``) so
 the server can log and ignore them, as vLLM does; a known field with a bad
 type or value is an ``APIError`` 400 whose ``param`` names it.
 
@@ -33,7 +38,8 @@ from typing import Any, Iterator, Sequence
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.request import Logprob, RequestOutput, SamplingParams, escape_text
+from jaxserve.engine.request import (Logprob, RequestOutput, SamplingParams,
+                                     StructuredOutputsParams, escape_text)
 
 # OpenAI's error "type" for each status jaxserve answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -64,14 +70,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-
-
 # vLLM's extras that change what is generated and that jaxserve does not
 # implement: refused with 400 rather than ignored with a warning.
-REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "chat_template", "chat_template_kwargs",
-                  "continue_final_message", "echo", "allowed_token_ids", "bad_words",
-                  "logits_processors", "truncate_prompt_tokens")
+REFUSED_FIELDS = ("chat_template", "chat_template_kwargs",
+                  "continue_final_message", "echo", "logits_processors", "truncate_prompt_tokens")
 
 
 class _Request(BaseModel):
@@ -95,7 +97,8 @@ class StreamOptions(_Request):
 
 
 class _Sampling(_Request):
-    """The fields both APIs share (OpenAI's, then vLLM's extras)."""
+    """The fields both APIs share (OpenAI's, then vLLM's extras; vLLM's
+    ``guided_whitespace_pattern`` is an unknown field, logged and ignored)."""
 
     model: str | None = None
     temperature: float | None = None
@@ -119,6 +122,17 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Output constraints: OpenAI's ``response_format``, vLLM's
+    # ``structured_outputs`` and ``guided_*`` (``output_constraints``).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None  # accepted and ignored (one backend)
 
     @property
     def include_usage(self) -> bool:
@@ -147,6 +161,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to this call
 
 
 class ChatCompletionRequest(_Sampling):
@@ -159,7 +175,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(cls: type[_Request], body: Any) -> _Request:
@@ -192,7 +209,8 @@ _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
-                    names: dict[str, str]) -> SamplingParams:
+                    names: dict[str, str],
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``req``.
 
     Args:
@@ -200,13 +218,14 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
       logprobs: the engine's ``logprobs`` (top candidates per position) or None.
       names: engine field -> the API field a user set it by (``logprobs`` is
         ``top_logprobs`` in chat, ``max_tokens`` may be ``max_completion_tokens``).
+      structured: the output constraint (``output_constraints``) or None.
 
     Raises:
       APIError: 400 naming the API field whose value the engine refuses.
     """
-    if req.logit_bias:
-        raise bad_request("logit_bias: is not supported", "logit_bias")
-    kw = dict(max_tokens=max_tokens, n=req.n, stop=req.stop, seed=req.seed,
+    kw = dict(structured_outputs=structured, logit_bias=req.logit_bias or None,
+              allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+              max_tokens=max_tokens, n=req.n, stop=req.stop, seed=req.seed,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
               min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
               skip_special_tokens=req.skip_special_tokens,
@@ -245,36 +264,8 @@ def completion_prompts(req: CompletionRequest) -> list:
 
 def check_chat(req: ChatCompletionRequest) -> None:
     """Raises ``APIError`` 400 for a chat option jaxserve does not implement."""
-    if req.tools:
-        raise bad_request("tools: tool calling is not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format: only {'type': 'text'} is supported",
-                          "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
-
-
-def chat_pairs(req: ChatCompletionRequest) -> list[tuple[str, str | None]]:
-    """(role, content) of each message, text parts joined by newlines (as
-    vLLM does); roles and text are checked by ``frontend.chat_messages``.
-
-    Raises:
-      APIError: 400 naming a part that is not text.
-    """
-    out = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages.{i}.content.{j}: only text parts are supported, got "
-                        f"type {part.type!r}", f"messages.{i}.content.{j}")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        out.append((m.role, content))
-    return out
 
 
 # ---- responses ----------------------------------------------------------------
@@ -295,18 +286,23 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
-def completion_logprobs(token_ids: list[int], entries: list, k: int, offset: int) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list, k: int, offset: int,
+                        token_text=None) -> dict:
     """The legacy completions ``logprobs`` object of ``token_ids`` (one
     ``{token_id: Logprob}`` entry each, None for a position without one: the
-    first prompt token under ``echo``); ``offset`` is the character offset
-    of the first token in the choice's text."""
+    first prompt token under ``echo``, whose text is ``token_text(id)``, the
+    token decoded alone, and whose logprobs are null, as vLLM and OpenAI
+    send it); ``offset`` is the character offset of the first token in the
+    choice's text, each next one's is the previous plus its token's length."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok, entry in zip(token_ids, entries):
         out["text_offset"].append(offset)
         if entry is None:
-            out["tokens"].append("")
+            text = token_text(tok) if token_text is not None else ""
+            out["tokens"].append(text)
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
+            offset += len(text)
             continue
         chosen = entry[tok]
         out["tokens"].append(_text(chosen))
@@ -375,10 +371,11 @@ def _echo_logprobs(prompt_ids: Sequence[int], out: RequestOutput):
 def completion_response(head: dict, req: CompletionRequest, prompt_ids: list[list[int]],
                         prompt_texts: list[str | None], n: int,
                         last: list[RequestOutput | None], aborted: bool,
-                        k: int | None) -> dict:
+                        k: int | None, token_text=None) -> dict:
     """A whole ``/v1/completions`` response: ``n`` choices per prompt (in
     ``index`` order), from each prompt's last output (None: aborted at
-    shutdown before its first); ``k``: top logprobs per position or None."""
+    shutdown before its first); ``k``: top logprobs per position or None;
+    ``token_text``: id -> text, for the echoed first prompt token."""
     choices = []
     for i, out in enumerate(last):
         if out is None:
@@ -394,7 +391,7 @@ def completion_response(head: dict, req: CompletionRequest, prompt_ids: list[lis
                     pids, pentries = _echo_logprobs(prompt_ids[i], out)
                     ids, entries = pids + ids, pentries + entries
             if k is not None:
-                lp = completion_logprobs(ids, entries, k, 0)
+                lp = completion_logprobs(ids, entries, k, 0, token_text)
             choice = {"index": i * n + c.index, "text": text, "logprobs": lp,
                       "finish_reason": c.finish_reason or ("abort" if aborted else None),
                       "stop_reason": c.stop_reason}
@@ -413,7 +410,8 @@ def completion_chunk(head: dict, index: int, text: str, lp, finish, stop_reason=
 
 def completion_chunks(head: dict, req: CompletionRequest, i: int, out: RequestOutput, n: int,
                       prompt_ids: list[int], prompt_text: str | None, k: int | None,
-                      offsets: dict[int, int], finished: set[int]) -> Iterator[str]:
+                      offsets: dict[int, int], finished: set[int],
+                      token_text=None) -> Iterator[str]:
     """The events of prompt ``i``'s output ``out``: one per choice that
     gained text (or tokens with logprobs) or finished. ``offsets`` (choice
     index -> characters sent) and ``finished`` (choice indices reported
@@ -431,7 +429,8 @@ def completion_chunks(head: dict, req: CompletionRequest, i: int, out: RequestOu
                 ids, entries = pids + ids, pentries + entries
         if not (text or new_finish or (k is not None and ids)):
             continue
-        lp = completion_logprobs(ids, entries, k, offsets.get(idx, 0)) if k is not None else None
+        lp = completion_logprobs(ids, entries, k, offsets.get(idx, 0), token_text) \
+            if k is not None else None
         offsets[idx] = offsets.get(idx, 0) + len(text)
         if new_finish:
             finished.add(idx)
@@ -487,7 +486,7 @@ def chat_chunks(head: dict, out: RequestOutput, k: int | None,
 
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DONE", "ERROR_TYPES",
-           "bad_request", "chat_chunk", "chat_chunks", "chat_logprobs", "chat_pairs",
+           "bad_request", "chat_chunk", "chat_chunks", "chat_logprobs",
            "chat_response", "chat_role_chunks", "check_chat", "completion_chunk",
            "completion_chunks", "completion_logprobs", "completion_prompts",
            "completion_response", "head", "model_card", "parse", "prompt_logprobs_json",

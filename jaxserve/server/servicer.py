@@ -41,6 +41,7 @@ from jaxserve.server.checks import (
     length_delimited,
 )
 from jaxserve.server.frontend import Frontend, chat_messages
+from jaxserve.server.output_constraints import json_schema_value, structured_outputs_of
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,29 @@ _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "logpro
              "prompt_logprobs", "repetition_penalty")
 
 
+def constraint_from_proto(msg: pb.SamplingParams):
+    """The ``constraint`` oneof as (``StructuredOutputsParams`` or None, the
+    field that set it: ``sampling.json_schema`` ...), by the rule HTTP
+    applies too (``output_constraints.structured_outputs_of``).
+
+    Raises:
+      InvalidRequest: naming ``sampling.<field>`` (a schema that is not
+        JSON, an empty regex or choice).
+    """
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None, None
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    key = {"json_schema": "json"}.get(kind, kind)
+    if key == "json":
+        value = json_schema_value(value, f"sampling.{kind}")
+    return structured_outputs_of([(f"sampling.{kind}", {key: value})])
+
+
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """``SamplingParams`` from its message; unset optional fields take the defaults.
+    """``SamplingParams`` from its message; unset optional fields take the
+    defaults; empty ``logit_bias`` / ``allowed_token_ids`` / ``bad_words``
+    are unset.
 
     Raises:
       InvalidRequest: naming the field (``sampling.<field>``) and the value.
@@ -57,7 +79,11 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kw = {f: getattr(msg, f) for f in _OPTIONAL if msg.HasField(f)}
     kw.update(min_p=msg.min_p, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
               ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
-              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty)
+              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+              structured_outputs=constraint_from_proto(msg)[0],
+              logit_bias=dict(msg.logit_bias) or None,
+              allowed_token_ids=list(msg.allowed_token_ids) or None,
+              bad_words=list(msg.bad_words) or None)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -127,6 +153,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.frontend.check_limits(params, "sampling.")
             check_output_size(params, request.output_kind)
             engine.check_queue(params)  # before tokenizing: a full queue costs nothing
+            await self.frontend.compile_constraint(params,
+                                                   constraint_from_proto(request.sampling)[1])
             ids = await self._prompt_ids(request)
             if request.sampling.HasField("max_tokens"):  # HTTP's rule: it must fit the context
                 self.frontend.output_budget(params.max_tokens, len(ids), "sampling.max_tokens")
@@ -345,5 +373,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                     **engine.model_info())
 
 
-__all__ = ["GenerationServicer", "InvalidRequest", "MAX_LOGPROBS", "position_logprobs_proto",
-           "sampling_params_from_proto"]
+__all__ = ["GenerationServicer", "InvalidRequest", "MAX_LOGPROBS", "constraint_from_proto",
+           "position_logprobs_proto", "sampling_params_from_proto"]

@@ -50,11 +50,11 @@ def _encode(text: str, add_special_tokens: bool) -> list[int]:
     return _TOKENIZER.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _chat_ids(messages: list[dict]) -> list[int]:
+def _chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     import jinja2  # the worker imported it with the tokenizer's chat template module
     try:
         return _TOKENIZER.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=True)
+                                              tokenize=True, tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
         raise ValueError(str(e)) from None  # a plain ValueError pickles back
 
@@ -111,14 +111,14 @@ class TokenizerPool:
         """Token ids of ``text`` (``Tokenizer.encode`` in a worker)."""
         return await self._run(_encode, text, add_special_tokens)
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the chat template and the
-        generation prompt.
+        generation prompt (``tools``: the template's ``tools`` variable).
 
         Raises:
           ValueError: the template rejected the conversation (its message).
         """
-        return await self._run(_chat_ids, messages)
+        return await self._run(_chat_ids, messages, tools)
 
     def close(self) -> None:
         """Stop the workers: queued work is dropped, work in progress ends
