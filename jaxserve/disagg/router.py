@@ -3,7 +3,8 @@ worker or runs it here, and takes handed-off requests into its engine.
 
 Routing (every decision counted in ``jaxserve_disagg_routed_total{route}``):
   - ``unsupported``: ``n > 1``, logprobs or prompt logprobs (a handoff
-    carries one token's id) run here;
+    carries one token's id), or a token mask or logit_bias (the prefill
+    worker samples the first token without them) run here;
   - ``cached``: at least ``max_cached_ratio`` of the prompt is in this
     worker's prefix cache;
   - ``short``: fewer than ``min_prefill_tokens`` prompt tokens are uncached
@@ -94,7 +95,9 @@ class DecodeEngine(AsyncEngine):
         full pages in this worker's prefix cache (0 when not looked up: a
         prompt shorter than ``min_prefill_tokens`` is short without asking
         the engine thread)."""
-        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None \
+                or params.has_token_mask or params.logit_bias:
+            # (a prefill worker samples the first token: it would do so unmasked)
             return "unsupported", None, 0
         if len(prompt_ids) < self.min_prefill_tokens:
             return "short", None, 0
@@ -130,8 +133,13 @@ class DecodeEngine(AsyncEngine):
         return await self._local(prompt_ids, params, arrival, route)
 
     async def _local(self, prompt_ids, params, arrival, route) -> RequestStream:
+        constraints = None
+        if params.has_token_mask:  # a grammar compile never runs on the engine thread
+            constraints = await asyncio.to_thread(self.engine.build_constraints, params)
+
         def add(engine, engine_id):
-            engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival)
+            engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival,
+                               constraints=constraints)
             engine.get_sequences(engine_id)[0].metrics.disagg_route = route
         return await self._submit(params, add)
 

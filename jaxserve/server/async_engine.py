@@ -229,16 +229,27 @@ class AsyncEngine:
             a prefill worker's requests). The engine id is the stream's
             ``engine_id``.
 
+        A request with a token mask (structured outputs, allowed_token_ids,
+        bad_words) has its constraints built on a worker thread first
+        (``Engine.build_constraints``: grammar compiles are cached by spec),
+        so the engine thread never waits on a grammar compile.
+
         Raises (before any output):
-          ValueError: from ``Engine.add_request``'s checks (a server checks
-            requests before: ``jaxserve.server.frontend``).
+          ValueError: from ``Engine.add_request``'s checks or the grammar
+            backend (a server checks requests before:
+            ``jaxserve.server.frontend``).
           StreamAborted: ``abort_all`` ran before the engine thread took it.
           QueueFullError: too many sequences cannot start (``check_queue``).
           ShuttingDownError: after ``stop_accepting``.
         """
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        constraints = None
+        if params.has_token_mask:  # a grammar compile never runs on the engine thread
+            self.check_queue(params)
+            constraints = await asyncio.to_thread(self.engine.build_constraints, params)
         return await self._submit(params, lambda engine, engine_id: engine.add_request(
-            engine_id, prompt_ids, params, arrival_time=arrival, hold_kv=hold_kv))
+            engine_id, prompt_ids, params, arrival_time=arrival, hold_kv=hold_kv,
+            constraints=constraints))
 
     async def _submit(self, params: SamplingParams, add) -> "RequestStream":
         """Queue ``add(engine, engine_id)`` (an ``Engine`` method that starts
