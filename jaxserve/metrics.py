@@ -46,6 +46,11 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_disagg_fallbacks_total{reason}, jaxserve_kv_lease_expired_total
               (a prefill worker's)
 
+A server also exports the serving figures under vLLM's names
+(``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:time_to_first_token_seconds``, ... with vLLM's ``model_name`` label:
+``export_vllm_names``, ``jaxserve.vllm_metrics``).
+
 Running/waiting count sequences (one per choice), as the scheduler does.
 Each ``ServingMetrics`` owns its ``CollectorRegistry`` so several servers
 (or tests) in one process do not collide. Thread safety: prometheus-client
@@ -184,6 +189,18 @@ class ServingMetrics:
                                          "the engine serves with (pallas, xla).", ("impl",),
                                          registry=r)
         self._last = None
+
+    def export_vllm_names(self, model_name: str) -> None:
+        """Also export the serving figures under vLLM's names
+        (``vllm:num_requests_waiting`` ...; ``jaxserve.vllm_metrics``) with
+        ``model_name`` as vLLM's label; call once."""
+        from jaxserve.vllm_metrics import VllmNames
+        self.registry.register(VllmNames(
+            [self.running, self.waiting, self.kv_usage, self.prompt_tokens,
+             self.generation_tokens, self.preemptions, self.success, self.prefix_queries,
+             self.cached_tokens, self.ttft, self.tpot, self.itl, self.e2e, self.queue,
+             self.prompt_len, self.output_len, self.spec_drafts, self.spec_draft_tokens,
+             self.spec_accepted_tokens, self.spec_accepted_per_pos], model_name))
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:
         """Set gauges and advance counters from an ``EngineStats`` snapshot

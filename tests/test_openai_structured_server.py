@@ -381,3 +381,26 @@ def test_instructor_modes(server, tiny_gguf, mode, model):
         assert isinstance(out, model)
         done += 1
     assert done >= 2, done
+
+
+def test_vllm_metric_names_are_scraped(server, client, tiny_gguf):
+    """Dashboards built for vLLM read the same figures under vLLM's names
+    (with its ``model_name`` label) beside ours."""
+    client.completions.create(model=tiny_gguf, prompt="hi", max_tokens=3, temperature=0)
+    m = server.metrics()
+    label = next(k for k in m if k.startswith("vllm:num_requests_waiting{")).split("{")[1]
+    assert 'model_name="' in label and 'engine="0"' in label
+    ours = {k: v for k, v in m.items() if k.startswith("jaxserve_")}
+    for vllm, mine in (("vllm:num_requests_running", "jaxserve_num_requests_running"),
+                       ("vllm:num_requests_waiting", "jaxserve_num_requests_waiting"),
+                       ("vllm:kv_cache_usage_perc", "jaxserve_kv_cache_usage_ratio"),
+                       ("vllm:generation_tokens_total", "jaxserve_generation_tokens_total"),
+                       ("vllm:prompt_tokens_total", "jaxserve_prompt_tokens_total"),
+                       ("vllm:time_to_first_token_seconds_count",
+                        "jaxserve_time_to_first_token_seconds_count"),
+                       ("vllm:e2e_request_latency_seconds_count",
+                        "jaxserve_e2e_request_latency_seconds_count")):
+        assert m[f"{vllm}{{{label}"] == ours[mine], vllm
+    assert m["vllm:generation_tokens_total{" + label] >= 3
+    assert any(k.startswith('vllm:request_success_total{') and 'finished_reason="length"' in k
+               for k in m)

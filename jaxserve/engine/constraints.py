@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.request import SamplingParams, decode_ready
 
 # Most forced tokens one step carries for a sequence as drafts.
 MAX_FORCED_DRAFTS = 8
@@ -120,7 +120,6 @@ def forced_drafts(running) -> dict:
     """{sequence: its forced tokens (at most ``MAX_FORCED_DRAFTS``)} for the
     constrained sequences of ``running`` that can be drafted for
     (``speculation.decode_ready``) and whose constraint forces a token."""
-    from jaxserve.engine.speculation import decode_ready
     out = {}
     if MAX_FORCED_DRAFTS <= 0:
         return out

@@ -563,3 +563,10 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.index == 0
+
+
+def decode_ready(r: Request) -> bool:
+    """``r`` is running, its only uncomputed token is its last, and that
+    token is on the host (no step of it in flight): it can be drafted for."""
+    return (r.status is RequestStatus.RUNNING and not r.num_placeholders
+            and r.num_tokens - r.num_computed_tokens == 1)

@@ -83,7 +83,7 @@ import time
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.constraints import forced_drafts
 from jaxserve.engine.plan import SeqView
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request import Request, RequestStatus, decode_ready  # noqa: F401 (re-exported)
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 from jaxserve.engine.spec_decode import SpecStats, ngram_propose
 from jaxserve.engine.spec_policy import SpecPolicy
@@ -98,13 +98,6 @@ def accept(drafts, sampled) -> int:
     while m < len(drafts) and int(drafts[m]) == int(sampled[m]):
         m += 1
     return m
-
-
-def decode_ready(r: Request) -> bool:
-    """``r`` is running, its only uncomputed token is its last, and that
-    token is on the host (no step of it in flight): it can be drafted for."""
-    return (r.status is RequestStatus.RUNNING and not r.num_placeholders
-            and r.num_tokens - r.num_computed_tokens == 1)
 
 
 class DraftModelProposer:

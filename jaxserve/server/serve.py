@@ -156,6 +156,7 @@ class Server:
         self.startup: dict[str, float] = {}  # load_s, warmup_s, warmup_compilations
         self.startup_report: compile_cache.StartupReport | None = None  # set at SERVING
         self.metrics = ServingMetrics()
+        self.metrics.export_vllm_names(model_name)  # vllm:* beside jaxserve_*
         self.frontend = Frontend(model_name, config.max_prompt_len)
         self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
