@@ -1,0 +1,405 @@
+"""The grammar backend and the per-request token constraint, on the host (no engine, no jax).
+
+``jaxserve/engine/structured.py`` (llguidance) and ``constraint.py``, on the
+tiny GGUF tokenizer (``tiny_gguf.tokenizer_fields``: 256 byte tokens, a few
+merges, ChatML specials; model vocab 352 > the tokenizer's 320, so ids
+320..351 exist only in the model) and, marked real_model, SmolLM2's.
+
+Random walks pick uniformly among the tokens a filled row allows (EOS as
+soon as it is allowed) and check what they decode to: JSON that validates
+against the schema (``jsonschema``), regex full matches (Python ``re``),
+one of the choices, no bad word, only allowed ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from checkpoints.tokenizer import Tokenizer
+from jaxserve.engine.constraint import bad_words_token_ids
+from jaxserve.engine.request import SamplingParams, StructuredOutputsParams
+from jaxserve.engine.structured import GrammarBackend, RequestConstraint, build_constraint
+from jaxserve.engine.token_mask import bitmask_width, unpack_bitmask
+
+from tiny_gguf import tokenizer_fields
+
+jsonschema = pytest.importorskip("jsonschema")
+
+V = 352  # model vocab; the tokenizer has 320 ids
+EOS = 2  # <|im_end|>
+EOT = 0  # <|endoftext|>, a second EOS id
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["get_weather", "search"]},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                "units": {"enum": ["metric", "imperial"]},
+                "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+                "note": {"type": ["string", "null"], "maxLength": 3},
+            },
+            "required": ["city", "days"],
+        },
+    },
+    "required": ["name", "arguments"],
+}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+CHOICES = ('yes', 'yes sir', 'say "hi"', 'back\\slash', 'é ü', 'a|b', 'new\nline')
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf_fields(tokenizer_fields(320))
+
+
+@pytest.fixture(scope="module")
+def backend(tok):
+    return GrammarBackend(tok, V, [EOS, EOT])
+
+
+def allowed_ids(row: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(unpack_bitmask(row, V)).tolist())
+
+
+def walk(constraint, rng, max_steps=600) -> list[int]:
+    """Token ids of a random walk through ``constraint`` (EOS excluded),
+    checking every row is non-empty and every token is taken."""
+    out: list[int] = []
+    for _ in range(max_steps):
+        row = np.full(bitmask_width(V), -1, np.int32)
+        constraint.fill(row)
+        ids = sorted(allowed_ids(row))
+        assert ids, f"empty row after {out}"
+        assert max(ids) < 320, f"ids past the tokenizer allowed: {ids[-3:]}"
+        eos = [i for i in ids if i in (EOS, EOT)]
+        tok_id = eos[0] if eos else int(rng.choice(ids))
+        assert constraint.advance(tok_id), tok_id
+        if tok_id in (EOS, EOT):
+            return out
+        out.append(tok_id)
+    raise AssertionError(f"no EOS after {max_steps} tokens")
+
+
+def constrain(backend, **spec) -> object:
+    return backend.matcher(backend.compile(StructuredOutputsParams(**spec)))
+
+
+def test_json_schema_walks_validate(backend, tok):
+    rng = np.random.default_rng(0)
+    texts = set()
+    for _ in range(25):
+        text = tok.decode(walk(constrain(backend, json=SCHEMA), rng))
+        value = json.loads(text)
+        jsonschema.validate(value, SCHEMA)
+        # rigid separators and closed objects
+        assert text == json.dumps(value, ensure_ascii=False), text
+        assert set(value["arguments"]) <= set(SCHEMA["properties"]["arguments"]["properties"])
+        texts.add(text)
+    assert len(texts) > 20  # the walks are random, not one path
+
+
+def test_json_text_and_dict_share_one_compile(backend):
+    a = backend.compile(StructuredOutputsParams(json=SCHEMA))
+    hits = backend.stats.cache_hits
+    b = backend.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2)))
+    assert a is b and backend.stats.cache_hits == hits + 1
+
+
+def test_json_object_walks_parse(backend, tok):
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        m = constrain(backend, json_object=True)
+        value = json.loads(tok.decode(walk(m, rng, max_steps=2000)))
+        assert isinstance(value, dict)
+
+
+def test_regex_walks_fullmatch(backend, tok):
+    rng = np.random.default_rng(2)
+    pattern = rf"Call {PHONE} on {DATE}\."
+    for _ in range(20):
+        text = tok.decode(walk(constrain(backend, regex=pattern), rng))
+        assert re.fullmatch(pattern, text), text
+
+
+def test_choice_walks_and_escaping(backend, tok):
+    rng = np.random.default_rng(3)
+    seen = set()
+    for _ in range(60):
+        text = tok.decode(walk(constrain(backend, choice=CHOICES), rng))
+        assert text in CHOICES, text
+        seen.add(text)
+    assert len(seen) >= 5
+    # every choice, tokenized as the tokenizer does, is accepted to the end
+    for c in CHOICES:
+        m = constrain(backend, choice=CHOICES)
+        assert all(m.advance(t) for t in tok.encode(c, add_special_tokens=False)), c
+        assert m.is_accepting
+
+
+def test_bitmask_rows_exact(backend, tok):
+    """Exact allowed sets: first bytes of the choices, then "yes" complete
+    allows EOS and " " (for "yes sir"), then a finished choice only EOS."""
+    m = constrain(backend, choice=("yes", "yes sir", "no"))
+    row = np.full(bitmask_width(V), -1, np.int32)
+    m.fill(row)
+    byte_id = {chr(b): tok.encode(chr(b), add_special_tokens=False)[0] for b in b"yesno ir"}
+    assert allowed_ids(row) == {byte_id["y"], byte_id["n"]}
+    for t in tok.encode("yes", add_special_tokens=False):
+        assert m.advance(t)
+    row[:] = -1
+    m.fill(row)
+    assert allowed_ids(row) == {EOS, EOT, tok.encode(" ", add_special_tokens=False)[0]}
+    assert not m.is_done and m.forced_tokens() == []
+    for t in tok.encode(" sir", add_special_tokens=False):
+        assert m.advance(t)
+    assert m.is_done
+    row[:] = -1
+    m.fill(row)
+    assert allowed_ids(row) == {EOS, EOT}
+    assert not m.advance(byte_id["n"])  # refused, state kept
+    assert m.advance(EOS)
+    # fill ANDs: bits already clear stay clear
+    m = constrain(backend, choice=("yes", "no"))
+    row = np.full(bitmask_width(V), -1, np.int32)
+    row[byte_id["y"] // 32] &= ~np.int32(1 << (byte_id["y"] % 32))
+    m.fill(row)
+    assert allowed_ids(row) == {byte_id["n"]}
+
+
+def test_lark_and_gbnf_grammars(backend, tok):
+    rng = np.random.default_rng(4)
+    lark = ('start: pair ("," pair)*\n'
+            'pair: KEY "=" VALUE\n'
+            'KEY: /[a-z]{1,4}/\n'
+            'VALUE: /[0-9]{1,3}/\n')
+    gbnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    for _ in range(10):
+        text = tok.decode(walk(constrain(backend, grammar=lark), rng, max_steps=2000))
+        assert re.fullmatch(r"[a-z]{1,4}=[0-9]{1,3}(,[a-z]{1,4}=[0-9]{1,3})*", text), text
+        text = tok.decode(walk(constrain(backend, grammar=gbnf), rng))
+        assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
+
+
+def test_forced_tokens_of_fixed_keys(backend, tok):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"]}
+    m = constrain(backend, json=schema)
+    forced = m.forced_tokens()
+    text = tok.decode(forced)
+    assert len(text) >= 6 and '{"answer": '.startswith(text), text
+    served = backend.stats.forced_tokens
+    for t in forced:
+        assert m.advance(t)
+    assert backend.stats.forced_tokens == served
+    for t in tok.encode('{"answer": '[len(text):], add_special_tokens=False):
+        assert m.advance(t)
+    assert m.forced_tokens() == []  # digits now: more than one continuation
+
+
+def test_rollback_restores_rows(backend, tok):
+    m = constrain(backend, json=SCHEMA)
+    text = '{"name": "search", "arguments": {"city": "Oslo", "days": 3}}'
+    ids = tok.encode(text, add_special_tokens=False)
+    rows = []
+    for t in ids:
+        row = np.full(bitmask_width(V), -1, np.int32)
+        m.fill(row)
+        rows.append(row)
+        assert m.advance(t)
+    for k in (1, 5, len(ids)):
+        m.rollback(k)
+        row = np.full(bitmask_width(V), -1, np.int32)
+        m.fill(row)
+        np.testing.assert_array_equal(row, rows[len(ids) - k])
+        assert all(m.advance(t) for t in ids[len(ids) - k:])
+    assert m.is_accepting
+    with pytest.raises(ValueError, match="roll back"):
+        m.rollback(len(ids) + 1)
+
+
+@pytest.mark.parametrize("spec, field, reason", [
+    ({"json": {"type": "foo"}}, "structured_outputs.json", "foo"),
+    ({"json": '{"type": "object",'}, "structured_outputs.json", "not valid JSON"),
+    ({"json": False}, "structured_outputs.json", "no output satisfies it"),
+    ({"json": {"type": "object", "not": {"type": "string"}}}, "structured_outputs.json", "not"),
+    ({"json": {"$ref": "#/defs/x"}}, "structured_outputs.json", "defs"),
+    ({"json": {"type": "string", "minLength": 5, "maxLength": 2}}, "structured_outputs.json",
+     "minLength"),
+    ({"regex": "a(b"}, "structured_outputs.regex", "unclosed group"),
+    ({"regex": r"\bfoo"}, "structured_outputs.regex", "lookaround"),
+    ({"grammar": "start: foo"}, "structured_outputs.grammar", "foo"),
+    ({"grammar": 'root ::= "a" | b'}, "structured_outputs.grammar", "b"),
+])
+def test_invalid_specs_name_the_field(backend, spec, field, reason):
+    errors = backend.stats.compile_errors
+    with pytest.raises(ValueError, match=re.escape(field)) as e:
+        backend.compile(StructuredOutputsParams(**spec))
+    assert reason in str(e.value)
+    assert backend.stats.compile_errors == errors + 1
+
+
+def test_no_tokenizer_refused(tok):
+    with pytest.raises(ValueError, match="tokenizer"):
+        GrammarBackend(None, V, [EOS])
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="structured_outputs"):
+        build_constraint(params, None, None, V)
+    with pytest.raises(ValueError, match="bad_words"):
+        build_constraint(SamplingParams(bad_words=["x"]), None, None, V)
+    assert build_constraint(SamplingParams(), None, None, V) is None
+
+
+def test_allowed_token_ids(backend, tok):
+    ids = [5, 9, 100, 300, EOS]
+    c = build_constraint(SamplingParams(allowed_token_ids=ids), backend, tok, V)
+    row = np.full(bitmask_width(V), -1, np.int32)
+    c.fill(row)
+    assert allowed_ids(row) == set(ids)
+    assert not c.advance(6) and c.output == []
+    assert c.advance(100) and c.output == [100]
+    with pytest.raises(ValueError, match="allowed_token_ids.*352"):
+        build_constraint(SamplingParams(allowed_token_ids=[1, V]), backend, tok, V)
+    # with a grammar: the intersection; nothing left -> EOS only
+    c = build_constraint(SamplingParams(
+        allowed_token_ids=[tok.encode("n", add_special_tokens=False)[0], 7],
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), backend, tok, V)
+    row = np.full(bitmask_width(V), -1, np.int32)
+    c.fill(row)
+    assert allowed_ids(row) == set(tok.encode("n", add_special_tokens=False))
+    c = build_constraint(SamplingParams(
+        allowed_token_ids=[7], structured_outputs=StructuredOutputsParams(choice=["yes"])),
+        backend, tok, V)
+    row = np.full(bitmask_width(V), -1, np.int32)
+    c.fill(row)
+    assert allowed_ids(row) == {EOS, EOT}
+
+
+def test_bad_words_tokenization_follows_vllm(tok):
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    # "the": t,h,e -> ["t", "he"]; " the" -> ["Ġthe"]: one token vs two, not added
+    assert bad_words_token_ids(["the"], tok, V) == [enc("the")]
+    assert len(enc("the")) == 2 and len(enc(" the")) == 1
+    # "x": "x" vs "Ġ", "x": lengths differ, only the plain form
+    assert bad_words_token_ids([" x"], tok, V) == [enc("x")]
+    assert len(enc(" x")) == 2
+    # "t" vs "Ġt" (a merge): one token each, first tokens differ -> both banned
+    assert bad_words_token_ids([" t"], tok, V) == [enc("t"), enc(" t")]
+    assert len(enc(" t")) == 1 and enc(" t") != enc("t")
+    with pytest.raises(ValueError, match=r"bad_words\[0\].*outside"):
+        bad_words_token_ids(["x"], tok, 50)
+
+
+def test_bad_words_never_appear(backend, tok):
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    params = SamplingParams(bad_words=["hello", "q"],
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{0,30}\."))
+    banned = bad_words_token_ids(params.bad_words, tok, V)
+    assert enc("hello") in banned and enc("q") in banned
+    rng = np.random.default_rng(5)
+    c0 = build_constraint(params, backend, tok, V)
+    # the last token of "hello" is banned exactly after its prefix
+    he, llo = enc("hello")
+    assert c0.advance(he)
+    row = np.full(bitmask_width(V), -1, np.int32)
+    c0.fill(row)
+    assert llo not in allowed_ids(row) and not c0.advance(llo)
+    c0.rollback(1)
+    assert c0.advance(llo)  # allowed when not after "he"
+    for _ in range(20):
+        c = build_constraint(params, backend, tok, V)
+        out = walk(c, rng)
+        for w in banned:
+            n = len(w)
+            assert all(out[i:i + n] != w for i in range(len(out) - n + 1)), (w, out)
+        assert re.fullmatch(r"[a-z ]{0,30}\.", tok.decode(out))
+
+
+def test_request_constraint_rollback(backend, tok):
+    params = SamplingParams(bad_words=["hello"],
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{0,9}"))
+    c = build_constraint(params, backend, tok, V)
+    he, llo = tok.encode("hello", add_special_tokens=False)
+    ids = tok.encode("abhe", add_special_tokens=False)
+    assert all(c.advance(t) for t in ids)
+    row_after = np.full(bitmask_width(V), -1, np.int32)
+    c.fill(row_after)
+    assert llo not in allowed_ids(row_after)
+    c.rollback(2)
+    row = np.full(bitmask_width(V), -1, np.int32)
+    c.fill(row)
+    assert llo in allowed_ids(row)
+    assert all(c.advance(t) for t in ids[-2:])
+    row[:] = -1
+    c.fill(row)
+    np.testing.assert_array_equal(row, row_after)
+    assert c.forced_tokens() == [] and not c.is_done
+
+
+def test_cache_lru_and_threads(tok):
+    b = GrammarBackend(tok, V, [EOS], cache_size=2)
+    specs = [StructuredOutputsParams(regex=f"a{{{i}}}") for i in range(1, 4)]
+    first = b.compile(specs[0])
+    b.compile(specs[1])
+    b.compile(specs[2])  # evicts specs[0]
+    assert b.cache_info() == {"entries": 2, "capacity": 2}
+    assert b.compile(specs[0]) is not first and b.stats.compiled == 4
+    errors: list[BaseException] = []
+
+    def work(i):
+        try:
+            for j in range(20):
+                spec = StructuredOutputsParams(choice=[f"c{(i + j) % 5}", "z"])
+                m = b.matcher(b.compile(spec))
+                assert all(m.advance(t) for t in tok.encode(f"c{(i + j) % 5}",
+                                                            add_special_tokens=False))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert b.stats.fills == 0 and b.stats.compile_seconds > 0
+
+
+def test_fill_counters(tok):
+    b = GrammarBackend(tok, V, [EOS])
+    m = b.matcher(b.compile(StructuredOutputsParams(regex="ab")))
+    row = np.full(bitmask_width(V), -1, np.int32)
+    m.fill(row)
+    m.fill(row)
+    assert b.stats.fills == 2 and b.stats.fill_seconds > 0
+
+
+@pytest.mark.real_model
+def test_smollm2_json_schema_walks(smollm2_path):
+    tok = Tokenizer.from_gguf(smollm2_path)
+    vocab = tok.vocab_size
+    b = GrammarBackend(tok, vocab, [tok.eos_token_id])
+    rng = np.random.default_rng(6)
+    compiled = b.compile(StructuredOutputsParams(json=SCHEMA))
+    for _ in range(5):
+        m = b.matcher(compiled)
+        out = []
+        for _ in range(300):
+            row = np.full(bitmask_width(vocab), -1, np.int32)
+            m.fill(row)
+            ids = np.flatnonzero(unpack_bitmask(row, vocab))
+            t = tok.eos_token_id if tok.eos_token_id in ids else int(rng.choice(ids))
+            assert m.advance(t)
+            if t == tok.eos_token_id:
+                break
+            out.append(t)
+        jsonschema.validate(json.loads(tok.decode(out)), SCHEMA)
