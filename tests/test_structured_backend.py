@@ -1,6 +1,6 @@
 """The grammar backend and the per-request token constraint, on the host (no engine, no jax).
 
-``jaxserve/engine/structured.py`` (llguidance) and ``constraint.py``, on the
+``jaxserve/engine/structured.py`` (llguidance) and ``request_constraint.py``, on the
 tiny GGUF tokenizer (``tiny_gguf.tokenizer_fields``: 256 byte tokens, a few
 merges, ChatML specials; model vocab 352 > the tokenizer's 320, so ids
 320..351 exist only in the model) and, marked real_model, SmolLM2's.
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from checkpoints.tokenizer import Tokenizer
-from jaxserve.engine.constraint import bad_words_token_ids
+from jaxserve.engine.request_constraint import bad_words_token_ids
 from jaxserve.engine.request import SamplingParams, StructuredOutputsParams
 from jaxserve.engine.structured import GrammarBackend, RequestConstraint, build_constraint
 from jaxserve.engine.token_mask import bitmask_width, unpack_bitmask
@@ -249,14 +249,22 @@ def test_invalid_specs_name_the_field(backend, spec, field, reason):
 
 
 def test_no_tokenizer_refused(tok):
-    with pytest.raises(ValueError, match="tokenizer"):
-        GrammarBackend(None, V, [EOS])
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
-    with pytest.raises(ValueError, match="structured_outputs"):
-        build_constraint(params, None, None, V)
+    for b in (None, GrammarBackend(None, V, [EOS]), GrammarBackend(tok, V, [])):
+        with pytest.raises(ValueError, match="structured_outputs needs"):
+            build_constraint(params, b, None, V)
     with pytest.raises(ValueError, match="bad_words"):
         build_constraint(SamplingParams(bad_words=["x"]), None, None, V)
     assert build_constraint(SamplingParams(), None, None, V) is None
+    # token ids alone need no tokenizer
+    c = build_constraint(SamplingParams(allowed_token_ids=[3, 40]),
+                         GrammarBackend(None, V, [EOS]), None, V)
+    assert isinstance(c, RequestConstraint) and c.grammar is None
+    row = np.full(bitmask_width(V), -1, np.int32)
+    c.fill(row)
+    assert allowed_ids(row) == {3, 40}
+    with pytest.raises(ValueError, match="EOS"):
+        GrammarBackend(tok, V, [V])
 
 
 def test_allowed_token_ids(backend, tok):
