@@ -353,6 +353,26 @@ def test_request_constraint_rollback(backend, tok):
     assert c.forced_tokens() == [] and not c.is_done
 
 
+def test_fill_rows_for_drafts(backend, tok):
+    """Row k equals the row after advancing k drafts; a refused draft stops it."""
+    params = SamplingParams(bad_words=["hello"],
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{0,9}"))
+    c = build_constraint(params, backend, tok, V)
+    assert c.advance(tok.encode("a", add_special_tokens=False)[0])
+    drafts = tok.encode("bhe", add_special_tokens=False) + tok.encode("llo", add_special_tokens=False)
+    rows = np.full((len(drafts) + 1, bitmask_width(V)), -1, np.int32)
+    n = c.fill_rows(rows, drafts)
+    assert n == len(drafts) - 1  # "llo" after "he" is the bad word
+    assert c.output == tok.encode("a", add_special_tokens=False)  # state kept
+    for k in range(n + 1):
+        row = np.full(bitmask_width(V), -1, np.int32)
+        c.fill(row)
+        np.testing.assert_array_equal(rows[k], row)
+        if k < n:
+            assert c.advance(drafts[k])
+    assert (rows[n + 1:] == -1).all()
+
+
 def test_cache_lru_and_threads(tok):
     b = GrammarBackend(tok, V, [EOS], cache_size=2)
     specs = [StructuredOutputsParams(regex=f"a{{{i}}}") for i in range(1, 4)]
@@ -391,23 +411,39 @@ def test_fill_counters(tok):
     assert b.stats.fills == 2 and b.stats.fill_seconds > 0
 
 
-@pytest.mark.real_model
-def test_smollm2_json_schema_walks(smollm2_path):
-    tok = Tokenizer.from_gguf(smollm2_path)
+def real_walks(path, eos_ids, seed):
+    """Random walks under SCHEMA and a phone regex with a real tokenizer."""
+    tok = Tokenizer.from_gguf(path)
     vocab = tok.vocab_size
-    b = GrammarBackend(tok, vocab, [tok.eos_token_id])
-    rng = np.random.default_rng(6)
-    compiled = b.compile(StructuredOutputsParams(json=SCHEMA))
-    for _ in range(5):
-        m = b.matcher(compiled)
-        out = []
-        for _ in range(300):
-            row = np.full(bitmask_width(vocab), -1, np.int32)
-            m.fill(row)
-            ids = np.flatnonzero(unpack_bitmask(row, vocab))
-            t = tok.eos_token_id if tok.eos_token_id in ids else int(rng.choice(ids))
-            assert m.advance(t)
-            if t == tok.eos_token_id:
-                break
-            out.append(t)
-        jsonschema.validate(json.loads(tok.decode(out)), SCHEMA)
+    b = GrammarBackend(tok, vocab, eos_ids)
+    rng = np.random.default_rng(seed)
+    for spec, check in ((StructuredOutputsParams(json=SCHEMA),
+                         lambda s: jsonschema.validate(json.loads(s), SCHEMA)),
+                        (StructuredOutputsParams(regex=PHONE),
+                         lambda s: re.fullmatch(PHONE, s) or pytest.fail(s))):
+        compiled = b.compile(spec)
+        for _ in range(4):
+            m = b.matcher(compiled)
+            out = []
+            for _ in range(300):
+                row = np.full(bitmask_width(vocab), -1, np.int32)
+                m.fill(row)
+                ids = np.flatnonzero(unpack_bitmask(row, vocab))
+                eos = [i for i in ids if i in eos_ids]
+                t = eos[0] if eos else int(rng.choice(ids))
+                assert m.advance(t)
+                if eos:
+                    break
+                out.append(t)
+            check(tok.decode(out))
+    assert b.stats.compiled == 2 and b.stats.fills > 40
+
+
+@pytest.mark.real_model
+def test_smollm2_walks(smollm2_path):
+    real_walks(smollm2_path, [2], seed=6)  # <|im_end|>
+
+
+@pytest.mark.real_model
+def test_gemma3_sentencepiece_walks(gemma3_path):
+    real_walks(gemma3_path, [1, 106], seed=7)  # <eos>, <end_of_turn>

@@ -20,7 +20,9 @@ an empty row (the request ends instead of sampling from nothing).
 
 ``advance`` checks the token against all three before taking it, and
 leaves every part unchanged when one refuses; ``rollback`` undoes advances
-in all parts (speculative tokens rejected).
+in all parts (speculative tokens rejected). ``fill_rows`` gives the rows a
+verification pass needs, one per draft position, stopping at the first
+draft the constraint refuses.
 """
 
 from __future__ import annotations
@@ -134,6 +136,27 @@ class RequestConstraint:
             return False
         self.output.append(int(token_id))
         return True
+
+    def fill_rows(self, rows: np.ndarray, draft_tokens: Sequence[int]) -> int:
+        """Rows for verifying drafts: AND into ``rows[k]`` (rows: i32[K, W],
+        K >= 1 + len(draft_tokens)) the tokens allowed after the first ``k``
+        drafts, for k = 0 .. n, where n is the number of leading drafts the
+        constraint accepts (rows past n are left as they are). The state is
+        the same on return.
+
+        Returns:
+          n, the accepted drafts: a verifier keeps at most n drafts, and
+          the token sampled at position n from ``rows[n]``.
+        """
+        self.fill(rows[0])
+        n = 0
+        for t in draft_tokens:
+            if not self.advance(t):
+                break
+            n += 1
+            self.fill(rows[n])
+        self.rollback(n)
+        return n
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` advances.
