@@ -71,9 +71,11 @@ def allowed_ids(row: np.ndarray) -> set[int]:
     return set(np.flatnonzero(unpack_bitmask(row, V)).tolist())
 
 
-def walk(constraint, rng, max_steps=600) -> list[int]:
+def walk(constraint, rng, max_steps=600, closers=()) -> list[int]:
     """Token ids of a random walk through ``constraint`` (EOS excluded),
-    checking every row is non-empty and every token is taken."""
+    checking every row is non-empty and every token is taken; with
+    ``closers`` (ids), one allowed closer is taken with probability 0.2,
+    so unbounded strings and numbers end."""
     out: list[int] = []
     for _ in range(max_steps):
         row = np.full(bitmask_width(V), -1, np.int32)
@@ -82,7 +84,9 @@ def walk(constraint, rng, max_steps=600) -> list[int]:
         assert ids, f"empty row after {out}"
         assert max(ids) < 320, f"ids past the tokenizer allowed: {ids[-3:]}"
         eos = [i for i in ids if i in (EOS, EOT)]
-        tok_id = eos[0] if eos else int(rng.choice(ids))
+        close = [i for i in closers if i in ids]
+        tok_id = (eos[0] if eos else int(rng.choice(close)) if close and rng.random() < 0.2
+                  else int(rng.choice(ids)))
         assert constraint.advance(tok_id), tok_id
         if tok_id in (EOS, EOT):
             return out
@@ -106,6 +110,39 @@ def test_json_schema_walks_validate(backend, tok):
         assert set(value["arguments"]) <= set(SCHEMA["properties"]["arguments"]["properties"])
         texts.add(text)
     assert len(texts) > 20  # the walks are random, not one path
+
+
+def test_pydantic_schema_walks(backend, tok):
+    """A pydantic model's schema ($defs, $ref, enum, Optional, Literal
+    default, bounded list and ints), as ``chat.completions.parse`` sends it:
+    every walk validates and parses back into the model."""
+    import enum
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+
+    class Item(BaseModel):
+        name: str = Field(max_length=8)
+        qty: int = Field(ge=1, le=9)
+
+    class Order(BaseModel):
+        id: int
+        color: Color
+        items: list[Item] = Field(min_length=1, max_length=3)
+        note: Optional[str] = None
+        kind: Literal["a", "b"] = "a"
+
+    schema = Order.model_json_schema()
+    closers = [tok.encode(c, add_special_tokens=False)[0] for c in '"},]']
+    rng = np.random.default_rng(8)
+    for _ in range(15):
+        text = tok.decode(walk(constrain(backend, json=schema), rng, 2000, closers))
+        jsonschema.validate(json.loads(text), schema)
+        Order.model_validate_json(text)
 
 
 def test_json_text_and_dict_share_one_compile(backend):
@@ -193,17 +230,24 @@ def test_lark_and_gbnf_grammars(backend, tok):
 def test_forced_tokens_of_fixed_keys(backend, tok):
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
               "required": ["answer"]}
-    m = constrain(backend, json=schema)
-    forced = m.forced_tokens()
+    served = backend.stats.forced_tokens
+    c = build_constraint(SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)),
+                         backend, tok, V)
+    forced = c.forced_tokens()
     text = tok.decode(forced)
     assert len(text) >= 6 and '{"answer": '.startswith(text), text
-    served = backend.stats.forced_tokens
+    assert backend.stats.forced_tokens == served + len(forced)
     for t in forced:
-        assert m.advance(t)
-    assert backend.stats.forced_tokens == served
+        assert c.advance(t)
     for t in tok.encode('{"answer": '[len(text):], add_special_tokens=False):
-        assert m.advance(t)
-    assert m.forced_tokens() == []  # digits now: more than one continuation
+        assert c.advance(t)
+    assert c.forced_tokens() == []  # digits now: more than one continuation
+    # a bad word cuts the forced run where its token would come
+    quote = tok.encode('"', add_special_tokens=False)
+    c = build_constraint(SamplingParams(
+        bad_words=['"'], structured_outputs=StructuredOutputsParams(json=schema)), backend, tok, V)
+    assert forced[:1] != quote and quote[0] in forced
+    assert c.forced_tokens() == forced[:forced.index(quote[0])]
 
 
 def test_rollback_restores_rows(backend, tok):

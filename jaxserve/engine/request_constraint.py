@@ -173,20 +173,21 @@ class RequestConstraint:
 
     def forced_tokens(self) -> list[int]:
         """The grammar's forced tokens, cut at the first one ``allowed_token_ids``
-        or ``bad_words`` would refuse ([] without a grammar)."""
+        or ``bad_words`` would refuse ([] without a grammar); counted in
+        ``GrammarStats.forced_tokens``."""
         if self.grammar is None:
             return []
-        forced = self.grammar.forced_tokens()
-        if self.allowed_row is None and not self._banned_always.size and not self._bad_prefixed:
-            return forced
-        kept: list[int] = []
-        for t in forced:
-            if not self.allows(t):
-                break
-            kept.append(t)
-            self.output.append(t)  # bad words look at the tail, forced tokens included
-        if kept:
-            del self.output[-len(kept):]
+        kept = self.grammar.forced_tokens()
+        if self.allowed_row is not None or self._banned_always.size or self._bad_prefixed:
+            forced, kept = kept, []
+            for t in forced:
+                if not self.allows(t):
+                    break
+                kept.append(t)
+                self.output.append(t)  # bad words look at the tail, forced tokens included
+            if kept:
+                del self.output[-len(kept):]
+        self.grammar.stats.forced_tokens += len(kept)
         return kept
 
     @property

@@ -70,6 +70,7 @@ from jaxserve.engine.token_mask import bitmask_width
 
 DEFAULT_CACHE_SIZE = 256
 JSON_SEPARATORS = (", ", ": ")
+_VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0],
                  "key_separator": JSON_SEPARATORS[1]}
 
@@ -85,7 +86,8 @@ class GrammarStats:
       compile_errors: specs refused with ValueError.
       fills / fill_seconds: bitmask rows filled by grammar matchers, and
         their wall seconds (sum).
-      forced_tokens: tokens returned by matchers' ``forced_tokens``.
+      forced_tokens: tokens ``RequestConstraint.forced_tokens`` returned
+        (the engine asks when it will use them).
     """
 
     compiled: int = 0
@@ -123,7 +125,8 @@ def _close_objects(schema: Any, in_all_of: bool = False) -> Any:
         return [_close_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (_close_objects(v, k == "allOf") if isinstance(v, (dict, list)) else v)
+    out = {k: (_close_objects(v, k == "allOf")
+               if isinstance(v, (dict, list)) and k not in _VALUE_KEYWORDS else v)
            for k, v in schema.items()}
     if (isinstance(out.get("properties"), dict) and not in_all_of
             and not {"additionalProperties", "unevaluatedProperties",
@@ -184,7 +187,7 @@ def _ascii_patterns(schema: Any) -> Any:
             out[k] = ascii_digits(v)
         elif k == "patternProperties" and isinstance(v, dict):
             out[k] = {ascii_digits(p): _ascii_patterns(s) for p, s in v.items()}
-        elif k in ("const", "enum", "default", "examples"):
+        elif k in _VALUE_KEYWORDS:
             out[k] = v
         else:
             out[k] = _ascii_patterns(v)
@@ -462,9 +465,12 @@ class GrammarMatcher:
         [] when more than one token may come next or the grammar is done."""
         if self._m.is_stopped():
             return []
-        tokens = [t for t in self._m.compute_ff_tokens() if t < self._backend.vocab_size]
-        self._backend.stats.forced_tokens += len(tokens)
-        return tokens
+        return [t for t in self._m.compute_ff_tokens() if t < self._backend.vocab_size]
+
+    @property
+    def stats(self) -> GrammarStats:
+        """The backend's counters."""
+        return self._backend.stats
 
     @property
     def is_done(self) -> bool:
