@@ -27,15 +27,16 @@ draft the constraint refuses.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from jaxserve.engine.token_mask import bitmask_width, pack_token_ids
+from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.token_mask import TokenConstraint, bitmask_width, pack_token_ids
 
-if TYPE_CHECKING:
-    from jaxserve.engine.request import SamplingParams
-    from jaxserve.engine.structured import GrammarBackend, GrammarMatcher
+# structured.py imports this module (and re-exports it), so the grammar types
+# are not imported here: ``grammar`` is a ``structured.GrammarMatcher`` and
+# ``backend`` a ``structured.GrammarBackend``.
 
 
 def bad_words_token_ids(bad_words: Sequence[str], tokenizer, vocab_size: int) -> list[list[int]]:
@@ -80,7 +81,7 @@ class RequestConstraint:
     """
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int],
-                 grammar: GrammarMatcher | None = None, allowed_row: np.ndarray | None = None,
+                 grammar: TokenConstraint | None = None, allowed_row: np.ndarray | None = None,
                  bad_words: Sequence[Sequence[int]] | None = None):
         self.vocab_size = int(vocab_size)
         self.grammar = grammar
@@ -196,7 +197,7 @@ class RequestConstraint:
         return self.grammar is not None and self.grammar.is_done
 
 
-def build_constraint(params: SamplingParams, backend: GrammarBackend | None, tokenizer,
+def build_constraint(params: SamplingParams, backend, tokenizer,
                      vocab_size: int, eos_token_ids: Sequence[int] | None = None
                      ) -> RequestConstraint | None:
     """The ``RequestConstraint`` of one request, or None when it needs none.
