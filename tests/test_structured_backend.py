@@ -145,6 +145,28 @@ def test_pydantic_schema_walks(backend, tok):
         Order.model_validate_json(text)
 
 
+def test_closed_objects_and_ascii_patterns(backend, tok):
+    """allOf members stay open (their properties merge); other objects close;
+    pattern's \\d is ASCII (a Unicode digit is refused)."""
+    schema = {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "string", "pattern": r"^\d{2}$"}},
+         "required": ["b"]}]}
+    rng = np.random.default_rng(9)
+    closers = [tok.encode(c, add_special_tokens=False)[0] for c in '"},]']
+    for _ in range(5):
+        value = json.loads(tok.decode(walk(constrain(backend, json=schema), rng, 3000, closers)))
+        jsonschema.validate(value, schema)
+        assert {"a", "b"} <= set(value)  # the merged object stays open
+    m = constrain(backend, json=schema)
+    prefix = '{"a": 1, "b": "'
+    assert all(m.advance(t) for t in tok.encode(prefix, add_special_tokens=False))
+    arabic_three = tok.encode("\u0663", add_special_tokens=False)
+    assert len(arabic_three) == 2 and not m.advance(arabic_three[0])
+    assert m.advance(tok.encode("3", add_special_tokens=False)[0])
+
+
 def test_json_text_and_dict_share_one_compile(backend):
     a = backend.compile(StructuredOutputsParams(json=SCHEMA))
     hits = backend.stats.cache_hits

@@ -39,24 +39,20 @@ in ``backends.json``; 2-core Xeon, llguidance 1.9.1, xgrammar 0.2.9; a
   in a JAX server, and the test suite's fast tier forbids torch);
   llguidance is a 25 ms import of one Rust extension. sglang-jax uses it.
 
-JSON Schema grammars are rigid: separators ``", "`` and ``": "`` (what
-``json.dumps`` writes and models are trained on), no other whitespace, so
-a small model at temperature 1 cannot wander into whitespace until
-``max_tokens``, and a schema's fixed keys are forced tokens. An object
-schema with ``properties`` and no ``additionalProperties`` gets
-``additionalProperties: false`` (OpenAI strict mode, xgrammar's
-``strict_mode``): every output still validates against the user's schema.
-Regexes (``regex`` and schema ``pattern``) are llguidance's: Rust
-``regex`` syntax, no lookaround or backreferences; ``\\d`` is ASCII
-(``ascii_digits``, as ECMA-262 and xgrammar), ``\\w`` and ``\\s``
-Unicode (as Python's ``re``).
+What each spec becomes is ``grammar_spec.py``'s: JSON Schema grammars are
+rigid (separators ``", "`` and ``": "``, what ``json.dumps`` writes and
+models are trained on; no other whitespace), so a small model at
+temperature 1 cannot wander into whitespace until ``max_tokens``, and a
+schema's fixed keys are forced tokens; object schemas that say nothing of
+extra keys are closed (OpenAI strict mode, xgrammar's ``strict_mode``),
+so every output still validates against the user's schema; ``\\d`` in
+regexes and patterns is ASCII (ECMA-262, xgrammar).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import threading
 import time
 from typing import Any, Sequence
@@ -65,14 +61,11 @@ import llguidance
 import numpy as np
 import tokenizers
 
+from jaxserve.engine.grammar_spec import JSON_SEPARATORS, canonical_spec, llguidance_grammar
 from jaxserve.engine.request import StructuredOutputsParams
 from jaxserve.engine.token_mask import bitmask_width
 
 DEFAULT_CACHE_SIZE = 256
-JSON_SEPARATORS = (", ", ": ")
-_VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0],
-                 "key_separator": JSON_SEPARATORS[1]}
 
 
 @dataclasses.dataclass
@@ -115,120 +108,6 @@ class CompiledGrammar:
     grammar: str
     _template: Any = dataclasses.field(repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-
-def _close_objects(schema: Any, in_all_of: bool = False) -> Any:
-    """The schema with ``additionalProperties: false`` added to every object
-    schema that lists ``properties`` and says nothing of extra keys (not to
-    ``allOf`` members, whose properties are merged)."""
-    if isinstance(schema, list):
-        return [_close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: (_close_objects(v, k == "allOf")
-               if isinstance(v, (dict, list)) and k not in _VALUE_KEYWORDS else v)
-           for k, v in schema.items()}
-    if (isinstance(out.get("properties"), dict) and not in_all_of
-            and not {"additionalProperties", "unevaluatedProperties",
-                     "patternProperties"} & out.keys()):
-        out["additionalProperties"] = False
-    return out
-
-
-def ascii_digits(regex: str) -> str:
-    """``regex`` with ``\\d`` as ``[0-9]`` and ``\\D`` as ``[^0-9]`` (``0-9``
-    inside a class): ECMA-262's meaning (JSON Schema ``pattern``), and
-    xgrammar's and Outlines'; llguidance's Rust ``regex`` would take any
-    Unicode digit (Arabic-Indic, Devanagari, ...). Escaped backslashes are
-    kept; ``\\D`` inside a class is left as written."""
-    out, i, in_class = [], 0, False
-    while i < len(regex):
-        c = regex[i]
-        if c == "\\" and i + 1 < len(regex):
-            nxt = regex[i + 1]
-            if nxt == "d":
-                out.append("0-9" if in_class else "[0-9]")
-            elif nxt == "D" and not in_class:
-                out.append("[^0-9]")
-            else:
-                out.append(c + nxt)
-            i += 2
-            continue
-        if c == "[" and not in_class:
-            in_class = True
-            out.append(c)
-            # a "]" right after "[" or "[^" is a literal
-            j = i + 1
-            if j < len(regex) and regex[j] == "^":
-                out.append("^")
-                j += 1
-            if j < len(regex) and regex[j] == "]":
-                out.append("]")
-                j += 1
-            i = j
-            continue
-        if c == "]" and in_class:
-            in_class = False
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _ascii_patterns(schema: Any) -> Any:
-    """The schema with ``ascii_digits`` applied to every ``pattern`` and
-    ``patternProperties`` key."""
-    if isinstance(schema, list):
-        return [_ascii_patterns(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k == "pattern" and isinstance(v, str):
-            out[k] = ascii_digits(v)
-        elif k == "patternProperties" and isinstance(v, dict):
-            out[k] = {ascii_digits(p): _ascii_patterns(s) for p, s in v.items()}
-        elif k in _VALUE_KEYWORDS:
-            out[k] = v
-        else:
-            out[k] = _ascii_patterns(v)
-    return out
-
-
-def _choice_lark(choices: Sequence[str]) -> str:
-    """A Lark grammar matching exactly one of ``choices``: each a string
-    literal with JSON escapes (llguidance's lark literals take them)."""
-    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def _canonical(spec: StructuredOutputsParams) -> tuple[str, Any]:
-    """(cache key, the spec's value in canonical form): the JSON text of a
-    schema parsed and re-dumped with sorted keys.
-
-    Raises:
-      ValueError: ``structured_outputs.json`` text that is not JSON, or a
-        schema that is not an object or a boolean.
-    """
-    kind = spec.kind
-    if kind == "json":
-        schema = spec.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("structured_outputs.json must be a JSON Schema object or boolean, "
-                             f"got {type(schema).__name__}")
-        try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"structured_outputs.json is not JSON-serialisable: {e}") from None
-        return f"json:{text}", schema
-    if kind == "choice":
-        return "choice:" + json.dumps(list(spec.choice), ensure_ascii=False), spec.choice
-    if kind == "json_object":
-        return "json_object", None
-    return f"{kind}:{getattr(spec, kind)}", getattr(spec, kind)
 
 
 class GrammarBackend:
@@ -305,21 +184,6 @@ class GrammarBackend:
         """W = ceil(vocab_size / 32): int32 words of a row."""
         return bitmask_width(self.vocab_size)
 
-    def _grammar(self, kind: str, value: Any) -> str:
-        m = llguidance.LLMatcher
-        if kind == "json":
-            if value is False:
-                raise ValueError("the schema is false: no output satisfies it")
-            schema = _ascii_patterns(_close_objects(value)) if isinstance(value, dict) else {}
-            return m.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
-        if kind == "json_object":
-            return m.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
-        if kind == "regex":
-            return m.grammar_from_regex(ascii_digits(value))
-        if kind == "choice":
-            return m.grammar_from_lark(_choice_lark(value))
-        return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
-
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of ``spec``, from the cache when it holds it.
 
@@ -337,7 +201,7 @@ class GrammarBackend:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(spec).__name__}")
         try:
-            key, value = _canonical(spec)
+            key, value = canonical_spec(spec)
         except ValueError:
             self._count_error()
             raise
@@ -355,7 +219,7 @@ class GrammarBackend:
         t = time.perf_counter()
         field = f"structured_outputs.{spec.kind}"
         try:
-            grammar = self._grammar(spec.kind, value)
+            grammar = llguidance_grammar(spec.kind, value)
         except ValueError as e:
             self._count_error()
             raise ValueError(f"{field}: {e}") from None
