@@ -25,6 +25,11 @@ it measures:
   token checked allowed by the mask).
 - ``advance_us`` median: consuming one token.
 
+Backends: ``llguidance`` and ``xgrammar`` called directly, and ``jaxserve``:
+``structured.GrammarBackend`` / ``GrammarMatcher`` (llguidance plus the
+spec cache, the deep-copied matcher, the row reset to all-allowed and the
+AND into it, EOS bits), what the engine pays per row.
+
 Usage (the machine must be otherwise idle; it writes ``backends.json`` next
 to this file)::
 
@@ -212,6 +217,47 @@ class XGrammar:
         return m.find_jump_forward_tokens()
 
 
+class Jaxserve:
+    """jaxserve's own path over llguidance (``jaxserve/engine/structured.py``):
+    compile (cached by spec) -> GrammarMatcher (a deep copy); each fill sets
+    the row to all-allowed first, then ANDs the grammar's row in."""
+
+    name = "jaxserve"
+
+    def __init__(self, tok: Tokenizer, vocab_size: int, eos: int):
+        from jaxserve.engine.request import StructuredOutputsParams
+        from jaxserve.engine.structured import GrammarBackend
+        t = time.perf_counter()
+        self.backend = GrammarBackend(tok, vocab_size, [eos])
+        self.backend.prepare()
+        self.init_s = time.perf_counter() - t
+        self.specs = {"json": StructuredOutputsParams(json=SCHEMA),
+                      "regex": StructuredOutputsParams(regex=REGEX),
+                      "choice": StructuredOutputsParams(choice=CHOICES)}
+
+    def clear_cache(self) -> None:
+        self.backend._cache.clear()
+
+    def matcher(self, kind: str):
+        return self.backend.matcher(self.backend.compile(self.specs[kind]))
+
+    @staticmethod
+    def fill(m, row: np.ndarray) -> None:
+        row.fill(-1)
+        m.fill(row)
+
+    @staticmethod
+    def advance(m, token: int) -> bool:
+        return m.advance(token)
+
+    @staticmethod
+    def forced(m) -> list[int]:
+        return m.forced_tokens()
+
+
+BACKENDS = {"llguidance": LLGuidance, "xgrammar": XGrammar, "jaxserve": Jaxserve}
+
+
 def _allowed(row: np.ndarray, token: int) -> bool:
     return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
@@ -283,16 +329,15 @@ def cpu_model() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", nargs="+", default=list(VOCABS), choices=list(VOCABS))
-    ap.add_argument("--backend", nargs="+", default=["llguidance", "xgrammar"],
-                    choices=["llguidance", "xgrammar"])
+    ap.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--cold", type=int, default=5, help="cold compiles per case (median)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "backends.json"))
     args = ap.parse_args()
     import importlib.metadata as md
     result = {"machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                           "python": platform.python_version()},
-              "versions": {p: md.version(p) for p in args.backend},
-              "imports": {p: import_seconds(p) for p in args.backend},
+              "versions": {p: md.version(p) for p in args.backend if p != "jaxserve"},
+              "imports": {p: import_seconds(p) for p in args.backend if p != "jaxserve"},
               "separators": SEPARATORS, "cases": {}, "init_s": {}}
     rows = []
     for vname in args.vocab:
@@ -301,7 +346,7 @@ def main() -> None:
         width = (vocab_size + 31) // 32
         token_lists = {k: tok.encode(text, add_special_tokens=False) for k, text in CASES.items()}
         for bname in args.backend:
-            backend = (LLGuidance if bname == "llguidance" else XGrammar)(tok, vocab_size, eos)
+            backend = BACKENDS[bname](tok, vocab_size, eos)
             result["init_s"][f"{vname}/{bname}"] = round(backend.init_s, 3)
             for kind, tokens in token_lists.items():
                 r = measure(backend, kind, tokens, width, args.cold)
