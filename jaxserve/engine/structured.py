@@ -223,10 +223,8 @@ class GrammarBackend:
         except ValueError as e:
             self._count_error()
             raise ValueError(f"{field}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
-        template = None if error else llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if template is not None and template.is_error():
-            error = template.get_error()
+        template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        error = template.get_error() if template.is_error() else ""
         if error:
             self._count_error()
             raise ValueError(f"{field} cannot be used: {error.strip()}")
