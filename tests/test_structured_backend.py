@@ -439,6 +439,21 @@ def test_fill_rows_for_drafts(backend, tok):
     assert (rows[n + 1:] == -1).all()
 
 
+def test_nothing_left_allows_eos_only():
+    """Bad words banning the grammar's only token leave EOS; bits past V
+    (the last word's padding) do not count as allowed tokens."""
+    class OneToken:  # a grammar allowing token 5, plus padding bits past V
+        def fill(self, row):
+            row[:] = 0
+            row[0] = 1 << 5
+            row[-1] = np.uint32(0xFFFFFFFF << (330 % 32)).view(np.int32)
+
+    c = RequestConstraint(330, [2], OneToken(), bad_words=[[5]])
+    row = np.full(bitmask_width(330), -1, np.int32)
+    c.fill(row)
+    assert set(np.flatnonzero(unpack_bitmask(row, 330)).tolist()) == {2}
+
+
 def test_cache_lru_and_threads(tok):
     b = GrammarBackend(tok, V, [EOS], cache_size=2)
     specs = [StructuredOutputsParams(regex=f"a{{{i}}}") for i in range(1, 4)]

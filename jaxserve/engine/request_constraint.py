@@ -91,6 +91,8 @@ class RequestConstraint:
         self._bad_prefixed = [(w[:-1], w[-1]) for w in words if len(w) > 1]
         self._eos = [int(i) for i in eos_token_ids if 0 <= int(i) < self.vocab_size]
         self.output: list[int] = []  # tokens advanced (bad words look at its tail)
+        tail = self.vocab_size % 32  # bits of the last word past V are not tokens
+        self._last_word_mask = np.uint32((1 << tail) - 1 if tail else 0xFFFFFFFF)
 
     def _banned(self) -> list[int]:
         """Tokens the bad words ban after ``self.output`` (one per matching word)."""
@@ -110,12 +112,12 @@ class RequestConstraint:
         if self.allowed_row is not None:
             np.bitwise_and(row, self.allowed_row[:row.shape[0]], out=row)
         banned = self._banned()
+        words = row.view(np.uint32)
         if banned:
             ids = np.asarray(banned, np.int64)
-            words = row.view(np.uint32)
             np.bitwise_and.at(words, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
-        if (self.allowed_row is not None or banned) and not row.any():
-            words = row.view(np.uint32)
+        if (self.allowed_row is not None or banned) and not (
+                words[:-1].any() or words[-1] & self._last_word_mask):
             for e in self._eos:
                 words[e // 32] |= np.uint32(1 << (e % 32))
 
