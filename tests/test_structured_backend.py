@@ -446,7 +446,7 @@ def test_nothing_left_allows_eos_only():
         def fill(self, row):
             row[:] = 0
             row[0] = 1 << 5
-            row[-1] = np.uint32(0xFFFFFFFF << (330 % 32)).view(np.int32)
+            row[-1] = np.uint32((0xFFFFFFFF << (330 % 32)) & 0xFFFFFFFF).view(np.int32)
 
     c = RequestConstraint(330, [2], OneToken(), bad_words=[[5]])
     row = np.full(bitmask_width(330), -1, np.int32)
