@@ -24,6 +24,10 @@ it measures:
   own tokenization, each token consumed after its mask is filled; every
   token checked allowed by the mask).
 - ``advance_us`` median: consuming one token.
+- ``forced_positions``: positions of the output where the backend's
+  forced-token call (llguidance ``compute_ff_tokens``, xgrammar
+  ``find_jump_forward_tokens``) returns at least one token, and
+  ``forced_tokens_total`` the sum of their lengths.
 
 Backends: ``llguidance`` and ``xgrammar`` called directly, and ``jaxserve``:
 ``structured.GrammarBackend`` / ``GrammarMatcher`` (llguidance plus the
@@ -289,8 +293,11 @@ def measure(backend, kind: str, tokens: list[int], width: int, cold: int) -> dic
         advances.append(t2 - t1)
     m = backend.matcher(kind)
     t = time.perf_counter()
+    forced_positions = 0
     for tok in tokens:
-        forced += len(backend.forced(m))
+        n = len(backend.forced(m))
+        forced += n
+        forced_positions += n > 0
         backend.advance(m, tok)
     ff_s = time.perf_counter() - t
     fills_us = np.array(fills) * 1e6
@@ -301,7 +308,8 @@ def measure(backend, kind: str, tokens: list[int], width: int, cold: int) -> dic
             "fill_us_p99": round(float(np.percentile(fills_us, 99)), 1),
             "fill_us_max": round(float(fills_us.max()), 1),
             "advance_us_median": round(float(np.median(advances)) * 1e6, 1),
-            "forced_tokens_total": forced,
+            "forced_tokens_total": forced,  # sum over positions of the forced run's length
+            "forced_positions": forced_positions,  # positions with >= 1 forced token
             "allowed_per_step_mean": round(allowed / len(tokens), 1),
             "forced_plus_advance_us_per_token": round(ff_s / len(tokens) * 1e6, 1)}
 
@@ -355,7 +363,7 @@ def main() -> None:
                 print(f"{vname:8s} {bname:10s} {kind:6s} done", file=sys.stderr, flush=True)
     head = (f"{'vocab':8s} {'V':>7s} {'backend':10s} {'case':6s} {'tok':>4s} {'cold ms':>9s} "
             f"{'cached ms':>9s} {'fill us p50':>11s} {'p99':>8s} {'max':>8s} {'adv us':>7s} "
-            f"{'allowed':>8s} {'forced':>6s}")
+            f"{'allowed':>8s} {'forced':>6s} {'fpos':>5s}")
     print(f"cpu: {result['machine']['cpu']} ({result['machine']['cpus']} cpus); "
           f"versions {result['versions']}")
     print(head)
@@ -364,7 +372,7 @@ def main() -> None:
               f"{r['compile_cold_ms']:9.1f} {r['compile_cached_ms']:9.2f} "
               f"{r['fill_us_median']:11.1f} {r['fill_us_p99']:8.1f} {r['fill_us_max']:8.1f} "
               f"{r['advance_us_median']:7.1f} {r['allowed_per_step_mean']:8.1f} "
-              f"{r['forced_tokens_total']:6d}")
+              f"{r['forced_tokens_total']:6d} {r['forced_positions']:5d}")
     print("tokenizer/compiler init s:", result["init_s"])
     print("imports:", result["imports"])
     with open(args.out, "w") as f:
