@@ -22,22 +22,24 @@ at a time.
 ``allowed_token_ids`` and ``bad_words`` into one ``TokenConstraint``;
 ``build_constraint`` makes it from ``SamplingParams``.
 
-Why llguidance, not xgrammar (``benchmarks/structured/backends.py``, figures
-in ``backends.json``; 2-core Xeon, llguidance 1.9.1, xgrammar 0.2.9; a
-24-passenger tool-call JSON Schema, a phone-list regex, a 16-way choice):
+Why llguidance, not xgrammar (``benchmarks/structured/backends.py``; the
+figures, in ``backends.json`` and the README there, from a 2-core Xeon,
+llguidance 1.9.1, xgrammar 0.2.9; a 24-passenger tool-call JSON Schema, a
+phone-list regex, a 16-way choice):
 
-- compile, grammar text to first mask: llguidance 1.4 ms (JSON) at both
-  vocabularies; xgrammar 12 ms at 49k and 56 ms at 262k. Agents send a new
-  tool schema on most calls, and the compile is on the request's path.
-- per-token fill: xgrammar is faster (JSON median 1.2 / 2.4 us, p99 12 /
-  43 us at 49k / 262k) than llguidance (9 / 12 us, p99 132 / 492 us); a
-  batch of 32 at llguidance's median is ~0.4 ms of host time, overlapped
-  with the device step (async scheduling), well inside a decode step.
-- forced tokens: llguidance's ``compute_ff_tokens`` finds more (908 vs 656
-  over the JSON output at 49k), which is what forced-token drafting spends.
-- dependencies: ``import xgrammar`` imports torch (2.2 s, a GB-size wheel
+- compile, grammar text to first mask: llguidance 1.7 / 1.8 ms (JSON) at
+  49k / 262k ids; xgrammar 15 / 57 ms. Agents send a new tool schema on
+  most calls, and the compile is on the request's path.
+- per-token fill: xgrammar is faster (JSON median 1.4 / 2.4 us, p99 13 /
+  46 us) than llguidance (9.8 / 13.9 us, p99 145 / 483 us); a batch of 32
+  at llguidance's median is ~0.5 ms of host time per step, overlapped with
+  the device step (async scheduling), well inside a decode step.
+- forced tokens: llguidance's ``compute_ff_tokens`` forces at more
+  positions of the JSON output (343 of 607 vs 285 at 49k), which is what
+  forced-token drafting spends.
+- dependencies: ``import xgrammar`` imports torch (2.4 s, a GB-size wheel
   in a JAX server, and the test suite's fast tier forbids torch);
-  llguidance is a 25 ms import of one Rust extension. sglang-jax uses it.
+  llguidance is a 27 ms import of one Rust extension. sglang-jax uses it.
 
 What each spec becomes is ``grammar_spec.py``'s: JSON Schema grammars are
 rigid (separators ``", "`` and ``": "``, what ``json.dumps`` writes and
