@@ -168,13 +168,14 @@ class GrammarBackend:
                 raise ValueError("structured_outputs needs an EOS token id; this model has none")
             src = self._source
             backend = src if isinstance(src, tokenizers.Tokenizer) else src.backend
-            copy = tokenizers.Tokenizer.from_str(backend.to_str())
-            copy.no_padding()
-            copy.no_truncation()
+            if backend.padding is not None or backend.truncation is not None:
+                backend = tokenizers.Tokenizer.from_str(backend.to_str())  # a copy to change
+                backend.no_padding()
+                backend.no_truncation()
             # llguidance indexes every tokenizer id; a model vocab may be larger.
-            n_vocab = max(self.vocab_size, copy.get_vocab_size(with_added_tokens=True))
+            n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
             try:
-                self._tokenizer = llguidance.LLTokenizer(copy.to_str(), n_vocab=n_vocab,
+                self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab,
                                                          eos_token=list(self.eos_token_ids))
             except Exception as e:  # noqa: BLE001 - the Rust side raises plain exceptions
                 raise ValueError(f"llguidance cannot read this tokenizer: {e}") from None
