@@ -16,7 +16,8 @@ constraint is a ``token_mask.TokenConstraint``: ``fill`` ANDs, in order,
    the output so far ends with its first n - 1 tokens,
 
 and if that leaves nothing, allows the EOS ids, so the sampler never gets
-an empty row (the request ends instead of sampling from nothing).
+an empty row: the EOS it samples there is refused by ``advance`` (no part
+allowed it), and the engine ends the request on a refused token.
 
 ``advance`` checks the token against all three before taking it, and
 leaves every part unchanged when one refuses; ``rollback`` undoes advances
