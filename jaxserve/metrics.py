@@ -19,6 +19,11 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_stream_backpressure_total{action,reason} (streams nobody read:
               action "paused" / "resumed" (reason "unread" / "read"), "aborted"
               (reason "stalled" or "buffer_full"); ``jaxserve.server.backpressure``)
+  structured outputs (``jaxserve.engine.structured``):
+    counters  jaxserve_structured_output_requests_total, jaxserve_grammar_compiled_total,
+              jaxserve_grammar_compile_seconds_total, jaxserve_grammar_cache_hits_total,
+              jaxserve_token_mask_fills_total, jaxserve_token_mask_fill_seconds_total,
+              jaxserve_forced_tokens_total
   speculative decoding (vLLM's spec_decode_* names; 0, and no per-position
   series, without speculation):
     counters  jaxserve_spec_decode_num_drafts_total, jaxserve_spec_decode_num_draft_tokens_total,
@@ -138,6 +143,21 @@ class ServingMetrics:
         for action, reason in (("paused", "unread"), ("resumed", "read"),
                                ("aborted", "stalled"), ("aborted", "buffer_full")):
             self.stream_backpressure.labels(action, reason)
+        self.structured_requests = c("jaxserve_structured_output_requests",
+                                     "Requests with a token constraint (structured outputs, "
+                                     "allowed_token_ids, bad_words).")
+        self.grammar_compiled = c("jaxserve_grammar_compiled", "Grammars compiled (schema, "
+                                  "regex, choice, grammar; cache misses).")
+        self.grammar_compile_seconds = c("jaxserve_grammar_compile_seconds",
+                                         "Wall seconds spent compiling grammars.")
+        self.grammar_cache_hits = c("jaxserve_grammar_cache_hits",
+                                    "Grammar compiles answered from the cache.")
+        self.mask_fills = c("jaxserve_token_mask_fills", "Token bitmask rows filled on the "
+                            "host by grammar matchers (one per constrained row a step).")
+        self.mask_fill_seconds = c("jaxserve_token_mask_fill_seconds",
+                                   "Wall seconds spent filling token bitmask rows.")
+        self.forced_tokens = c("jaxserve_forced_tokens", "Output tokens a grammar forced "
+                               "that rode a step as free drafts.")
         self.compilations = c("jaxserve_xla_compilations",
                               "XLA programs compiled (one per new bucket shape; each is kept "
                               "in memory).")
@@ -221,8 +241,15 @@ class ServingMetrics:
                                (self.steps, "num_steps"),
                                (self.spec_drafts, "spec_num_drafts"),
                                (self.spec_draft_tokens, "spec_num_draft_tokens"),
-                               (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
-            delta = getattr(stats, field) - (getattr(last, field) if last else 0)
+                               (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
+                               (self.structured_requests, "structured_requests"),
+                               (self.grammar_compiled, "grammar_compiled"),
+                               (self.grammar_compile_seconds, "grammar_compile_seconds"),
+                               (self.grammar_cache_hits, "grammar_cache_hits"),
+                               (self.mask_fills, "mask_fills"),
+                               (self.mask_fill_seconds, "mask_fill_seconds"),
+                               (self.forced_tokens, "num_forced_tokens")):
+            delta = getattr(stats, field, 0) - (getattr(last, field, 0) if last else 0)
             if delta > 0:
                 counter.inc(delta)
         self._observe_compilations(stats.num_compilations)

@@ -14,8 +14,7 @@ Three layers:
    non-streamed response of the same seed; a tool-call history round-trips
    into the prompt (``/tokenize``); bad requests are 400 naming ``param``
    and gRPC INVALID_ARGUMENT naming the field.
-3. End to end (``needs_engine``: skipped until the engine honours the
-   constraint, i.e. until ``jaxserve.engine.structured`` exists): every
+3. End to end (``tests/test_openai_structured_server.py``): every
    sampled output is valid for its schema / regex / choice / grammar, forced
    tool calls validate against the tool's parameters, ``logit_bias`` bans
    and forces, and ``openai``'s ``parse``, LangChain's
@@ -24,7 +23,6 @@ Three layers:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -48,11 +46,6 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two i
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
     "required": ["city"], "additionalProperties": False}}}
-
-needs_engine = pytest.mark.skipif(
-    importlib.util.find_spec("jaxserve.engine.structured") is None,
-    reason="the engine does not apply constraints yet (no jaxserve.engine.structured)")
-
 
 def _chat(**body):
     return oai.parse(oai.ChatCompletionRequest, {"messages": HI, **body})

@@ -2,12 +2,12 @@
 ``test_openai_structured.py`` for the layers): the tiny random GGUF served by
 ``python -m jaxserve.main --mode serve --http_port 0`` on 127.0.0.1.
 
-Without ``needs_engine``: what every client sends is accepted with OpenAI's
-shapes, streams reassemble to the whole response of the same seed, a tool
-history reaches the prompt, refusals name their field (HTTP ``param``, gRPC
-INVALID_ARGUMENT). With ``needs_engine`` (skipped until the engine applies
-constraints, ``jaxserve.engine.structured``): every output is valid, and
-``openai`` ``parse``, LangChain and instructor work unchanged.
+What every client sends is accepted with OpenAI's shapes, streams reassemble
+to the whole response of the same seed, a tool history reaches the prompt,
+refusals name their field (HTTP ``param``, gRPC INVALID_ARGUMENT); every
+constrained output is valid, and ``openai`` ``parse``, LangChain and
+instructor work unchanged; the structured-output and vLLM metric names are
+scraped.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from server_util import ServerProcess
-from test_openai_structured import ADD, SCHEMA, WEATHER, needs_engine
+from test_openai_structured import ADD, SCHEMA, WEATHER
 from test_server import ENGINE_FLAGS
 
 pytestmark = pytest.mark.slow
@@ -260,7 +260,6 @@ class Person(BaseModel):
     nickname: Optional[str] = Field(default=None, max_length=6)
 
 
-@needs_engine
 def test_parse_pydantic_model_always_valid(server, client, tiny_gguf):
     schema = Person.model_json_schema()
     for seed in range(20):
@@ -271,7 +270,6 @@ def test_parse_pydantic_model_always_valid(server, client, tiny_gguf):
         assert isinstance(msg.parsed, Person)
 
 
-@needs_engine
 def test_json_object_regex_choice_and_grammar_always_match(server, client, tiny_gguf):
     stopped = 0
     for seed in range(10):
@@ -293,7 +291,6 @@ def test_json_object_regex_choice_and_grammar_always_match(server, client, tiny_
     assert stopped >= 3, stopped
 
 
-@needs_engine
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
                                                       "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_always_validate(server, client, tiny_gguf, tool_choice):
@@ -316,7 +313,6 @@ def test_forced_tool_calls_always_validate(server, client, tiny_gguf, tool_choic
     assert finished >= 5, finished
 
 
-@needs_engine
 def test_logit_bias_bans_and_forces(server, stub):
     """+100 makes one token the only one sampled; -100 bans the greedy choice."""
     (forced,) = _generate(stub, temperature=1.0, seed=0, ignore_eos=True, logit_bias={65: 100})
@@ -333,7 +329,6 @@ def _langchain(server, tiny_gguf):
                       temperature=1.0, max_tokens=300, seed=0, max_retries=0)
 
 
-@needs_engine
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(server, tiny_gguf, method):
     out = _langchain(server, tiny_gguf).with_structured_output(Person, method=method).invoke(
@@ -341,7 +336,6 @@ def test_langchain_with_structured_output(server, tiny_gguf, method):
     assert isinstance(out, Person)
 
 
-@needs_engine
 def test_langchain_bind_tools(server, tiny_gguf):
     from langchain_core.tools import tool
 
@@ -362,7 +356,6 @@ class Note(BaseModel):
     note: Optional[str] = None
 
 
-@needs_engine
 @pytest.mark.parametrize("mode, model", [("TOOLS", Person), ("JSON", Note)])
 def test_instructor_modes(server, tiny_gguf, mode, model):
     import instructor
@@ -404,3 +397,22 @@ def test_vllm_metric_names_are_scraped(server, client, tiny_gguf):
     assert m["vllm:generation_tokens_total{" + label] >= 3
     assert any(k.startswith('vllm:request_success_total{') and 'finished_reason="length"' in k
                for k in m)
+
+
+def test_structured_output_metrics(server, client, tiny_gguf):
+    """Constrained requests, grammar compiles, mask fills and their time are
+    counted on /metrics."""
+    before = server.metrics()
+    kw = dict(model=tiny_gguf, messages=HI, temperature=0, max_tokens=20)
+    for _ in range(2):  # the second compile of the same regex is a cache hit
+        client.chat.completions.create(extra_body={"guided_regex": r"[ab]{4}c"}, **kw)
+    m = server.metrics()
+
+    def grew(name):
+        return m[name] - before.get(name, 0.0)
+    assert grew("jaxserve_structured_output_requests_total") == 2
+    assert grew("jaxserve_grammar_compiled_total") >= 1
+    assert grew("jaxserve_grammar_cache_hits_total") >= 1
+    assert grew("jaxserve_token_mask_fills_total") >= 2
+    assert grew("jaxserve_token_mask_fill_seconds_total") > 0
+    assert grew("jaxserve_grammar_compile_seconds_total") > 0

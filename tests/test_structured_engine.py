@@ -12,8 +12,6 @@ import re
 import pytest
 from conftest import XLA_CACHE
 
-pytest.importorskip("llguidance")
-pytest.importorskip("jaxserve.engine.structured")
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.engine.request import StructuredOutputsParams  # noqa: E402

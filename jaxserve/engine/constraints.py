@@ -83,13 +83,44 @@ class ConstraintFactory:
         self._backend = None
         self._eos: frozenset[int] | None = None
         self._lock = threading.Lock()  # build may run on a server's worker threads
+        self.num_requests = 0  # requests given constraints (structured outputs, masks)
 
     def build_all(self, params: SamplingParams, eos_token_ids: frozenset[int]) -> list:
         """One ``build`` per sequence of a request (``params.n``): a list of
         constraints, or of None when the params need no mask."""
         if not params.has_token_mask:
             return [None] * params.n
-        return [self.build(params, eos_token_ids) for _ in range(params.n)]
+        out = [self.build(params, eos_token_ids) for _ in range(params.n)]
+        self.num_requests += 1
+        return out
+
+    def compile(self, spec, eos_token_ids: frozenset[int]):
+        """Compile a ``StructuredOutputsParams`` with the engine's grammar
+        backend (cached by spec; a later ``build`` of the same spec is a cache
+        hit). Safe on any thread.
+
+        Raises:
+          ValueError: as ``build``.
+        """
+        return self._get_backend(eos_token_ids).compile(spec)
+
+    def grammar_stats(self):
+        """The grammar backend's counters (``structured.GrammarStats``), or
+        None before the first constrained request."""
+        return None if self._backend is None else self._backend.stats
+
+    def _get_backend(self, eos_token_ids: frozenset[int]):
+        try:
+            from jaxserve.engine import structured
+        except ImportError as e:
+            raise ValueError(f"structured outputs, allowed_token_ids and bad_words need the "
+                             f"structured-outputs backend, which failed to load: {e}") from e
+        with self._lock:
+            if self._backend is None or self._eos != eos_token_ids:
+                self._backend = structured.GrammarBackend(self.tokenizer, self.vocab_size,
+                                                          eos_token_ids)
+                self._eos = eos_token_ids
+            return self._backend
 
     def build(self, params: SamplingParams, eos_token_ids: frozenset[int]):
         """A new ``TokenConstraint`` for one sequence of a request with
@@ -102,17 +133,8 @@ class ConstraintFactory:
         """
         if not params.has_token_mask:
             return None
-        try:
-            from jaxserve.engine import structured
-        except ImportError as e:
-            raise ValueError(f"structured outputs, allowed_token_ids and bad_words need the "
-                             f"structured-outputs backend, which failed to load: {e}") from e
-        with self._lock:
-            if self._backend is None or self._eos != eos_token_ids:
-                self._backend = structured.GrammarBackend(self.tokenizer, self.vocab_size,
-                                                          eos_token_ids)
-                self._eos = eos_token_ids
-            backend = self._backend
+        backend = self._get_backend(eos_token_ids)
+        from jaxserve.engine import structured
         return structured.build_constraint(params, backend, self.tokenizer, self.vocab_size)
 
 

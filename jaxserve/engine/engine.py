@@ -77,6 +77,13 @@ class EngineStats:
       num_forced_tokens: output tokens of constrained sequences that a
         grammar forced and that rode a step as free drafts
         (``constraints.forced_drafts``).
+      structured_requests: requests given token constraints (structured
+        outputs, allowed_token_ids, bad_words).
+      grammar_compiled, grammar_compile_seconds, grammar_cache_hits: the
+        grammar backend's compiles (cache misses), their wall seconds (sum),
+        and cache hits (``jaxserve.engine.structured``).
+      mask_fills, mask_fill_seconds: bitmask rows filled by grammar matchers
+        on the host, and their wall seconds (sum).
       attention_impl: the attention path serving ("pallas" or "xla").
       attention_fallback: why the Pallas kernel's start-up self-check sent
         the engine to the XLA path ("compile_error" or "mismatch"), or ""
@@ -105,6 +112,12 @@ class EngineStats:
     spec_mean_acceptance_length: float = 0.0
     spec_k: int = 0
     num_forced_tokens: int = 0
+    structured_requests: int = 0
+    grammar_compiled: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
+    mask_fills: int = 0
+    mask_fill_seconds: float = 0.0
     attention_impl: str = ""
     attention_fallback: str = ""
 
@@ -216,6 +229,17 @@ class Engine(EngineViews):
           ValueError: params the structured-outputs backend rejects.
         """
         return self._intake.constraints.build_all(params, self.eos_token_ids)
+
+    def compile_structured(self, spec) -> None:
+        """Compile a ``StructuredOutputsParams`` with the engine's grammar
+        backend, cached by spec, so the request that carries it finds it
+        compiled. Safe on any thread (a server calls it off its event loop).
+
+        Raises:
+          ValueError: a schema, regex or grammar the backend cannot compile
+            (``structured_outputs.<field>: <why>``), or no tokenizer.
+        """
+        self._intake.constraints.compile(spec, self.eos_token_ids)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of an iterable of ids) in any state
@@ -363,9 +387,20 @@ class Engine(EngineViews):
             num_preemptions=s.num_preemptions, prompt_tokens=self._steps.num_prompt_tokens,
             generation_tokens=self.outputs.num_generation_tokens, num_steps=self._num_steps,
             num_compilations=self.runner.num_compilations,
-            num_forced_tokens=self.outputs.num_forced_tokens, attention_impl=self.attention_impl,
+            num_forced_tokens=self.outputs.num_forced_tokens, **self._structured_stats(),
+            attention_impl=self.attention_impl,
             attention_fallback=(self.attention_check.reason or "") if self.attention_check
             else "", **spec)
+
+    def _structured_stats(self) -> dict:
+        f = self._intake.constraints
+        g = f.grammar_stats()
+        out = dict(structured_requests=f.num_requests)
+        if g is not None:
+            out.update(grammar_compiled=g.compiled, grammar_compile_seconds=g.compile_seconds,
+                       grammar_cache_hits=g.cache_hits, mask_fills=g.fills,
+                       mask_fill_seconds=g.fill_seconds)
+        return out
 
     def warmup(self, on_compiled=None, max_tokens: int | None = None,
                background: bool = False, max_rows: int | None = None,

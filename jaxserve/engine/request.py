@@ -81,7 +81,7 @@ class StructuredOutputsParams:
       regex: the output matches this regular expression (whole output).
       choice: the output is exactly one of these strings.
       grammar: a context-free grammar in Lark syntax (or GBNF/EBNF as the
-        grammar backend takes it; ``jaxserve.engine.grammar``).
+        grammar backend takes it; ``jaxserve.engine.structured``).
       json_object: the output is one JSON object, any keys
         (``response_format: {"type": "json_object"}``).
 
@@ -89,7 +89,7 @@ class StructuredOutputsParams:
       ValueError: none or more than one field set, or a field of the wrong
         type (naming it). A schema, regex or grammar the backend cannot
         compile is refused when the request is added
-        (``jaxserve.engine.grammar``).
+        (``jaxserve.engine.structured``).
     """
 
     json: dict | str | None = None
