@@ -323,14 +323,22 @@ class SchedulerConfig:
         budget into chunks that run beside the decodes (vLLM/Sarathi-Serve).
         When off, a prompt is prefilled whole; one longer than the budget runs
         in a step with no other prefill (beside the decodes).
+      max_forced_drafts: most tokens a constrained sequence's grammar forces
+        that ride one step as free drafts (``engine.constraints``); 0 turns
+        forced drafting off.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    max_forced_drafts: int = 8
 
     def __post_init__(self):
+        if isinstance(self.max_forced_drafts, bool) or not isinstance(
+                self.max_forced_drafts, int) or self.max_forced_drafts < 0:
+            raise ValueError(f"max_forced_drafts must be an integer >= 0, got "
+                             f"{self.max_forced_drafts!r}")
         check_positive("max_num_seqs", self.max_num_seqs)
         check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         check_positive("max_model_len", self.max_model_len, allow_none=True)

@@ -65,6 +65,8 @@ flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached K/V pages of shar
 flags.DEFINE_bool("enable_chunked_prefill", True,
                   "Split long prompts into chunks that run beside decodes.")
 flags.DEFINE_integer("max_model_len", None, "Longest sequence (default: the model's).")
+flags.DEFINE_integer("max_forced_drafts", 8, "Structured outputs: most tokens a grammar forces "
+                     "that ride one step as free drafts; 0 turns forced drafting off.")
 flags.DEFINE_bool("async_scheduling", True, "Plan and launch step N+1 before step N's tokens "
                   "reach the host, so host work overlaps the device (same outputs; steps with "
                   "penalties or prompt logprobs run synchronously).")
@@ -239,7 +241,8 @@ def engine_config(speculative: SpeculativeConfig | None = None) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=FLAGS.max_num_seqs,
                                   max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                                   max_model_len=FLAGS.max_model_len,
-                                  enable_chunked_prefill=FLAGS.enable_chunked_prefill),
+                                  enable_chunked_prefill=FLAGS.enable_chunked_prefill,
+                                  max_forced_drafts=FLAGS.max_forced_drafts),
         parallel=parallel,
         compilation_cache_dir=compile_cache.resolve_dir(FLAGS.compilation_cache_dir),
         scan_layers=FLAGS.scan_layers, async_scheduling=FLAGS.async_scheduling,

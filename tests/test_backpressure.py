@@ -269,12 +269,17 @@ def _unread_round(server, grpc_id: str, read_after: bool):
     def counts():
         now = _counts(server)
         return {k: now[k] - before[k] for k in now}
-    _wait(lambda: counts()["paused/unread"] == 4 and
-          server.metrics()["jaxserve_num_requests_running"] == 0, STALL_S,
-          "the unread streams were not all paused\n" + "".join(server.lines[-20:]))
+    # A stream may be paused and resumed while its socket still drains
+    # (kernel buffers); once nobody reads, all four stay paused.
+    def all_paused():
+        c = counts()
+        return c["paused/unread"] - c["resumed/read"] == 4 and \
+            server.metrics()["jaxserve_num_requests_running"] == 0
+    _wait(all_paused, STALL_S, f"the unread streams were not all paused: {counts()}\n"
+          + "".join(server.lines[-20:]))
     while_paused = [_short(server) for _ in range(3)]
     c = counts()
-    assert c["paused/unread"] == 4 and c["resumed/read"] == 0, c
+    assert c["paused/unread"] - c["resumed/read"] == 4, c
     if read_after:  # (the first round may still wait for background compiles)
         assert c["aborted/stalled"] + c["aborted/buffer_full"] == 0, \
             f"cut before the requests beside them ended: {c}"
@@ -338,10 +343,11 @@ def test_unread_streams_are_paused_then_cut_others_served_meanwhile(tiny_gguf):
         assert max(after_cut) < 3 * baseline + 0.5, (after_cut, baseline)
         assert rss_after <= 1.05 * rss_before, (rss_before, rss_after)
         lines = [ln for ln in server.lines if "stream backpressure: request" in ln]
-        for what, n in (("paused", 4), ("aborted", 4)):  # each round
-            mine = [ln for ln in lines if f") {what}: " in ln]
-            assert len([ln for ln in mine if "request grpc-unread-1 " in ln]) == 1, lines
-            assert len([ln for ln in mine if "request cmpl-" in ln]) == 6, lines
+        aborted = [ln for ln in lines if ") aborted: " in ln]  # 4 a round
+        assert len([ln for ln in aborted if "request grpc-unread-1 " in ln]) == 1, lines
+        assert len([ln for ln in aborted if "request cmpl-" in ln]) == 6, lines
+        paused = [ln for ln in lines if ") paused: " in ln]
+        assert any("request grpc-unread-1 " in ln for ln in paused), lines
     finally:
         code = server.terminate()
     assert code == 0

@@ -190,3 +190,23 @@ def test_inprocess_driver_reports_speculation():
     lv = suite.level_dict(run, {})
     assert lv["speculation"] == sp
     assert serving.LevelRun(1, 1.0, [], [], [], 0, 0, 0, 0, None, 0.0).spec_dict() is None
+
+
+def test_structured_bench_writes_its_figures(tiny_gguf, tmp_path):
+    """``python -m jaxserve.bench structured`` on the tiny model: both passes
+    measured, constrained rows compile nothing, forced drafts are counted
+    only when on, and the report names the machine and both ratios."""
+    from jaxserve.bench.__main__ import main
+    out = tmp_path / "structured"
+    assert main(["structured", "--model", tiny_gguf, "--output", str(out), "--batch", "3",
+                 "--max_tokens", "24", "--single", "1", "--fields", "2", "--repeats", "1"]) == 0
+    res = json.loads((out / "result.json").read_text())
+    assert res["batch_plain"]["output_tokens"] > 0 and res["batch_constrained"]["tok_s"] > 0
+    assert res["batch_constrained"]["compilations"] == 0
+    assert res["batch_constrained"]["mask_fills"] > 0 and res["batch_plain"]["mask_fills"] == 0
+    single = res["single"]
+    assert single["plain_constrained"]["forced_tokens"] == 0
+    assert single["forced_drafts"]["forced_tokens"] > 0
+    assert single["forced_drafts"]["steps"] < single["plain_constrained"]["steps"]
+    text = (out / "report.md").read_text()
+    assert "Machine: " in text and "the unconstrained time" in text and "Forced drafting" in text

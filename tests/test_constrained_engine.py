@@ -315,9 +315,14 @@ TEMPLATE = [[10], [11], [12], ALLOWED, [13], [14], ALLOWED, ALLOWED, [15], [16],
             [19], [20], [21], [22], [23], [24], ALLOWED, [25]]
 
 
+def set_max_forced(monkeypatch, engine, k: int) -> None:
+    """``SchedulerConfig.max_forced_drafts`` = k for this test."""
+    monkeypatch.setattr(engine.scheduler, "config", dataclasses.replace(
+        engine.scheduler.config, max_forced_drafts=k))
+
+
 def _template_run(llm, monkeypatch, max_forced):
-    from jaxserve.engine import constraints
-    monkeypatch.setattr(constraints, "MAX_FORCED_DRAFTS", max_forced)
+    set_max_forced(monkeypatch, llm.engine, max_forced)
     built = install(llm, lambda p: Template(TEMPLATE))
     e = llm.engine
     steps, forced = e.stats().num_steps, e.stats().num_forced_tokens
@@ -369,13 +374,13 @@ def test_forced_drafts_in_a_speculating_engine(tiny_parts, method):
     assert st.spec_num_draft_tokens == outs[1].metrics.num_draft_tokens
     saved = e.speculator
     e.speculator = e._steps.speculator = None
+    old = e.scheduler.config
     try:
-        from jaxserve.engine import constraints
-        old, constraints.MAX_FORCED_DRAFTS = constraints.MAX_FORCED_DRAFTS, 0
+        e.scheduler.config = dataclasses.replace(old, max_forced_drafts=0)
         ref = tokens(spec.generate(prompts, params))
     finally:
         e.speculator = e._steps.speculator = saved
-        constraints.MAX_FORCED_DRAFTS = old
+        e.scheduler.config = old
     assert got == ref and got[1] == [77] * 16
     assert_idle(e)
 
@@ -419,7 +424,6 @@ class Claims(Template):
 
 
 def test_refused_forced_drafts_keep_the_models_token(llm, monkeypatch):
-    from jaxserve.engine import constraints
     sets = [[10], [11, 12], [13, 14], [15], [16, 17], [18, 19], [20, 21], [22], [23, 24]] * 2
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
     params = [greedy(30, allowed_token_ids=[0]),
@@ -427,7 +431,7 @@ def test_refused_forced_drafts_keep_the_models_token(llm, monkeypatch):
                              allowed_token_ids=[0])] * 2
     runs = {}
     for k in (0, 8):
-        monkeypatch.setattr(constraints, "MAX_FORCED_DRAFTS", k)
+        set_max_forced(monkeypatch, llm.engine, k)
         built = install(llm, lambda p: Claims(sets))
         runs[k] = tokens(llm.generate(prompts, params))
         for c, t in zip(built, runs[k]):

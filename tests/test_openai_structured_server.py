@@ -416,3 +416,57 @@ def test_structured_output_metrics(server, client, tiny_gguf):
     assert grew("jaxserve_token_mask_fills_total") >= 2
     assert grew("jaxserve_token_mask_fill_seconds_total") > 0
     assert grew("jaxserve_grammar_compile_seconds_total") > 0
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The tiny model with a tool-aware chat template (the tool parts of Qwen
+    2.5's, which reads ``tools`` and renders ``tool_calls`` itself)."""
+    from test_tool_parsers import QWEN_TOOLS
+    from tiny_gguf import write_tiny_gguf
+    from jaxserve.config import ModelConfig
+    path = str(tmp_path_factory.mktemp("tiny-gguf-tools") / "tiny.gguf")
+    write_tiny_gguf(path, ModelConfig(vocab_size=VOCAB, max_position_embeddings=4096,
+                                      num_layers=2), chat_template=QWEN_TOOLS)
+    s = ServerProcess(["--model", path, "--http_port", "0", *ENGINE_FLAGS])
+    yield s, path
+    assert s.terminate() == 0
+
+
+def test_tool_aware_template_renders_tools_and_serves_all_choices(tool_server):
+    """A template that reads ``tools`` gets them itself (no Hermes system
+    prompt is added); "auto" returns content or calls, "required" and a named
+    function return calls whose arguments validate; the call and a tool reply
+    continue the conversation."""
+    server, model = tool_server
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused")
+    http = httpx.Client(base_url=server.http_url, timeout=60)
+    r = http.post("/tokenize", json={"messages": HI, "tools": [ADD, WEATHER]})
+    text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and "# Tools" in text
+    assert text.count("# Tools") == 1 and '"name": "get_weather"' in text
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (ADD, WEATHER)}
+    called, last = 0, None
+    for seed in range(3):
+        kw = dict(model=model, messages=HI, tools=[ADD, WEATHER], temperature=1.0, seed=seed,
+                  max_tokens=60)
+        auto = client.chat.completions.create(tool_choice="auto", **kw).choices[0]
+        assert auto.message.tool_calls or isinstance(auto.message.content, str)
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            out = client.chat.completions.create(tool_choice=choice, **kw).choices[0]
+            if out.finish_reason == "length":
+                continue  # a random model may write a string to max_tokens
+            assert out.finish_reason == "tool_calls", out
+            for call in out.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments),
+                                    params[call.function.name])
+                if isinstance(choice, dict):
+                    assert call.function.name == "get_weather"
+            called, last = called + 1, out
+    assert called >= 3, called  # of 6 forced calls, most end before max_tokens
+    call = last.message.tool_calls[0]
+    follow = HI + [last.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model=model, messages=follow, tools=[ADD, WEATHER],
+                                           max_tokens=5, temperature=0)
+    assert again.choices[0].message.content is not None or again.choices[0].message.tool_calls

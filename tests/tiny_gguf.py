@@ -70,7 +70,8 @@ def tokenizer_fields(vocab_size: int = 320) -> dict:
 def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
                     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
                     seed: int = 0, params: dict[str, np.ndarray] | None = None,
-                    extra_tensors: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                    extra_tensors: dict[str, np.ndarray] | None = None,
+                    chat_template: str = CHATML_TEMPLATE) -> dict[str, np.ndarray]:
     """Write a random llama GGUF for ``config`` and return its expected HF params.
 
     Args:
@@ -83,6 +84,7 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
       params: HF name -> f32 array to write instead of random weights (an HF
         model's ``state_dict``; ``qtype=F32`` keeps them exact).
       extra_tensors: GGUF name -> f32 array written as it is (``rope_freqs.weight``).
+      chat_template: the file's jinja chat template (ChatML by default).
 
     Returns:
       HF name -> float32 array, exactly what ``load_gguf(path).params`` should hold
@@ -120,7 +122,7 @@ def write_tiny_gguf(path: str | os.PathLike, config: ModelConfig | None = None,
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     expected: dict[str, np.ndarray] = {}
 

@@ -9,7 +9,9 @@
 | ``startup`` | cold and warm start to SERVING, beside llama.cpp's server and HF | ``startup`` |
 | ``soak`` | hours of mixed, partly hostile gRPC + HTTP traffic: leaks and wrong endings | ``soak`` |
 | ``eval`` | perplexity and KL divergence against the unquantized model | ``eval`` |
-| ``device`` | one GPU: kernel self-check, the kernel against JAX's, a Llama-3-8B-shaped model's steps, formats, workloads; each section time-limited | ``device`` |
+| ``structured`` | structured outputs: a JSON-schema batch against the same batch unconstrained; forced-token drafting against plain constrained decoding | ``structured`` |
+| ``device`` | one GPU: kernel self-check, the kernel against JAX's, a Llama-3-8B-shaped model's steps, formats, workloads; each section time-limited | ``structured`` | structured outputs: a JSON-schema batch against the same batch unconstrained; forced-token drafting against plain constrained decoding | ``structured`` |
+| ``device`` |
 
 ``serve`` and ``eval`` build their engine from ``jaxserve.main``'s flags (the
 one place engine flags are defined): they run ``python -m jaxserve.main
@@ -34,7 +36,7 @@ import os
 import subprocess
 import sys
 
-from jaxserve.bench import device, peers, soak, speculation, startup, throughput
+from jaxserve.bench import device, peers, soak, speculation, startup, structured, throughput
 
 COMMANDS = {
     "serve": "serving benchmark: workloads at concurrency levels against HF, llama.cpp and "
@@ -46,6 +48,8 @@ COMMANDS = {
     "startup": "cold and warm start to SERVING against llama.cpp's server and HF's load",
     "soak": "long mixed gRPC + HTTP traffic against one server: leaks, lost or hanging calls",
     "eval": "perplexity and KL divergence (every flag of python -m jaxserve.main --mode eval)",
+    "structured": "structured outputs: a JSON-schema batch against the same batch "
+                  "unconstrained, forced-token drafting against plain constrained decoding",
     "device": "GPU: kernel self-check, the kernel against JAX's, then a Llama-3-8B-shaped "
               "model's steps, formats and workloads, each section time-limited",
 }
@@ -78,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                               help="after --: flags of both jaxserve starts")
     soak.add_arguments(p["soak"])
     device.add_arguments(p["device"])
+    structured.add_arguments(p["structured"])
     return ap
 
 
@@ -137,6 +142,8 @@ def main(argv=None, parts: dict | None = None) -> int:
             return _startup(a)
         if a.command == "soak":
             return soak.run(a)
+        if a.command == "structured":
+            return structured.run(a)
         return device.run(a)
     except ValueError as e:
         ap.error(str(e))

@@ -232,7 +232,8 @@ class StepPipeline:
         """
         t0 = time.monotonic()
         if self.speculator is None:  # constrained rows' forced tokens ride as drafts
-            forced = forced_drafts(self.scheduler.running)
+            forced = forced_drafts(self.scheduler.running,
+                                   self.scheduler.config.max_forced_drafts)
             batch = self.scheduler.schedule(forced or None,
                                             self.runner.max_rows if forced else None)
         else:

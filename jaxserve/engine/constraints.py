@@ -138,16 +138,17 @@ class ConstraintFactory:
         return structured.build_constraint(params, backend, self.tokenizer, self.vocab_size)
 
 
-def forced_drafts(running) -> dict:
-    """{sequence: its forced tokens (at most ``MAX_FORCED_DRAFTS``)} for the
-    constrained sequences of ``running`` that can be drafted for
-    (``speculation.decode_ready``) and whose constraint forces a token."""
+def forced_drafts(running, max_drafts: int = MAX_FORCED_DRAFTS) -> dict:
+    """{sequence: its forced tokens (at most ``max_drafts``;
+    ``SchedulerConfig.max_forced_drafts``)} for the constrained sequences of
+    ``running`` that can be drafted for (``request.decode_ready``) and whose
+    constraint forces a token; {} when ``max_drafts`` is 0."""
     out = {}
-    if MAX_FORCED_DRAFTS <= 0:
+    if max_drafts <= 0:
         return out
     for r in running:
         if r.constraint is not None and decode_ready(r):
-            forced = list(r.constraint.forced_tokens()[:MAX_FORCED_DRAFTS])
+            forced = list(r.constraint.forced_tokens()[:max_drafts])
             if forced:
                 out[r] = forced
     return out

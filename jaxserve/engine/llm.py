@@ -87,7 +87,8 @@ class LLM:
                  attention_interpret: bool = False, async_scheduling: bool = True,
                  mesh: str | None = None, quantization: str = "none",
                  quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
-                 speculative_config: dict | None = None, **parts):
+                 speculative_config: dict | None = None, max_forced_drafts: int = 8,
+                 **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
         config = EngineConfig(
@@ -99,7 +100,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      max_forced_drafts=max_forced_drafts),
             compilation_cache_dir=compile_cache.resolve_dir(compilation_cache_dir),
             attention_impl=attention_impl, scan_layers=scan_layers,
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,

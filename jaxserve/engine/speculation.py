@@ -217,7 +217,8 @@ class Speculator:
                           sum(max(0, r.num_tokens - r.num_computed_tokens - 1)
                               for r in scheduler.running))
             self.k = self.policy.choose_k(decoding, prefill)
-        forced = forced_drafts(scheduler.running)  # constrained rows' free drafts
+        forced = forced_drafts(scheduler.running,  # constrained rows' free drafts
+                               scheduler.config.max_forced_drafts)
         if self.k == 0 or not ready:
             if self.config.method == "ngram":
                 self._shadow_propose(scheduler)
