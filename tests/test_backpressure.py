@@ -275,7 +275,7 @@ def _unread_round(server, grpc_id: str, read_after: bool):
         c = counts()
         return c["paused/unread"] - c["resumed/read"] == 4 and \
             server.metrics()["jaxserve_num_requests_running"] == 0
-    _wait(all_paused, STALL_S, f"the unread streams were not all paused: {counts()}\n"
+    _wait(all_paused, 60, f"the unread streams were not all paused: {counts()}\n"
           + "".join(server.lines[-20:]))
     while_paused = [_short(server) for _ in range(3)]
     c = counts()
@@ -325,6 +325,10 @@ def _unread_round(server, grpc_id: str, read_after: bool):
 def test_unread_streams_are_paused_then_cut_others_served_meanwhile(tiny_gguf):
     server = ServerProcess(["--model", tiny_gguf, *ENGINE_FLAGS], warmup=True)
     try:
+        # Every step shape compiled (the background warm-up caps the rows
+        # until then, so 64 sequences could not run at once).
+        _wait(lambda: server.metrics()["jaxserve_startup_warmup_seconds"] > 0, 600,
+              "the background warm-up did not end")
         # Warm-up: one whole round, so the step shapes are compiled and the
         # allocators have grown to the steady state before RSS is read.
         _unread_round(server, "grpc-unread-0", read_after=False)
