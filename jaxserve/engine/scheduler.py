@@ -326,13 +326,19 @@ class Scheduler:
         alloc.register(req.page_ids[lo:full], req.page_hashes[lo:full])
         req.num_registered_pages = full
 
-    def _preempt(self, req: Request) -> None:
+    def _unschedule(self, req: Request) -> None:
+        """Take a running ``req`` out of the batch: its pages are freed, its
+        tokens stay on the host, and it is computed again from the start
+        when next admitted."""
         self.running.remove(req)
         self.allocator.free(req.page_ids)
         req.page_ids = []
         req.num_computed_tokens = 0
         req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
+
+    def _preempt(self, req: Request) -> None:
+        self._unschedule(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -346,12 +352,7 @@ class Scheduler:
         if req.finished or req in self.paused:
             return
         if req in self.running:
-            self.running.remove(req)
-            self.allocator.free(req.page_ids)
-            req.page_ids = []
-            req.num_computed_tokens = 0
-            req.num_registered_pages = 0
-            req.status = RequestStatus.WAITING
+            self._unschedule(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:
@@ -373,12 +374,7 @@ class Scheduler:
         freed and it is prefilled again. Not counted as a preemption."""
         req.drop_placeholders()
         if req in self.running:
-            self.running.remove(req)
-            self.allocator.free(req.page_ids)
-            req.page_ids = []
-            req.num_computed_tokens = 0
-            req.num_registered_pages = 0
-            req.status = RequestStatus.WAITING
+            self._unschedule(req)
             self.waiting.appendleft(req)
 
     def release(self, request_id: str) -> bool:
