@@ -118,10 +118,10 @@ def run(a) -> int:
                                 StructuredOutputsParams(json=forced_key_schema(a.fields)))
     single = prompts[:a.single]
     e = llm.engine
-    base = e.scheduler.config
+    base = e.config.scheduler.max_forced_drafts
     out = {}
-    for name, k in (("forced_drafts", base.max_forced_drafts or 8), ("plain_constrained", 0)):
-        e.scheduler.config = dataclasses.replace(base, max_forced_drafts=k)
+    for name, k in (("forced_drafts", base or 8), ("plain_constrained", 0)):
+        e.set_max_forced_drafts(k)
         runs = [_median(llm, [p], keyed, a.repeats) for p in single]
         out[name] = dict(max_forced_drafts=k, tok_s=statistics.median(r["tok_s"] for r in runs),
                          steps=sum(r["steps"] for r in runs),
@@ -129,7 +129,7 @@ def run(a) -> int:
                          forced_tokens=sum(r["forced_tokens"] for r in runs),
                          compilations=sum(r["compilations"] for r in runs),
                          texts=[r["texts"][0] for r in runs[:2]])
-    e.scheduler.config = base
+    e.set_max_forced_drafts(base)
     res["single"] = out
     res["forced_speedup"] = out["forced_drafts"]["tok_s"] / out["plain_constrained"]["tok_s"]
     paths = report.write(a.output, res, markdown)

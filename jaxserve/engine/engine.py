@@ -230,6 +230,15 @@ class Engine(EngineViews):
         """
         return self._intake.constraints.build_all(params, self.eos_token_ids)
 
+    def set_max_forced_drafts(self, k: int) -> None:
+        """Set ``SchedulerConfig.max_forced_drafts`` (0 turns forced drafting
+        off) from the next step on; a benchmark compares both.
+
+        Raises:
+          ValueError: ``k`` not an integer >= 0.
+        """
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, max_forced_drafts=k)
+
     def compile_structured(self, spec) -> None:
         """Compile a ``StructuredOutputsParams`` with the engine's grammar
         backend, cached by spec, so the request that carries it finds it
