@@ -39,17 +39,30 @@ Synchronous fallback (``sync_reason``): N+1 is not launched before N's
 results are read when N verified speculative drafts (or the speculation
 policy's k is above 0: the engine's check), when a live sequence of N uses presence / frequency /
 repetition penalties (they need the output history on the host) or prompt
-logprobs (their spans follow the logprobs already on the host), when a live
-sequence that N samples carries a token constraint (structured outputs,
-``allowed_token_ids``, ``bad_words``: its next bitmask row is filled from
-the constraint's state after N's token, which only the host can advance),
-or when another step ran on the runner since N
+logprobs (their spans follow the logprobs already on the host), when a
+constrained sequence's grammar forces more than N's own token (the forced
+tokens after it ride N+1 as drafts, ``constraints.forced_drafts``, planned
+from the constraint's state on the host once it has taken N's token), or
+when another step ran on the runner since N
 (``Engine.last_token_logits``): ``prev_rows`` always index the step
-launched just before; and in a multi-host job (below). So a step with a
-constrained row waits for the one before it: its mask filling does not
-overlap the device yet (a first version; overlapping it needs the mask of
-every possible previous token, or the fill on device); batches without one
-stay asynchronous.
+launched just before; and in a multi-host job (below).
+
+Constrained rows (structured outputs, ``allowed_token_ids``, ``bad_words``)
+otherwise overlap like any other: their next bitmask row needs N's token on
+the host (only the host advances a grammar), but the model does not, so
+N+1 is launched split at the logits (vLLM v1 and tpu-inference apply the
+grammar bitmask between the model and the sampler the same way). The
+step program of N+1 is launched with its constrained rows' masks unfilled
+(``prepare_plan(..., fill_masks=False)``); after N's results are
+processed (each constraint has taken N's token), ``StepPipeline.sample``
+fills those rows from the constraints and launches N+1's sampling program
+(``ModelRunner.launch_sampling``), before anything else is launched:
+
+    host:   [plan N+1 | launch N+1's model] [wait N] [N's tokens, constraints] [fill N+1's masks | launch N+1's sampling]
+    device: ... step N ....................][ N+1's model ..........................................][ N+1's sampling ]
+
+so the mask filling and the grammar's advance overlap N+1's model, and the
+programs are the same two (step, sampling) as a synchronous step's.
 
 Multi-host (``runner.channel`` set): every step is synchronous. The plan
 could carry ``prev_rows`` (it is one more leaf of the broadcast, and every
@@ -76,6 +89,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.constraints import forced_drafts
+from jaxserve.engine.plan import fill_token_masks
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
 
@@ -154,6 +168,8 @@ class InFlightStep:
       idle_s: the device's idle time before its launch, s.
       compiled: its launch compiled something.
       overlapped: the next step was launched before its results were read.
+      deferred: its sampling is not launched yet (``StepPipeline.sample``
+        launches it once the host has filled its constrained rows' masks).
     """
 
     batch: ScheduledBatch
@@ -169,10 +185,11 @@ class InFlightStep:
     idle_s: float = 0.0
     compiled: bool = False
     overlapped: bool = False
+    deferred: bool = False
 
     def poll(self) -> bool:
         """Whether its results are ready; notes when first seen ready."""
-        if self.ready_at is None and self.outs[1].token_ids.is_ready():
+        if self.ready_at is None and not self.deferred and self.outs[1].token_ids.is_ready():
             self.ready_at = time.monotonic()
         return self.ready_at is not None
 
@@ -182,9 +199,11 @@ class InFlightStep:
         return any(not r.finished for r in self.batch.requests)
 
 
-def sync_reason(step: InFlightStep, runner) -> str | None:
+def sync_reason(step: InFlightStep, runner, max_forced_drafts: int = 0) -> str | None:
     """Why the step after ``step`` must wait for ``step``'s results on the
-    host (None: it may be launched first)."""
+    host (None: it may be launched first). ``max_forced_drafts``: the
+    scheduler's (``SchedulerConfig.max_forced_drafts``; 0 when a
+    speculator plans the steps)."""
     if runner.channel is not None:
         return "multi-host: the next plan's broadcast would race this step's collectives"
     if runner.num_launched != step.index + 1:
@@ -198,9 +217,14 @@ def sync_reason(step: InFlightStep, runner) -> str | None:
             return "penalties need the output history on the host"
         if r.wants_prompt_logprobs:
             return "prompt logprobs follow the logprobs on the host"
-    for r, samples in zip(step.batch.requests, step.samples):
-        if samples and not r.finished and r.constraint is not None:
-            return "a token constraint's next mask needs this step's token on the host"
+    if max_forced_drafts > 0:
+        for r, samples in zip(step.batch.requests, step.samples):
+            # The constraint has not taken this step's token yet, so its
+            # first forced token is that one; more after it ride the next
+            # step as drafts, planned from the host's constraint state.
+            if samples and not r.finished and r.constraint is not None \
+                    and len(r.constraint.forced_tokens()[:2]) == 2:
+                return "the grammar forces tokens after this step's: they ride as drafts"
     return None
 
 
@@ -249,7 +273,10 @@ class StepPipeline:
         prev_rows_of: dict[Request, int] | None = None
         if prev is not None:
             prev_rows_of = {r: k for k, r in enumerate(prev.batch.requests) if prev.samples[k]}
-        plan = self.runner.prepare(batch, prev_rows_of)
+        # Constrained rows behind a step in flight: their masks wait for its
+        # tokens (``sample``), while the device runs this step's model.
+        defer = prev is not None and any(r.constraint is not None for r in batch.requests)
+        plan = self.runner.prepare(batch, prev_rows_of, fill_masks=not defer)
         samples, kv_lens = [], []
         for r, q in zip(batch.requests, batch.q_lens):
             start = r.num_computed_tokens
@@ -268,17 +295,31 @@ class StepPipeline:
         compilations = self.runner.num_compilations
         index = self.runner.num_launched
         try:
-            outs = self.runner.launch(plan)
+            outs = self.runner.launch(plan, defer_sampling=defer)
         except BaseException:
             for r in batch.requests:
                 self.scheduler.requeue(r)
             raise
         step = InFlightStep(batch, plan, outs, samples, tuple(kv_lens), index, last, launched,
                             idle_s=idle,
-                            compiled=self.runner.num_compilations != compilations)
+                            compiled=self.runner.num_compilations != compilations,
+                            deferred=defer)
         step.host_s = time.monotonic() - t0
         self._last = step
         return step
+
+    def sample(self, step: InFlightStep) -> None:
+        """Launch a deferred step's sampling: fill its constrained rows'
+        bitmasks from their constraints (which have taken the previous
+        step's tokens by now), then launch the sampling program. Its model
+        has been running on the device meanwhile."""
+        t0 = time.monotonic()
+        compilations = self.runner.num_compilations
+        fill_token_masks(step.plan)
+        step.outs = self.runner.launch_sampling(step.plan, step.outs)
+        step.deferred = False
+        step.compiled |= self.runner.num_compilations != compilations
+        step.host_s += time.monotonic() - t0
 
     def collect(self, step: InFlightStep):
         """Wait for ``step``'s results; returns its ``StepResult``."""

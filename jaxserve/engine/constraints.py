@@ -36,7 +36,12 @@ forced text than the one ``forced_tokens`` gives (llguidance's fast-forward
 tokens are the canonical one) and the model samples that instead: the
 speculation rule then keeps the model's token and drops the rest. The
 scheduler trims drafts as it trims speculative ones (budget, pages, logits
-rows, ``max_tokens``); steps with drafts are synchronous. Logits rows bound them: an engine without
+rows, ``max_tokens``); steps with drafts are synchronous, and so is a step
+whose token starts a forced run (``async_step.sync_reason``: the next plan
+needs the constraint's state after that token), so with async scheduling a
+forced run that follows a free token starts riding one step later than
+synchronously (the step after the free token was launched before it was
+known). Logits rows bound them: an engine without
 speculation has ``max_rows`` (``coarse_bucket(max_num_seqs)``) rows, so
 forced drafts use the rows its running sequences leave free (all but one at
 batch 1, none in a full batch); a speculating engine has twice as many.

@@ -457,8 +457,9 @@ class Engine(EngineViews):
                 if cur is None:
                     self._steps.idle()
                     return outputs
-            if self.config.async_scheduling and sync_reason(cur, self.runner) is None and not (
-                    self.speculator is not None and self.speculator.wants_host_tokens):
+            forced = self.scheduler.config.max_forced_drafts if self.speculator is None else 0
+            if self.config.async_scheduling and sync_reason(cur, self.runner, forced) is None \
+                    and not (self.speculator is not None and self.speculator.wants_host_tokens):
                 self._in_flight = self._steps.launch(cur)
                 cur.overlapped = self._in_flight is not None
             res = self._steps.collect(cur)
@@ -470,6 +471,13 @@ class Engine(EngineViews):
         t = time.monotonic()
         outputs += self.outputs.process(cur, res, t, self.speculator)
         cur.host_s += time.monotonic() - t
+        if self._in_flight is not None and self._in_flight.deferred:
+            try:  # its constraints have taken cur's tokens: fill its masks, sample
+                self._steps.sample(self._in_flight)
+            except BaseException:
+                self._steps.fail(self._in_flight)
+                self._in_flight = None
+                raise
         self.last_step = self._steps.info(cur)
         self._num_steps += 1
         if self.speculator is not None and not self.last_step.compiled:

@@ -107,6 +107,10 @@ class StepPlan:
       plp_spans: request row -> (first token, lo, hi): its prompt logprobs
         for positions lo..hi-1 are those of tokens first..first+hi-lo-1 of
         the step (host only, process 0).
+      mask_slots: (slot, what its row sees) of each constrained slot whose
+        ``sampling.token_bitmask`` row is still to be filled
+        (``fill_token_masks``; ``prepare_plan(..., fill_masks=False)``), else
+        [] (host only).
     """
 
     decode: bool
@@ -120,6 +124,7 @@ class StepPlan:
     num_requests: int = 0
     plp_spans: dict = dataclasses.field(default_factory=dict)
     row_slots: list = dataclasses.field(default_factory=list)
+    mask_slots: list = dataclasses.field(default_factory=list)
 
     def statics(self) -> list[int]:
         return [int(self.decode), self.rows, self.num_top, int(self.uses_prev)]
@@ -187,7 +192,8 @@ class SeqView:
         return self.request.eos_token_ids
 
 
-def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) -> StepPlan:
+def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None,
+                 fill_masks: bool = True) -> StepPlan:
     """Build a step's host arrays (padded to the buckets) from the batch.
 
     Args:
@@ -196,6 +202,9 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) ->
       prev_rows_of: {request: its row in the step launched just before},
         for the requests whose last token is that step's placeholder
         (async scheduling); None when no request holds one.
+      fill_masks: fill constrained slots' bitmask rows now; False leaves
+        them to ``fill_token_masks`` (``StepPlan.mask_slots``), once the
+        constraints have taken the tokens still in flight.
     """
     reqs, q_lens = batch.requests, batch.q_lens
     n, nd = len(reqs), batch.num_decode
@@ -272,11 +281,25 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None) ->
                            page_indices, cu_q_lens, np.array([n], np.int32),
                            logits_indices, np.array([nd], np.int32), decode_only)
     st = make_sampling_tensors(slot_views, rows, layout.penalty_width,
-                               vocab_size=layout.vocab_size)
+                               vocab_size=layout.vocab_size, fill_masks=fill_masks)
+    mask_slots = [] if fill_masks else [
+        (i, v) for i, v in enumerate(slot_views) if getattr(v, "constraint", None) is not None]
     return StepPlan(decode=decode_only, rows=rows, num_top=top, md=md, sampling=st,
                     targets=targets, prev_rows=prev_rows,
                     uses_prev=bool((prev_rows >= 0).any()), num_requests=len(sample_rows),
-                    plp_spans=plp_spans, row_slots=row_slots)
+                    plp_spans=plp_spans, row_slots=row_slots, mask_slots=mask_slots)
+
+
+def fill_token_masks(plan: StepPlan) -> None:
+    """Fill the bitmask rows ``prepare_plan(..., fill_masks=False)`` left
+    (``plan.mask_slots``), in place, from each slot's constraint as it is
+    now; a slot whose sequence finished meanwhile keeps its all-allowed row
+    (its token is dropped). Empties ``mask_slots``."""
+    bitmask = plan.sampling.token_bitmask
+    for i, view in plan.mask_slots:
+        if not getattr(view, "request", view).finished:
+            view.constraint.fill(bitmask[i])
+    plan.mask_slots = []
 
 
 def padding_plan(layout: PlanLayout, num_tokens: int, num_top: int = 0, decode: bool = False,

@@ -372,16 +372,22 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
     def _execute_plan(self, plan: "StepPlan", return_logits: bool = False) -> StepResult:
         return self.finish(plan, self.launch(plan), return_logits)
 
-    def launch(self, plan: StepPlan):
+    def launch(self, plan: StepPlan, defer_sampling: bool = False):
         """Start a plan's step on device without waiting for it (in a
         multi-host job, after broadcasting the plan); returns its device
-        arrays for ``finish``.
+        arrays for ``finish``. ``defer_sampling``: launch the step program
+        only (its sampling comes with ``launch_sampling``, once the host has
+        filled the plan's token bitmask rows; one-process jobs only).
 
         Raises:
           MultihostError: a multi-host step failed after its plan was sent.
+          ValueError: ``defer_sampling`` in a multi-host job.
         """
         if self.channel is None:
-            return self.run(plan)
+            return self.run(plan, defer_sampling)
+        if defer_sampling:
+            raise ValueError("a multi-host step cannot defer its sampling (the plan is "
+                             "broadcast whole)")
         try:
             self.channel.send(multihost.OP_STEP, plan.statics(), plan.leaves())
             return self.run(plan)
@@ -435,27 +441,40 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
         if self.channel is not None and not self.channel.stopped and self.channel.broken is None:
             self.channel.send(multihost.OP_STOP)
 
-    def run(self, plan: "StepPlan"):
+    def run(self, plan: "StepPlan", defer_sampling: bool = False):
         """Launch a plan's jitted step and sampling; returns device arrays
         ``(logits f32[R, V], SampleOutput, prompt logprobs or None,
         expert load or None)``. Every process of a job calls it with the same
         plans in the same order, so each one's previous sampled ids (what
-        ``plan.prev_rows`` index) are the same."""
+        ``plan.prev_rows`` index) are the same. ``defer_sampling``: the
+        ``SampleOutput`` is None until ``launch_sampling`` (the step program
+        reads the previous step's sampled ids when launched, so the next
+        step's sampling may come later)."""
         prev_ids = self._prev_ids if plan.uses_prev else self._no_prev
         md, T = plan.md, plan.md.input_ids.shape[0]
         step = self._ready(self._step_name(md.decode_only, T), self.step_fn)  # warmed up ahead
         out = step(self.state, self.k_stack, self.v_stack, md, plan.prev_rows, prev_ids)
         logits, self.k_stack, self.v_stack, *load, x_DT = out
-        sampling = self._ready(self._sampling_name(plan.rows, plan.sampling),
-                               lambda lg, st, top: self._postprocess(lg, st, plan.rows, top))
-        so, self._prev_ids = sampling(logits, plan.sampling, np.bool_(plan.num_top > 0))
         plp = None
         if plan.targets.shape[0]:
             fn = self._ready(f"prompt-logprobs-{T}-top{plan.num_top}",
                              lambda st, x, tg: self._prompt_logprobs(st, x, tg, plan.num_top))
             plp = fn(self.state, x_DT, plan.targets)
         self.num_launched += 1
-        return logits, so, plp, (load[0] if load else None)
+        outs = (logits, None, plp, (load[0] if load else None))
+        return outs if defer_sampling else self.launch_sampling(plan, outs)
+
+    def launch_sampling(self, plan: "StepPlan", outs):
+        """Launch the sampling of a step launched with ``defer_sampling``
+        (with ``plan.sampling`` as it is now: its bitmask rows filled since);
+        returns the step's device arrays with its ``SampleOutput``. It must
+        come before the next step's launch (whose input ids may be these
+        sampled ids)."""
+        logits, _, plp, load = outs
+        sampling = self._ready(self._sampling_name(plan.rows, plan.sampling),
+                               lambda lg, st, top: self._postprocess(lg, st, plan.rows, top))
+        so, self._prev_ids = sampling(logits, plan.sampling, np.bool_(plan.num_top > 0))
+        return logits, so, plp, load
 
     def _finish(self, plan: "StepPlan", outs, return_logits: bool) -> StepResult:
         logits, so, plp, load = outs
@@ -471,7 +490,8 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
             logits=np.asarray(logits)[:n] if return_logits else None,
             expert_load=self.last_expert_load)
 
-    def prepare(self, batch: ScheduledBatch, prev_rows_of: dict | None = None) -> StepPlan:
+    def prepare(self, batch: ScheduledBatch, prev_rows_of: dict | None = None,
+                fill_masks: bool = True) -> StepPlan:
         """A step's host arrays, padded to the buckets (``plan.prepare_plan``).
 
         Args:
@@ -479,5 +499,6 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
           prev_rows_of: {request: its row in the step launched just before},
             for the requests whose last token is that step's placeholder
             (async scheduling); None when no request holds one.
+          fill_masks: as ``plan.prepare_plan``.
         """
-        return prepare_plan(batch, self.layout, prev_rows_of)
+        return prepare_plan(batch, self.layout, prev_rows_of, fill_masks)

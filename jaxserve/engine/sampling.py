@@ -134,7 +134,8 @@ class SampleOutput:
 
 def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
                           penalised: bool = False,
-                          vocab_size: int | None = None) -> SamplingTensors:
+                          vocab_size: int | None = None,
+                          fill_masks: bool = True) -> SamplingTensors:
     """Build one step's ``SamplingTensors`` on the host (numpy).
 
     Args:
@@ -160,6 +161,9 @@ def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
         without the attribute are unconstrained) starts from all ones and
         its constraint's ``fill`` ANDs its allowed tokens in. Each row's
         ``params.logit_bias`` fills its bias columns.
+      fill_masks: False leaves constrained rows all ones (``plan.
+        fill_token_masks`` fills them later, once their constraints have
+        taken the tokens still in flight).
 
     Returns:
       ``SamplingTensors`` of numpy arrays. M (Mp) is the most unique output
@@ -191,7 +195,8 @@ def make_sampling_tensors(reqs, rows: int, penalty_width: int | None = None,
         if constraint is not None:
             if vocab_size is None:
                 raise ValueError("make_sampling_tensors: a constrained row needs vocab_size")
-            constraint.fill(bitmask[i])
+            if fill_masks:
+                constraint.fill(bitmask[i])
         if p.logit_bias:
             nb = len(p.logit_bias)
             bias_ids[i, :nb] = list(p.logit_bias)
