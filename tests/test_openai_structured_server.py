@@ -420,17 +420,25 @@ def test_structured_output_metrics(server, client, tiny_gguf):
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
-    """The tiny model with a tool-aware chat template (the tool parts of Qwen
-    2.5's, which reads ``tools`` and renders ``tool_calls`` itself)."""
+    """A tiny random Qwen3 (q/k norms, head_dim 32 != D/N; an HF folder,
+    ``tiny_models.write_tiny_qwen3``) with a tool-aware chat template (the
+    tool parts of Qwen 2.5's, which reads ``tools`` and renders
+    ``tool_calls`` itself)."""
     from test_tool_parsers import QWEN_TOOLS
-    from tiny_gguf import write_tiny_gguf
-    from jaxserve.config import ModelConfig
-    path = str(tmp_path_factory.mktemp("tiny-gguf-tools") / "tiny.gguf")
-    write_tiny_gguf(path, ModelConfig(vocab_size=VOCAB, max_position_embeddings=4096,
-                                      num_layers=2), chat_template=QWEN_TOOLS)
+    from tiny_models import write_tiny_qwen3
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-tools"))
+    write_tiny_qwen3(path, chat_template=QWEN_TOOLS)
     s = ServerProcess(["--model", path, "--http_port", "0", *ENGINE_FLAGS])
     yield s, path
     assert s.terminate() == 0
+
+
+def test_tool_server_is_a_qwen3(tool_server):
+    """The tool-aware model really is served as a Qwen3 (a llama would fail)."""
+    server, model = tool_server
+    with grpc.insecure_channel(server.target) as channel:
+        info = pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest())
+    assert (info.name, info.architecture, info.vocab_size) == (model, "qwen3", VOCAB)
 
 
 def test_tool_aware_template_renders_tools_and_serves_all_choices(tool_server):
