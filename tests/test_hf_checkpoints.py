@@ -166,6 +166,39 @@ def test_tokenizer_and_chat_template_match_hf(folders, hf_tokenizer):
         want, add_special_tokens=False)
 
 
+def test_tiny_qwen3_writer_is_a_qwen3_transformers_reads(tmp_path):
+    """``tiny_models.write_tiny_qwen3`` (the tool-aware server's model,
+    written with numpy alone) is what transformers reads as a Qwen3 of the
+    same weights: last-position logits and greedy tokens match, and its
+    tokenizer and tool template render a tool conversation to the same ids."""
+    from test_tool_parsers import HISTORY, QWEN_TOOLS, TOOLS
+    from tiny_models import write_tiny_qwen3
+    params = write_tiny_qwen3(tmp_path, QWEN_TOOLS, max_position_embeddings=256)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval().to(torch.float32)
+    assert type(hf) is transformers.Qwen3ForCausalLM and hf.config.head_dim == 32
+    state = hf.state_dict()
+    for name, value in params.items():  # q/k norms included
+        np.testing.assert_array_equal(state[name].numpy(), value)
+    llm = make_llm(tmp_path)
+    assert llm.engine.model_config.architecture == "qwen3"
+    ours = llm.engine.last_token_logits(PROMPTS)
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0, -1].numpy() for p in PROMPTS]
+    for row, ref in zip(ours, refs):
+        np.testing.assert_allclose(row, ref, atol=1e-4, rtol=0)
+    want = [hf_greedy(hf, p, 8) for p in PROMPTS[:2]]
+    assert want[0] != want[1] and len(set(sum(want, []))) > 4  # telling apart
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0,
+                                                    ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = hf_tok.apply_chat_template(HISTORY, tools=TOOLS, add_generation_prompt=True,
+                                      tokenize=False)
+    assert '<tool_call>\n{"name": "get_weather"' in text
+    ours = load_hf(tmp_path).tokenizer.apply_chat_template(HISTORY, tools=TOOLS, tokenize=True)
+    assert ours == hf_tok.encode(text, add_special_tokens=False)
+
+
 def test_config_and_params(folders):
     llama = load_hf(folders["llama"][0])
     c = llama.config

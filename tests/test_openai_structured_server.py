@@ -180,6 +180,55 @@ def test_tool_history_round_trips_into_the_prompt(server, http):
     assert len(r.json()["tokens"]) > len(without)
 
 
+def _grpc_chat(arguments: str = '{"a": 1, "b": 2}') -> pb.ChatMessages:
+    """The tool history of ``test_tool_history_round_trips_into_the_prompt`` in
+    gRPC's ``ChatMessage`` / ``ToolCall``."""
+    return pb.ChatMessages(messages=[
+        pb.ChatMessage(role="user", content="1+2?"),
+        pb.ChatMessage(role="assistant", tool_calls=[
+            pb.ToolCall(id="call_a", name="add", arguments=arguments)]),
+        pb.ChatMessage(role="tool", tool_call_id="call_a", content="3")])
+
+
+@pytest.mark.parametrize("which", ["server", "tool_server"])
+def test_grpc_tool_history_renders_as_http(request, which):
+    """An assistant turn's ``tool_calls`` and a "tool" reply sent over gRPC
+    render into the very prompt the HTTP API renders from the same OpenAI
+    messages, with the ChatML template (calls as text blocks) and with the
+    tool-aware Qwen one (the template renders them); bad arguments JSON is
+    INVALID_ARGUMENT naming the flat ToolCall field."""
+    s = request.getfixturevalue(which)
+    s = s[0] if isinstance(s, tuple) else s
+    history = [{"role": "user", "content": "1+2?"},
+               {"role": "assistant", "content": "", "tool_calls": [{
+                   "id": "call_a", "type": "function",
+                   "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_a", "content": "3"}]
+    with grpc.insecure_channel(s.target) as channel, \
+            httpx.Client(base_url=s.http_url, timeout=120) as http:
+        stub = pb_grpc.GenerationStub(channel)
+        ids = list(stub.Tokenize(pb.TokenizeRequest(chat=_grpc_chat()), timeout=60).token_ids)
+        assert ids == http.post("/tokenize", json={"messages": history}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+        assert "<tool_response>\n3\n</tool_response>" in text
+        (out,) = stub.Generate(pb.GenerateRequest(
+            chat=_grpc_chat(), sampling=pb.SamplingParams(max_tokens=2),
+            output_kind=pb.OUTPUT_KIND_FINAL_ONLY), timeout=60)
+        assert out.finished and out.usage.prompt_tokens == len(ids)
+        for call, field in ((lambda: stub.Tokenize(pb.TokenizeRequest(chat=_grpc_chat("{")),
+                                                   timeout=60), "input.chat"),
+                            (lambda: list(stub.Generate(pb.GenerateRequest(
+                                chat=_grpc_chat('{"a": '), output_kind=pb.OUTPUT_KIND_FINAL_ONLY),
+                                timeout=60)), "prompt.chat")):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(
+                f"{field}.messages.1.tool_calls.0.arguments: is not valid JSON"), \
+                e.value.details()
+
+
 BAD = [  # (route, body, param)
     ("/v1/chat/completions", dict(response_format={"type": "json_object"},
                                   guided_regex="a+"), "guided_regex"),
@@ -420,17 +469,25 @@ def test_structured_output_metrics(server, client, tiny_gguf):
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
-    """The tiny model with a tool-aware chat template (the tool parts of Qwen
-    2.5's, which reads ``tools`` and renders ``tool_calls`` itself)."""
+    """A tiny random Qwen3 (q/k norms, head_dim 32 != D/N; an HF folder,
+    ``tiny_models.write_tiny_qwen3``) with a tool-aware chat template (the
+    tool parts of Qwen 2.5's, which reads ``tools`` and renders
+    ``tool_calls`` itself)."""
     from test_tool_parsers import QWEN_TOOLS
-    from tiny_gguf import write_tiny_gguf
-    from jaxserve.config import ModelConfig
-    path = str(tmp_path_factory.mktemp("tiny-gguf-tools") / "tiny.gguf")
-    write_tiny_gguf(path, ModelConfig(vocab_size=VOCAB, max_position_embeddings=4096,
-                                      num_layers=2), chat_template=QWEN_TOOLS)
+    from tiny_models import write_tiny_qwen3
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-tools"))
+    write_tiny_qwen3(path, chat_template=QWEN_TOOLS)
     s = ServerProcess(["--model", path, "--http_port", "0", *ENGINE_FLAGS])
     yield s, path
     assert s.terminate() == 0
+
+
+def test_tool_server_is_a_qwen3(tool_server):
+    """The tool-aware model really is served as a Qwen3 (a llama would fail)."""
+    server, model = tool_server
+    with grpc.insecure_channel(server.target) as channel:
+        info = pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest())
+    assert (info.name, info.architecture, info.vocab_size) == (model, "qwen3", VOCAB)
 
 
 def test_tool_aware_template_renders_tools_and_serves_all_choices(tool_server):

@@ -262,6 +262,30 @@ def test_streamed_forced_and_none():
     assert content == '{"answer": 42}' and calls == []
 
 
+@pytest.mark.parametrize("size", [3, 1000])
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+    '[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+])
+def test_auto_without_parallel_calls_keeps_the_first_call(text, size):
+    """``parallel_tool_calls=false`` under "auto": one call, the first, in a
+    whole response and in a stream; with it (the default) both calls."""
+    plan = plan_tools(TOOLS, "auto", False)
+    both = [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
+    assert _calls(parse_output(text, AUTO)[1]) == both
+    content, calls = parse_output(text, plan)
+    assert content is None and _calls(calls) == both[:1]
+    choice = apply_to_choice({"index": 0, "message": {"role": "assistant", "content": text},
+                              "finish_reason": "stop"}, plan)
+    assert _calls(choice["message"]["tool_calls"]) == both[:1]
+    assert choice["finish_reason"] == "tool_calls"
+    content, calls, _ = _stream(plan, _pieces(text, size))
+    assert content.strip() == "" and _calls(calls) == both[:1]
+    assert _calls(_stream(AUTO, _pieces(text, size))[1]) == both
+
+
 # ---- the chat template -------------------------------------------------------------
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "

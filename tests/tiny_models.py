@@ -18,9 +18,18 @@ arrays only in the HF-reference tests (``hf_llama``; those are marked slow).
   loop and server tests that need text.
 - ``hf_llama(cfg, params)`` / ``hf_greedy(hf, ids, n)``: transformers' model
   holding exactly ``params``, and its greedy continuation (import torch).
+- ``write_tiny_qwen3(folder, chat_template)``: a tiny random Qwen3 saved as an
+  HF folder (``config.json`` ``Qwen3ForCausalLM``, ``model.safetensors``, the
+  tiny GGUF's tokenizer as ``tokenizer.json``, the template in
+  ``tokenizer_config.json``): q/k norms and head_dim 32 != D/N, the files a
+  server loads with ``--model folder`` (the GGUF loader reads no qwen3 file).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import pathlib
 
 import numpy as np
 
@@ -80,6 +89,57 @@ def mock_tokenizer(vocab_size: int = 320) -> Tokenizer:
     """The tiny GGUF's byte-level BPE tokenizer and ChatML template, from its fields."""
     from tiny_gguf import tokenizer_fields
     return Tokenizer.from_gguf_fields(tokenizer_fields(vocab_size))
+
+
+# The tiny Qwen3's config.json: vocab 320 (the tiny GGUF's tokenizer), D 64,
+# F 128, 2 layers, N 4, K 2, H 32 (not D/N = 16: Qwen3 sets head_dim itself),
+# 4096 positions (a tools prompt in the byte-level tokenizer is ~800 tokens),
+# tied head, BOS <|im_start|> (1), EOS <|im_end|> (2).
+QWEN3_TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=320,
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                  hidden_act="silu", attention_bias=False, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+
+
+def write_tiny_qwen3(folder: str | os.PathLike, chat_template: str | None = None,
+                     seed: int = 0, **config) -> dict[str, np.ndarray]:
+    """Write a tiny random Qwen3 HF folder and return its params.
+
+    Files: ``config.json`` (``QWEN3_TINY`` with ``config`` overrides),
+    ``model.safetensors`` (f32; matrices N(0, 0.1^2), every norm, q/k norms
+    included, 1 + N(0, 0.1^2) so that they count), ``tokenizer.json`` (the
+    tiny GGUF's byte-level BPE, ``mock_tokenizer``) and
+    ``tokenizer_config.json`` (bos/eos/pad/unk tokens and ``chat_template``,
+    ChatML by default).
+
+    Returns:
+      HF name -> float32 array, exactly what ``load_hf(folder).params`` holds.
+
+    Raises:
+      ValueError: ``config`` that ``model_config_from_hf`` rejects.
+    """
+    from safetensors.numpy import save_file
+
+    from checkpoints.hf_config import expected_tensors, model_config_from_hf
+    from tiny_gguf import CHATML_TEMPLATE, SPECIAL_TOKENS
+    hf = {**QWEN3_TINY, **config}
+    cfg = model_config_from_hf(hf)
+    rng = np.random.default_rng(seed)
+    params = {name: ((name.endswith("norm.weight") + 0.1 * rng.standard_normal(shape))
+                     .astype(np.float32))
+              for name, shape in expected_tensors(cfg).items()}
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf, indent=1))
+    save_file(params, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    mock_tokenizer(cfg.vocab_size).backend.save(str(folder / "tokenizer.json"))
+    endoftext, im_start, im_end = SPECIAL_TOKENS
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
+        bos_token=im_start, eos_token=im_end, pad_token=im_end, unk_token=endoftext,
+        chat_template=chat_template or CHATML_TEMPLATE), indent=1))
+    return params
 
 
 def hf_llama(cfg: ModelConfig, params: dict[str, np.ndarray]):

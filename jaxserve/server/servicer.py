@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 from concurrent.futures.process import BrokenProcessPool
 
@@ -45,6 +46,9 @@ from jaxserve.server.output_constraints import json_schema_value, structured_out
 
 log = logging.getLogger(__name__)
 
+# The start of a chat_messages error about an assistant's call: its OpenAI
+# path "<field>.<i>.tool_calls.<j>.function.", which is "....tool_calls.<j>." in ToolCall.
+_FLAT_CALL = re.compile(r"^(\S*?\.tool_calls\.\d+)\.function\.")
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "logprobs",
              "prompt_logprobs", "repetition_penalty")
 
@@ -119,7 +123,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _messages(chat: pb.ChatMessages, field: str) -> list[dict]:
-        return chat_messages(((m.role, m.content) for m in chat.messages), f"{field}.messages")
+        """The chat template's message dicts of ``chat``: each ``ChatMessage``
+        as the HTTP API's OpenAI message, ``tool_calls`` as ``{id, type,
+        function: {name, arguments}}`` and ``tool_call_id`` when set, checked
+        and converted by the one ``frontend.chat_messages``.
+
+        Raises:
+          InvalidRequest: as ``chat_messages``; a call's path is the proto's
+            flat one (``<field>.messages.<i>.tool_calls.<j>.arguments``).
+        """
+        pairs = [(m.role, m.content, {
+            "tool_call_id": m.tool_call_id if m.HasField("tool_call_id") else None,
+            "tool_calls": [{"id": c.id, "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in m.tool_calls]}) for m in chat.messages]
+        try:
+            return chat_messages(pairs, f"{field}.messages")
+        except InvalidRequest as e:  # OpenAI's call.function.<x> is ToolCall.<x> here
+            raise InvalidRequest(_FLAT_CALL.sub(r"\1.", str(e), count=1)) from None
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         fe = self.frontend

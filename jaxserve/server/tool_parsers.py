@@ -28,6 +28,12 @@ For 2 and 3 the name must be one of the offered tools, so a JSON answer
 that happens to have a ``name`` key stays content. A call whose JSON does
 not parse is no call: the text is kept as content.
 
+``parallel_tool_calls=false`` holds under every choice: a forced choice's
+schema asks for one call object (not an array), and under ``"auto"``, where
+nothing constrains the model, a response carries at most one call, the
+first parsed; the calls after it are dropped (not returned as content), in
+whole responses and in streams alike (vLLM does the same).
+
 Results are OpenAI's ``message.tool_calls``: ``[{"id": "call_<24 hex>",
 "type": "function", "function": {"name", "arguments": <JSON text>}}]``;
 ``finish_reason`` becomes ``"tool_calls"`` when the output held calls.
@@ -83,7 +89,9 @@ class ToolPlan:
       tools: the function tools, OpenAI's ``{"type": "function", "function":
         {name, description, parameters}}``, checked; passed to the template.
       choice: "none", "auto", "required" or the named function's name.
-      parallel: ``parallel_tool_calls`` (more than one call allowed).
+      parallel: ``parallel_tool_calls`` (more than one call allowed). When
+        False a forced choice's schema is one call object and any output's
+        calls are cut to the first (``parse_output``, ``ToolCallStream``).
     """
 
     tools: list[dict]
@@ -313,10 +321,14 @@ def parse_forced(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
 
 
 def parse_output(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
-    """(content, calls) of a finished output as ``plan`` asks."""
+    """(content, calls) of a finished output as ``plan`` asks: at most one
+    call (the first parsed) when not ``plan.parallel``, whatever the choice;
+    the text of the calls dropped is not kept as content."""
     if not plan.parses:
         return text, []
-    return parse_forced(text, plan) if plan.forced else parse_tool_calls(text, plan.names)
+    content, calls = (parse_forced(text, plan) if plan.forced
+                      else parse_tool_calls(text, plan.names))
+    return content, calls if plan.parallel else calls[:1]
 
 
 def apply_to_choice(choice: dict, plan: ToolPlan) -> dict:
@@ -348,7 +360,8 @@ class ToolCallStream:
     belong to a call, never the start of a ``<tool_call>`` tag (held back
     until it is known); ``finish()`` parses what was held back and returns
     the last deltas. ``called`` tells whether any call was sent (then
-    ``finish_reason`` "stop" is reported as "tool_calls").
+    ``finish_reason`` "stop" is reported as "tool_calls"). Without
+    ``plan.parallel`` only the first call is sent; later ones are dropped.
     """
 
     def __init__(self, plan: ToolPlan):
@@ -359,6 +372,8 @@ class ToolCallStream:
         self.called = 0
 
     def _call_deltas(self, calls: list[dict]) -> list[dict]:
+        if not self.plan.parallel:
+            calls = calls[:max(0, 1 - self.called)]
         out = []
         for call in calls:
             i, fn = self.called, call["function"]
