@@ -92,6 +92,7 @@ from jaxserve.engine.constraints import forced_drafts
 from jaxserve.engine.plan import fill_token_masks
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledBatch, Scheduler
+from jaxserve.engine.spec_policy import ForcedDraftPolicy
 
 
 def merge_input_ids(host_ids_T, prev_rows_T, prev_ids_R):
@@ -199,11 +200,14 @@ class InFlightStep:
         return any(not r.finished for r in self.batch.requests)
 
 
-def sync_reason(step: InFlightStep, runner, max_forced_drafts: int = 0) -> str | None:
+def sync_reason(step: InFlightStep, runner, max_forced_drafts: int = 0,
+                forced_policy: ForcedDraftPolicy | None = None,
+                num_rows: int = 1) -> str | None:
     """Why the step after ``step`` must wait for ``step``'s results on the
     host (None: it may be launched first). ``max_forced_drafts``: the
     scheduler's (``SchedulerConfig.max_forced_drafts``; 0 when a
-    speculator plans the steps)."""
+    speculator plans the steps); ``forced_policy``: whether drafts would pay
+    in a step of ``num_rows`` rows (None: always)."""
     if runner.channel is not None:
         return "multi-host: the next plan's broadcast would race this step's collectives"
     if runner.num_launched != step.index + 1:
@@ -218,13 +222,16 @@ def sync_reason(step: InFlightStep, runner, max_forced_drafts: int = 0) -> str |
         if r.wants_prompt_logprobs:
             return "prompt logprobs follow the logprobs on the host"
     if max_forced_drafts > 0:
-        for r, samples in zip(step.batch.requests, step.samples):
-            # The constraint has not taken this step's token yet, so its
-            # first forced token is that one; more after it ride the next
-            # step as drafts, planned from the host's constraint state.
-            if samples and not r.finished and r.constraint is not None \
-                    and len(r.constraint.forced_tokens()[:2]) == 2:
-                return "the grammar forces tokens after this step's: they ride as drafts"
+        # The constraints have not taken this step's tokens yet, so a forced
+        # run's first token is this step's; the rest could ride the next step
+        # as drafts, planned from the host's constraint state after it.
+        lengths = [min(max_forced_drafts, len(r.constraint.forced_tokens()[:max_forced_drafts + 1])
+                       - 1)
+                   for r, samples in zip(step.batch.requests, step.samples)
+                   if samples and not r.finished and r.constraint is not None]
+        lengths = [n for n in lengths if n > 0]
+        if lengths and (forced_policy is None or forced_policy.best_cap(num_rows, lengths)):
+            return "the grammar forces tokens after this step's: they ride as drafts"
     return None
 
 
@@ -240,10 +247,12 @@ class StepPipeline:
     excluded; recomputation counts again).
     """
 
-    def __init__(self, scheduler: Scheduler, runner, speculator=None):
+    def __init__(self, scheduler: Scheduler, runner, speculator=None,
+                 forced_policy: ForcedDraftPolicy | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.speculator = speculator  # plans steps with drafts (jaxserve.engine.speculation)
+        self.forced_policy = forced_policy  # whether forced tokens ride as drafts; None: always
         self.num_prompt_tokens = 0
         self._last: InFlightStep | None = None  # the latest launch, while the engine is busy
 
@@ -258,6 +267,8 @@ class StepPipeline:
         if self.speculator is None:  # constrained rows' forced tokens ride as drafts
             forced = forced_drafts(self.scheduler.running,
                                    self.scheduler.config.max_forced_drafts)
+            if forced and self.forced_policy is not None:
+                forced = self.forced_policy.choose(len(self.scheduler.running), forced)
             batch = self.scheduler.schedule(forced or None,
                                             self.runner.max_rows if forced else None)
         else:

@@ -42,6 +42,7 @@ from jaxserve.engine.intake import Intake
 from jaxserve.engine.kv_handoff import KVHandoff, check_prefilled_params
 from jaxserve.engine.outputs import Group, OutputProcessor
 from jaxserve.engine.request import Request, RequestOutput, SamplingParams
+from jaxserve.engine.spec_policy import ForcedDraftPolicy
 from jaxserve.engine.views import EngineViews
 from jaxserve.engine.warmup import Warmup
 from pallas_kernels.ragged_paged_attention.quant import KVPages
@@ -163,7 +164,9 @@ class Engine(EngineViews):
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
         self.handoff = KVHandoff(self.scheduler, self.runner, self.outputs, self.model_config)
         self._pending: list[RequestOutput] = []  # outputs the next step() returns first
-        self._steps = StepPipeline(self.scheduler, self.runner, self.speculator)
+        self.forced_policy = ForcedDraftPolicy()  # forced tokens as drafts when they pay
+        self._steps = StepPipeline(self.scheduler, self.runner, self.speculator,
+                                   self.forced_policy)
         self._in_flight: InFlightStep | None = None  # launched, results not yet read
         self._num_steps = 0
         self.last_step: StepInfo | None = None  # the latest step's shape and time
@@ -458,7 +461,9 @@ class Engine(EngineViews):
                     self._steps.idle()
                     return outputs
             forced = self.scheduler.config.max_forced_drafts if self.speculator is None else 0
-            if self.config.async_scheduling and sync_reason(cur, self.runner, forced) is None \
+            if self.config.async_scheduling and sync_reason(
+                    cur, self.runner, forced, self.forced_policy,
+                    len(self.scheduler.running)) is None \
                     and not (self.speculator is not None and self.speculator.wants_host_tokens):
                 self._in_flight = self._steps.launch(cur)
                 cur.overlapped = self._in_flight is not None
@@ -480,8 +485,11 @@ class Engine(EngineViews):
                 raise
         self.last_step = self._steps.info(cur)
         self._num_steps += 1
-        if self.speculator is not None and not self.last_step.compiled:
-            self.speculator.observe_step(sum(cur.batch.q_lens), self.last_step.seconds)
+        if not self.last_step.compiled:
+            if self.speculator is not None:
+                self.speculator.observe_step(sum(cur.batch.q_lens), self.last_step.seconds)
+            else:
+                self.forced_policy.observe_step(sum(cur.batch.q_lens), self.last_step.seconds)
         if self._in_flight is not None and not self._in_flight.live:
             self._in_flight = None  # every row finished at ``cur``: nothing of it is wanted
         if self._in_flight is None and not self.scheduler.has_unfinished():
