@@ -340,3 +340,46 @@ def test_policy_errors():
         p.choose_k(-1)
     with pytest.raises(ValueError, match="k must be in 0..2, got 3"):
         p.tokens_per_second(3, 1)
+
+
+# --- forced tokens as drafts (constraints.forced_drafts) -----------------------
+
+def test_forced_drafts_taken_while_steps_are_flat_and_dropped_when_compute_bound():
+    """tps(D) = (R + D) / cost(R + D): a flat cost takes every forced token; a
+    cost linear in T above 32 tokens (compute-bound there) takes none at 32
+    rows, and at 30 rows the smallest cap that fills the step past the knee."""
+    from jaxserve.engine.spec_policy import ForcedDraftPolicy
+    flat = ForcedDraftPolicy(cost_fn=lambda t: 0.05)
+    forced = {"a": [1, 2, 3, 4, 5], "b": [7, 8]}
+    assert flat.choose(1, forced) == forced and flat.on
+    # Cost 0.05 s up to 32 tokens, then 0.05 * T / 32.
+    knee = ForcedDraftPolicy(cost_fn=lambda t: 0.05 * max(1.0, t / 32))
+    rows32 = {i: [1] * 8 for i in range(32)}
+    assert knee.best_cap(32, [8] * 32) == 0 and knee.choose(32, rows32) == {}
+    assert not knee.on
+    # 30 rows + 10 forced rows of 8: a cap of 1 gives 40 tokens for 1.25x the
+    # cost (gain 1.07); larger caps gain no more.
+    assert knee.best_cap(30, [8] * 10) == 1
+    assert knee.choose(30, {i: [5] * 8 for i in range(10)}) == {i: [5] for i in range(10)}
+
+
+def test_forced_drafts_hysteresis_and_learned_cost():
+    from jaxserve.engine.spec_policy import ForcedDraftPolicy
+    p = ForcedDraftPolicy(min_gain=1.2, cost_fn=lambda t: 1.0 if t <= 10 else 1.1)
+    # 10 rows + 2 drafts: gain 12 / 1.1 / 10 = 1.09: below 1.2 while off ...
+    assert p.best_cap(10, [2]) == 0
+    p.on = True  # ... but kept once on (>= 1.0)
+    assert p.best_cap(10, [2]) == 2
+    with pytest.raises(ValueError, match="min_gain"):
+        ForcedDraftPolicy(min_gain=0.5)
+    learned = ForcedDraftPolicy()
+    assert learned.predicted_cost(64) == 1.0  # before a sample: flat, drafts tried
+    for _ in range(4):
+        learned.observe_step(32, 0.16)
+        learned.observe_step(64, 0.34)
+    assert learned.predicted_cost(64) == pytest.approx(0.34)
+    assert learned.best_cap(32, [1] * 32) == 0  # 64 / 0.34 < 32 / 0.16
+    for _ in range(4):
+        learned.observe_step(1, 0.05)
+        learned.observe_step(9, 0.055)
+    assert learned.best_cap(1, [8]) == 8  # 9 tokens for 1.1x the cost of 1
