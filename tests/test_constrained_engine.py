@@ -24,6 +24,7 @@ from conftest import XLA_CACHE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.token_mask import pack_token_ids
+from jaxserve.engine.spec_policy import ForcedDraftPolicy
 
 VOCAB = 256
 RNG = np.random.default_rng(5)
@@ -137,8 +138,12 @@ def assert_idle(engine):
 
 @pytest.fixture(scope="module")
 def llm(tiny_parts):
-    return LLM(num_pages=128, page_size=8, max_num_seqs=8, max_num_batched_tokens=32,
-               compilation_cache_dir=XLA_CACHE, **tiny_parts)
+    out = LLM(num_pages=128, page_size=8, max_num_seqs=8, max_num_batched_tokens=32,
+              compilation_cache_dir=XLA_CACHE, **tiny_parts)
+    # Steps of any size cost the same: forced drafts always pay, whatever
+    # this machine's step times (ForcedDraftPolicy's own tests price them).
+    out.engine.set_forced_draft_policy(ForcedDraftPolicy(cost_fn=lambda t: 1.0))
+    return out
 
 
 def set_async(llm, on):

@@ -242,6 +242,12 @@ class Engine(EngineViews):
         """
         self.scheduler.config = dataclasses.replace(self.scheduler.config, max_forced_drafts=k)
 
+    def set_forced_draft_policy(self, policy: ForcedDraftPolicy) -> None:
+        """Use ``policy`` to decide when forced tokens ride as drafts, from
+        the next step on (tests pin one with a given ``cost_fn``, so the
+        choice does not follow the machine's measured step times)."""
+        self.forced_policy = self._steps.forced_policy = policy
+
     def compile_structured(self, spec) -> None:
         """Compile a ``StructuredOutputsParams`` with the engine's grammar
         backend, cached by spec, so the request that carries it finds it
