@@ -15,6 +15,7 @@ from conftest import XLA_CACHE
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.engine.request import StructuredOutputsParams  # noqa: E402
+from jaxserve.engine.spec_policy import ForcedDraftPolicy  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -35,6 +36,8 @@ def llm(tiny_gguf):
     llm = LLM(tiny_gguf, num_pages=256, page_size=8, max_num_seqs=8,
               max_num_batched_tokens=64, compilation_cache_dir=XLA_CACHE)
     llm.engine.warmup()
+    # Forced drafts always pay here, whatever this machine's step times.
+    llm.engine.set_forced_draft_policy(ForcedDraftPolicy(cost_fn=lambda t: 1.0))
     return llm
 
 
