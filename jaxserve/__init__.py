@@ -10,9 +10,11 @@ import importlib
 _EXPORTS = {"LLM": "jaxserve.engine.llm", "Engine": "jaxserve.engine.engine",
             "SamplingParams": "jaxserve.engine.request",
             "RequestOutput": "jaxserve.engine.request",
-            "CompletionOutput": "jaxserve.engine.request"}
+            "CompletionOutput": "jaxserve.engine.request",
+            "LoRARequest": "jaxserve.engine.adapters"}
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "LoRARequest", "RequestOutput",
+           "SamplingParams"]
 
 
 def __getattr__(name: str):

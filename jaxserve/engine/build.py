@@ -122,6 +122,9 @@ def _check_job(config: EngineConfig, mesh, model_config: ModelConfig | None) -> 
     if jax.process_count() > 1 and config.speculative.method is not None:
         raise ValueError(f"speculative decoding ({config.speculative.method!r}) runs in "
                          f"one-process jobs only; this job has {jax.process_count()}")
+    if jax.process_count() > 1 and config.lora is not None:
+        raise ValueError("LoRA adapters are served in one-process jobs only; this job has "
+                         f"{jax.process_count()}")
     if jax.process_count() > 1:  # every process of a job must build the same engine
         if mesh.devices.size != jax.device_count():
             raise ValueError(f"a multi-host mesh must span every device of the job: --mesh "
@@ -253,7 +256,7 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
         rngs=nnx.Rngs(config.seed) if random_init else None,
         attention_impl=attention_impl, interpret=config.attention_interpret,
         quantization=config.quantization,
-        quantization_group_size=config.quantization_group_size)
+        quantization_group_size=config.quantization_group_size, lora=config.lora)
     family = models.family(model)
     if orbax_dir is not None:  # each tensor (or quantized part) into its sharding
         params = restore_for_model(orbax_dir, family.hf_params(model), mesh,
@@ -297,7 +300,8 @@ def load_draft(config: EngineConfig, target_config: ModelConfig, target_model, p
         draft's weights are read), a mesh that cannot split it, a bad checkpoint.
     """
     spec = config.speculative
-    dcfg = dataclasses.replace(config, quantization=spec.draft_quantization,
+    dcfg = dataclasses.replace(config, lora=None,  # the draft runs without adapters
+                               quantization=spec.draft_quantization,
                                speculative=dataclasses.replace(spec, method=None))
     draft_orbax, checked = None, False
     if model_config is not None:

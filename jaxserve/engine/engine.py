@@ -36,6 +36,7 @@ from typing import Container, Iterable, Sequence
 import jax
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.adapters import EngineLoRA, build_slots
 from jaxserve.engine.async_step import InFlightStep, StepInfo, StepPipeline, sync_reason
 from jaxserve.engine.build import build_engine
 from jaxserve.engine.intake import Intake
@@ -123,7 +124,7 @@ class EngineStats:
     attention_fallback: str = ""
 
 
-class Engine(EngineViews):
+class Engine(EngineViews, EngineLoRA):
     """The serving engine.
 
     Args:
@@ -171,6 +172,7 @@ class Engine(EngineViews):
         self._num_steps = 0
         self.last_step: StepInfo | None = None  # the latest step's shape and time
         self._warmup = Warmup(self.runner, self.scheduler)
+        self.adapters = build_slots(self.config, self.runner, self.model_config, self.scheduler)
 
     # ---- requests -----------------------------------------------------------
 
@@ -187,7 +189,7 @@ class Engine(EngineViews):
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, hold_kv: bool = False,
-                    constraints: list | None = None) -> str:
+                    constraints: list | None = None, lora=None) -> str:
         """Queue a request (its ``params.n`` choices); returns its id.
 
         ``arrival_time`` (``time.monotonic()`` seconds, default now) is where
@@ -198,7 +200,8 @@ class Engine(EngineViews):
         ``constraints``: its sequences' token constraints from
         ``build_constraints`` (built off this thread); None builds them here
         when ``params`` need a token mask (structured outputs,
-        ``allowed_token_ids``, ``bad_words``).
+        ``allowed_token_ids``, ``bad_words``). ``lora``: an adapter's name
+        or an ``adapters.LoRARequest`` (None: the base model).
 
         Raises:
           ValueError: bad prompt or params, duplicate id, a prompt that leaves no
@@ -206,9 +209,15 @@ class Engine(EngineViews):
             sequence larger than the whole KV cache, ``hold_kv`` with
             ``n > 1``, token ids of ``logit_bias`` / ``allowed_token_ids``
             outside the vocabulary, or a constraint the structured-outputs
-            backend rejects.
+            backend rejects; ``adapters.UnknownAdapterError`` for an unknown
+            adapter.
         """
+        adapter = self.resolve_lora(lora)
         group = self._new_group(request_id, prompt, params, arrival_time, constraints)
+        if adapter is not None:
+            adapter.num_requests += 1
+            for r in group.seqs:
+                r.adapter = adapter
         if hold_kv:
             if group.params.n != 1:
                 raise ValueError(f"hold_kv needs SamplingParams.n == 1, got {group.params.n}")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, kv_cache_dtype_from_name)
+from jaxserve.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
@@ -71,6 +71,10 @@ class LLM:
         "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
         .., "model": draft model ("self" or a model string), "quantization":
         the draft's, "adaptive": bool}`` (``SpeculativeConfig``); None is off.
+      enable_lora, max_loras, max_lora_rank: LoRA adapter slots (vLLM's
+        names; ``LoRAConfig``): ``max_loras`` adapters on device at once,
+        ranks up to ``max_lora_rank``; requests pick one with
+        ``generate(..., lora_request=LoRARequest(name, id, path))``.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
 
     Raises:
@@ -88,6 +92,7 @@ class LLM:
                  mesh: str | None = None, quantization: str = "none",
                  quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
                  speculative_config: dict | None = None, max_forced_drafts: int = 8,
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
                  **parts):
         parallel = ParallelConfig() if mesh is None else \
             ParallelConfig.from_mesh_shape(parse_mesh_spec(mesh))
@@ -107,7 +112,8 @@ class LLM:
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,
             parallel=parallel, quantization=quantization,
             quantization_group_size=quantization_group_size,
-            speculative=speculative_config_from_dict(speculative_config))
+            speculative=speculative_config_from_dict(speculative_config),
+            lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None)
         self.engine = Engine(config, **parts)
 
     @classmethod
@@ -122,16 +128,19 @@ class LLM:
         """The model's tokenizer (None for a model without one)."""
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, lora_request=None) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in prompt order.
 
         Args:
           prompts: a string, a list of strings, a list of token-id lists, or
             vLLM's dict prompts (``{"prompt": ...}``, ``{"prompt_token_ids": ...}``).
           sampling_params: one ``SamplingParams`` for all, or a list, one each.
+          lora_request: a ``LoRARequest`` (or an adapter's name) for all, a
+            list with one per prompt (None entries: the base), or None.
 
         Raises:
-          ValueError: any bad prompt or params (nothing is queued then).
+          ValueError: any bad prompt or params, or an unknown adapter
+            (``UnknownAdapterError``); nothing is queued then.
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -141,12 +150,16 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for "
                              f"{len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.engine
         ids: list[str] = []
         others: list[RequestOutput] = []  # outputs of requests added elsewhere: handed back
         try:
-            for p, sp in zip(prompts, sampling_params):
-                ids.append(engine.add_request(None, p, sp))
+            for p, sp, lr in zip(prompts, sampling_params, loras):
+                ids.append(engine.add_request(None, p, sp, lora=lr))
         except ValueError:
             for rid in ids:
                 engine.abort(rid)

@@ -44,12 +44,15 @@ def hash_page(parent: bytes | None, token_ids) -> bytes:
     return h.digest()
 
 
-def page_hashes(token_ids, page_size: int, known: list[bytes] | None = None) -> list[bytes]:
+def page_hashes(token_ids, page_size: int, known: list[bytes] | None = None,
+                root: bytes | None = None) -> list[bytes]:
     """Hashes of every full page of ``token_ids``, extending ``known`` (which
-    holds the hashes of the first pages, computed earlier)."""
+    holds the hashes of the first pages, computed earlier). ``root``: the
+    first page's parent (a LoRA adapter's ``cache_root``, so its pages never
+    match the base's or another adapter's); None for the base model."""
     out = list(known or [])
     for i in range(len(out), len(token_ids) // page_size):
-        out.append(hash_page(out[-1] if out else None,
+        out.append(hash_page(out[-1] if out else root,
                              token_ids[i * page_size:(i + 1) * page_size]))
     return out
 

@@ -41,6 +41,8 @@ class PlanLayout:
       penalty_width: width of penalised steps' id tensors (``make_sampling_tensors``).
       vocab_size: V, the logits' width: every step's ``token_bitmask`` is
         [S, ``bitmask_width(V)``] (constrained rows or not: one program).
+      lora: the model has LoRA slots: every step's ``md.lora_slots`` is
+        i32[T] (0 for the base's tokens), else None.
     """
 
     page_size: int
@@ -50,6 +52,7 @@ class PlanLayout:
     max_tokens: int
     penalty_width: int
     vocab_size: int
+    lora: bool = False
 
 
 @dataclasses.dataclass
@@ -231,6 +234,7 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None,
     kv_lens = np.zeros(S, np.int32)
     page_indices = np.zeros((S, layout.pages_per_row), np.int32)
     cu_q_lens = np.zeros(S + 1, np.int32)
+    lora_slots = np.zeros(T, np.int32) if layout.lora else None
     drafts = batch.drafts or [()] * n
     sample_rows: list[int] = []
     slot_views: list = []  # per slot: what its sampling row sees
@@ -250,6 +254,8 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None,
             input_ids[t] = 0
             prev_rows[t] = prev_rows_of[r]
         positions[t:t + q] = pos
+        if r.lora_slot:
+            lora_slots[t:t + q] = r.lora_slot
         slot_pages[t:t + q] = pages[pos // L]
         slot_offsets[t:t + q] = pos % L
         kv_lens[k] = start + q
@@ -279,7 +285,8 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None,
     logits_indices[:len(sample_rows)] = sample_rows
     md = AttentionMetadata(input_ids, positions, slot_pages, slot_offsets, kv_lens,
                            page_indices, cu_q_lens, np.array([n], np.int32),
-                           logits_indices, np.array([nd], np.int32), decode_only)
+                           logits_indices, np.array([nd], np.int32), decode_only,
+                           lora_slots=lora_slots)
     st = make_sampling_tensors(slot_views, rows, layout.penalty_width,
                                vocab_size=layout.vocab_size, fill_masks=fill_masks)
     mask_slots = [] if fill_masks else [
@@ -315,7 +322,8 @@ def padding_plan(layout: PlanLayout, num_tokens: int, num_top: int = 0, decode: 
     S = min(T, layout.max_rows)
     z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     md = AttentionMetadata(z(T), z(T), np.full(T, layout.num_pages, np.int32), z(T), z(S),
-                           z(S, layout.pages_per_row), z(S + 1), z(1), z(S), z(1), decode)
+                           z(S, layout.pages_per_row), z(S + 1), z(1), z(S), z(1), decode,
+                           lora_slots=z(T) if layout.lora else None)
     return StepPlan(decode=decode, rows=S,
                     num_top=MAX_LOGPROBS if prompt_logprobs else num_top, md=md,
                     sampling=make_sampling_tensors([], S, layout.penalty_width, penalised,

@@ -515,6 +515,10 @@ class Request:
     # allowed_token_ids, bad_words): a ``token_mask.TokenConstraint``, one per
     # sequence (choices advance separately); None: unconstrained.
     constraint: object | None = None
+    # LoRA: its ``adapters.Adapter`` (None: the base model) and, while
+    # running, the slot it pinned (0: none).
+    adapter: object | None = None
+    lora_slot: int = 0
 
     def __post_init__(self):
         if self.group_id is None:

@@ -75,6 +75,7 @@ from jaxserve.engine.programs import ProgramsMixin
 from jaxserve.engine.request import MAX_LOGPROBS
 from jaxserve.engine.sampling import prompt_logprobs, sample
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
+from jaxserve.models import lora
 from jaxserve.models.stack import stack_layers
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 from pallas_kernels.ragged_paged_attention.kernel_tpu_schedule import (tpu_kv_page_bytes,
@@ -160,8 +161,10 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
         # at most max_model_len (and V) unique ids, so one width, compiled at
         # warm-up, serves every penalised step.
         self.penalty_width = next_pow2(min(max_model_len, cfg.vocab_size))
+        self.lora_paths = lora.lora_paths(self.state)  # LoRA slot leaves (engine.adapters)
         self.layout = PlanLayout(page_size, num_pages, self.pages_per_row, self.max_rows,
-                                 self.max_tokens, self.penalty_width, cfg.vocab_size)
+                                 self.max_tokens, self.penalty_width, cfg.vocab_size,
+                                 lora=bool(self.lora_paths))
         # One KVPages per K and V for every layer: [layers, P, L, K, H] pages
         # (and f32 [layers, P, L, K] scales when quantized), donated into
         # every step and updated in place (models.stack.layer_kv).

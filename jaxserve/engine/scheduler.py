@@ -42,6 +42,11 @@ from jaxserve.engine.page_table import PageAllocator, page_hashes
 from jaxserve.engine.request import Request, RequestStatus
 
 
+def cache_root(req: Request) -> bytes | None:
+    """The prefix-cache root of ``req``'s pages: its adapter's, or None."""
+    return None if req.adapter is None else req.adapter.cache_root
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
@@ -105,6 +110,10 @@ class Scheduler:
         # running sequences, most tokens of a step), both ladder values whose
         # programs exist, so no step waits on a compile; None: the config's.
         self.caps: tuple[int, int] | None = None
+        # LoRA: the engine's ``adapters.AdapterSlots`` (None: LoRA off). A
+        # sequence of an adapter pins its slot from admission until it is
+        # unscheduled or finishes.
+        self.adapters = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -183,7 +192,7 @@ class Scheduler:
                 and len(self.running) < max_seqs \
                 and (max_slots is None or len(self.running) + num_drafts < max_slots):
             req = self.waiting.popleft()
-            if self._gated(req):
+            if self._gated(req) or not self._slot_ready(req):
                 skipped.append(req)
                 continue
             n = self._admit(req, budget, decode, prefill)
@@ -210,6 +219,11 @@ class Scheduler:
                 and parent.status is not RequestStatus.FINISHED
                 and parent.num_computed_tokens < len(parent.prompt_token_ids))
 
+    def _slot_ready(self, req: Request) -> bool:
+        """A LoRA request can get its adapter a slot now (else it waits, and
+        requests behind it may pass)."""
+        return req.adapter is None or self.adapters.can_acquire(req.adapter)
+
     def _admit(self, req: Request, budget: int, decode, prefill) -> int:
         """Try to start ``req`` within ``budget`` tokens; returns the tokens it
         computes this step, or 0 if it must wait."""
@@ -220,7 +234,7 @@ class Scheduler:
         if not req.wants_prompt_logprobs:
             if alloc.enable_prefix_caching:
                 req.page_hashes = page_hashes(req.all_token_ids[:max_pages * L], L,
-                                              req.page_hashes)
+                                              req.page_hashes, cache_root(req))
                 hits = alloc.lookup(req.page_hashes, max_pages)
             parent = req.fork_of
             if parent is not None and parent.status is RequestStatus.RUNNING \
@@ -244,6 +258,8 @@ class Scheduler:
             alloc.prefix_hits += computed
         alloc.share(hits)
         req.page_ids = hits + alloc.allocate(need)
+        if req.adapter is not None:
+            req.lora_slot = self.adapters.acquire(req.adapter)
         req.num_computed_tokens = computed
         req.num_draft_computed = 0  # new pages: the draft model catches up from the start
         req.num_registered_pages = len(hits)
@@ -286,7 +302,7 @@ class Scheduler:
         ids = req.prompt_token_ids
         hits: list[int] = []
         if skip_pages:
-            req.page_hashes = page_hashes(ids[:skip_pages * L], L)
+            req.page_hashes = page_hashes(ids[:skip_pages * L], L, root=cache_root(req))
             hits = alloc.lookup(req.page_hashes, skip_pages)
             if len(hits) < skip_pages:
                 raise KVHandoffError("evicted", f"{skip_pages - len(hits)} of the "
@@ -321,7 +337,8 @@ class Scheduler:
         full = min(known // L, len(req.page_ids))
         if not alloc.enable_prefix_caching or full <= req.num_registered_pages:
             return
-        req.page_hashes = page_hashes(req.all_token_ids[:full * L], L, req.page_hashes)
+        req.page_hashes = page_hashes(req.all_token_ids[:full * L], L, req.page_hashes,
+                                      cache_root(req))
         lo = req.num_registered_pages
         alloc.register(req.page_ids[lo:full], req.page_hashes[lo:full])
         req.num_registered_pages = full
@@ -332,10 +349,16 @@ class Scheduler:
         when next admitted."""
         self.running.remove(req)
         self.allocator.free(req.page_ids)
+        self._release_slot(req)
         req.page_ids = []
         req.num_computed_tokens = 0
         req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
+
+    def _release_slot(self, req: Request) -> None:
+        if req.lora_slot:
+            self.adapters.release(req.lora_slot)
+            req.lora_slot = 0
 
     def _preempt(self, req: Request) -> None:
         self._unschedule(req)
@@ -403,6 +426,7 @@ class Scheduler:
             else:
                 self.allocator.free(req.page_ids)
             req.page_ids = []
+        self._release_slot(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

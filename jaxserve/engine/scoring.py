@@ -16,26 +16,37 @@ from jaxserve.engine.scheduler import ScheduledBatch
 
 def last_token_logits(runner, allocator: PageAllocator, prompts: Sequence,
                       encode: Callable[[object], list[int]],
-                      eos_token_ids: frozenset[int]) -> np.ndarray:
+                      eos_token_ids: frozenset[int], adapters: Sequence = (),
+                      slots=None) -> np.ndarray:
     """f32[n, V] next-token logits of each of the n prompts (each checked by
     ``encode``), computed in one ragged prefill through ``runner``.
+    ``adapters``: each prompt's LoRA ``Adapter`` (None: the base), whose
+    slots ``slots`` (``AdapterSlots``) pins for the step.
 
     Raises:
-      ValueError: bad prompt, or the prompts do not fit in the free pages.
+      ValueError: bad prompt, the prompts do not fit in the free pages, or
+        their adapters do not fit in the free slots.
     """
     reqs = []
+    adapters = list(adapters) or [None] * len(prompts)
     try:
-        for ids in prompts:
+        for ids, adapter in zip(prompts, adapters):
             ids = encode(ids)
             r = Request(f"_logits{len(reqs)}", None, ids, SamplingParams(temperature=0),
                         0, eos_token_ids)
             r.page_ids = allocator.allocate(cdiv(len(ids), allocator.page_size))
             reqs.append(r)
+            if adapter is not None:
+                if not slots.can_acquire(adapter):
+                    raise ValueError("the prompts' adapters do not fit in the free LoRA slots")
+                r.lora_slot = slots.acquire(adapter)
         batch = ScheduledBatch(reqs, [r.num_tokens for r in reqs], num_decode=0)
         return runner.execute(batch, return_logits=True).logits
     finally:
         for r in reqs:
             allocator.free(r.page_ids)
+            if r.lora_slot:
+                slots.release(r.lora_slot)
 
 
 def prompt_logits(runner, allocator: PageAllocator, ids: list[int], max_model_len: int,

@@ -228,15 +228,20 @@ class EngineViews:
 
     # ---- scoring (``scoring``) -------------------------------------------------
 
-    def last_token_logits(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    def last_token_logits(self, prompts: Sequence[Sequence[int]], lora=None) -> np.ndarray:
         """f32[n, V] next-token logits of each prompt, computed in one ragged
         prefill (nothing is kept in the cache). For parity tests and scoring.
+        ``lora``: an adapter (name or ``LoRARequest``) for all, a list with
+        one per prompt (None: the base), or None.
 
         Raises:
-          ValueError: bad prompt, or the prompts do not fit in the free pages.
+          ValueError: bad prompt, the prompts do not fit in the free pages,
+            an unknown adapter.
         """
+        loras = lora if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         return scoring.last_token_logits(self.runner, self.allocator, prompts, self.encode,
-                                         self.eos_token_ids)
+                                         self.eos_token_ids,
+                                         [self.resolve_lora(x) for x in loras], self.adapters)
 
     def prompt_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """f32[T, V] next-token logits after each of the T tokens: row t is
