@@ -433,6 +433,22 @@ class SpeculativeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (``jaxserve.models.lora``): ``max_loras`` adapter
+    slots on device (slot 0 is the base model, slots 1..max_loras hold
+    adapters), every adapter's rank zero-padded to ``max_lora_rank``."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self):
+        check_positive("max_loras", self.max_loras)
+        check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_lora_rank > 512:
+            raise ValueError(f"max_lora_rank must be <= 512, got {self.max_lora_rank}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs.
 
@@ -474,6 +490,8 @@ class EngineConfig:
         stay precise. See ``jaxserve.models.quant``.
       quantization_group_size: input elements per scale of ``"int4"``.
       speculative: speculative decoding (``SpeculativeConfig``); off by default.
+      lora: multi-LoRA slots (``LoRAConfig``); None: LoRA off (no adapter
+        parameters, no per-token slot input).
     """
 
     model: str = "smollm2-135m"
@@ -490,6 +508,7 @@ class EngineConfig:
     quantization: str = "none"
     quantization_group_size: int = 32
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -46,7 +46,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params, layer_rope_tables, put_param)
@@ -59,14 +59,15 @@ class Gemma3DecoderLayer(nnx.Module):
     """Sandwich-norm block: ``x + post_attn(attn(input(x)))``, then
     ``x + post_ffw(mlp(pre_ffw(x)))``."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt=None, adopt=False, **attn):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt=None, adopt=False,
+                 lora: LoRAConfig | None = None, **attn):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps, dtype, offset=NORM_OFFSET)
         self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt,
-                                   norm_offset=NORM_OFFSET, **attn)
+                                   norm_offset=NORM_OFFSET, lora=lora, **attn)
         self.post_attention_layernorm = RMSNorm(D, eps, dtype, offset=NORM_OFFSET)
         self.pre_feedforward_layernorm = RMSNorm(D, eps, dtype, offset=NORM_OFFSET)
-        self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt)
+        self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt, lora=lora)
         self.post_feedforward_layernorm = RMSNorm(D, eps, dtype, offset=NORM_OFFSET)
 
 
@@ -77,13 +78,14 @@ def gemma3_layer(layer: Gemma3DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin
     h_DT, k_cache, v_cache = layer.self_attn(layer.input_layernorm(x_DT), cos_TH2, sin_TH2,
                                              k_cache, v_cache, md, index, window)
     x_DT = x_DT + layer.post_attention_layernorm(h_DT)
-    h_DT = layer.mlp(layer.pre_feedforward_layernorm(x_DT))
+    h_DT = layer.mlp(layer.pre_feedforward_layernorm(x_DT), md.lora_slots)
     return x_DT + layer.post_feedforward_layernorm(h_DT), k_cache, v_cache, None
 
 
 class Gemma3ForCausalLM(nnx.Module):
     """Gemma 3 decoder with its tied LM head; the interface of
-    ``LlamaForCausalLM`` (``__call__``, ``logits_of``).
+    ``LlamaForCausalLM`` (``__call__``, ``logits_of``; ``lora`` adds its
+    adapter slots to q/k/v/o and gate/up/down).
 
     Raises:
       ValueError: ``cfg.architecture`` is not ``"gemma3"``, or the config
@@ -93,7 +95,7 @@ class Gemma3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", interpret=False, quantization: str = "none",
-                 quantization_group_size: int = 32):
+                 quantization_group_size: int = 32, lora: LoRAConfig | None = None):
         if cfg.architecture != "gemma3" or not cfg.qk_norm or not cfg.tie_word_embeddings:
             raise ValueError(f"Gemma3ForCausalLM needs architecture 'gemma3' with qk_norm and "
                              f"tied embeddings, got {cfg.architecture!r} (qk_norm="
@@ -104,7 +106,7 @@ class Gemma3ForCausalLM(nnx.Module):
         adopt = quantization == "gguf"
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([
-            Gemma3DecoderLayer(cfg, dtype, rngs, qfmt, adopt, attention_impl=attention_impl,
+            Gemma3DecoderLayer(cfg, dtype, rngs, qfmt, adopt, lora, attention_impl=attention_impl,
                                interpret=interpret, sliding_window=cfg.layer_window(i))
             for i in range(cfg.num_layers)])
         self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))

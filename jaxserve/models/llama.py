@@ -20,6 +20,12 @@ RMSNorm of q and k before RoPE, Qwen3) and ``sliding_window`` (Mistral).
 References: HF transformers ``modeling_llama.py`` (RoPE with ``rotate_half``,
 RMSNorm in f32, SwiGLU), ``modeling_qwen2.py``, ``modeling_qwen3.py``,
 ``modeling_mistral.py``; Touvron et al. 2023 (Llama); Ainslie et al. 2023 (GQA).
+
+Multi-LoRA (``lora=LoRAConfig``): each q/k/v/o and gate/up/down projection
+gets a ``lora.LoRA`` module of adapter slots, ``<proj>_lora``, and adds
+``lora.lora_delta`` for the slots of ``AttentionMetadata.lora_slots``
+(``jaxserve.models.lora``). Without it the modules have no such attribute
+and the programs are those of a model without LoRA.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.config import LoRAConfig, ModelConfig, RopeScaling
+from jaxserve.models import lora as lora_lib
 from jaxserve.models import quant, stack
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
@@ -64,6 +71,10 @@ class AttentionMetadata:
         rows: row i is sequence i's single new token, at token i.
       decode_only: static: every real row is a decode row (a ``decode_step``
         program, T = S); the attention then compiles no prefill path.
+      lora_slots: i32[T] each token's adapter slot (0: the base model, s in
+        1..max_loras: slot s; padding: 0), or None when LoRA is off
+        (``EngineConfig.lora`` None). After ``decode_only`` because
+        ``engine.plan`` passes ``decode_only`` positionally.
 
     The rest of the rows are prefill sequences (or chunks) packed ragged after
     the decode tokens. Row and token counts are device values: one compiled
@@ -81,6 +92,7 @@ class AttentionMetadata:
     logits_indices: jax.Array
     num_decode: jax.Array
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    lora_slots: jax.Array | None = None
 
 
 class RMSNorm(nnx.Module):
@@ -216,17 +228,26 @@ class Attention(nnx.Module):
     ``norm_offset``: the q/k norms scale by ``offset + w`` (Gemma: 1). The
     score scale and soft cap are the config's (``sm_scale``,
     ``attn_logit_softcapping``).
+
+    ``lora``: adds ``q_proj_lora`` .. ``o_proj_lora`` (``lora.LoRA``, in
+    ``dtype``), applied to the tokens of ``md.lora_slots``.
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, attention_impl: str = "xla",
                  interpret=False, qfmt: quant.TensorFormat | None = None, adopt: bool = False,
-                 sliding_window: int | None = None, norm_offset: float = 0.0):
+                 sliding_window: int | None = None, norm_offset: float = 0.0,
+                 lora: LoRAConfig | None = None):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        proj = lambda shape, names: quant.weight(shape, names, dtype, rngs, qfmt, adopt)  # noqa: E731
-        self.q_proj = proj((N * H, D), ("q_heads", "embed"))
-        self.k_proj = proj((K * H, D), ("kv_heads", "embed"))
-        self.v_proj = proj((K * H, D), ("kv_heads", "embed"))
-        self.o_proj = proj((D, N * H), ("embed", "q_heads"))
+        shapes = {"q_proj": ((N * H, D), ("q_heads", "embed")),
+                  "k_proj": ((K * H, D), ("kv_heads", "embed")),
+                  "v_proj": ((K * H, D), ("kv_heads", "embed")),
+                  "o_proj": ((D, N * H), ("embed", "q_heads"))}
+        for n, (shape, names) in shapes.items():
+            setattr(self, n, quant.weight(shape, names, dtype, rngs, qfmt, adopt))
+        if lora is not None:
+            for n, ((out_dim, in_dim), names) in shapes.items():
+                setattr(self, n + lora_lib.SUFFIX,
+                        lora_lib.make(lora, in_dim, out_dim, names, dtype))
         bias = cfg.attention_bias
         self.q_bias = _param((N * H,), ("q_heads",), dtype, rngs) if bias else None
         self.k_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
@@ -264,9 +285,9 @@ class Attention(nnx.Module):
         window = self.sliding_window if window is _OWN else window
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_TNH = _linear(self.q_proj, x_DT, _value(self.q_bias)).T.reshape(T, N, H)
-        k_TKH = _linear(self.k_proj, x_DT, _value(self.k_bias)).T.reshape(T, K, H)
-        v_TKH = _linear(self.v_proj, x_DT, _value(self.v_bias)).T.reshape(T, K, H)
+        q_TNH = self._proj("q", x_DT, md).T.reshape(T, N, H)
+        k_TKH = self._proj("k", x_DT, md).T.reshape(T, K, H)
+        v_TKH = self._proj("v", x_DT, md).T.reshape(T, K, H)
         if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm, before RoPE
             q_TNH = rms_norm_heads(q_TNH, self.q_norm.value, cfg.rms_norm_eps, self.norm_offset)
             k_TKH = rms_norm_heads(k_TKH, self.k_norm.value, cfg.rms_norm_eps, self.norm_offset)
@@ -292,8 +313,14 @@ class Attention(nnx.Module):
                 q_TNH, k_flat.pages_PLKH, v_flat.pages_PLKH, md.kv_lens, page_indices_SP,
                 md.cu_q_lens, md.num_seqs, md.num_decode,
                 decode_only=md.decode_only, **kw)
-        return (_linear(self.o_proj, o_TNH.reshape(T, N * H).T, _value(self.o_bias)),
-                k_flat, v_flat)
+        return self._proj("o", o_TNH.reshape(T, N * H).T, md), k_flat, v_flat
+
+    def _proj(self, n: str, x_IT, md: AttentionMetadata):
+        """Projection ``{n}_proj`` of x [I, T] -> [O, T]: weight, bias if
+        any, and the LoRA delta of ``md.lora_slots`` if any."""
+        y_OT = _linear(getattr(self, n + "_proj"), x_IT, _value(getattr(self, n + "_bias")))
+        return lora_lib.with_delta(y_OT, getattr(self, f"{n}_proj{lora_lib.SUFFIX}", None),
+                                   x_IT, md.lora_slots)
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu,
@@ -302,29 +329,44 @@ _ACTIVATIONS = {"silu": jax.nn.silu,
 
 class MLP(nnx.Module):
     """Gated feed-forward (Shazeer 2020): down(act(gate(x)) * up(x)); act is
-    ``cfg.hidden_act``: silu (SwiGLU) or the tanh GELU (Gemma's GeGLU)."""
+    ``cfg.hidden_act``: silu (SwiGLU) or the tanh GELU (Gemma's GeGLU).
+    ``lora``: adds ``gate_proj_lora``, ``up_proj_lora``, ``down_proj_lora``."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt: quant.TensorFormat | None = None,
-                 adopt: bool = False, intermediate_size: int | None = None):
+                 adopt: bool = False, intermediate_size: int | None = None,
+                 lora: LoRAConfig | None = None):
         D, F = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj = quant.weight((F, D), ("mlp", "embed"), dtype, rngs, qfmt, adopt)
-        self.up_proj = quant.weight((F, D), ("mlp", "embed"), dtype, rngs, qfmt, adopt)
-        self.down_proj = quant.weight((D, F), ("embed", "mlp"), dtype, rngs, qfmt, adopt)
+        shapes = {"gate_proj": ((F, D), ("mlp", "embed")), "up_proj": ((F, D), ("mlp", "embed")),
+                  "down_proj": ((D, F), ("embed", "mlp"))}
+        for n, (shape, names) in shapes.items():
+            setattr(self, n, quant.weight(shape, names, dtype, rngs, qfmt, adopt))
+        if lora is not None:
+            for n, ((out_dim, in_dim), names) in shapes.items():
+                setattr(self, n + lora_lib.SUFFIX,
+                        lora_lib.make(lora, in_dim, out_dim, names, dtype))
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def __call__(self, x_DT):
-        h_FT = self.act(_linear(self.gate_proj, x_DT)) * _linear(self.up_proj, x_DT)
-        return _linear(self.down_proj, h_FT)
+    def __call__(self, x_DT, lora_slots_T=None):
+        """[D, T] -> [D, T]; ``lora_slots_T`` (i32[T] or None) as
+        ``AttentionMetadata.lora_slots``."""
+        h_FT = self.act(self._proj("gate_proj", x_DT, lora_slots_T)) * \
+            self._proj("up_proj", x_DT, lora_slots_T)
+        return self._proj("down_proj", h_FT, lora_slots_T)
+
+    def _proj(self, n: str, x_IT, slots_T):
+        return lora_lib.with_delta(_linear(getattr(self, n), x_IT),
+                                   getattr(self, n + lora_lib.SUFFIX, None), x_IT, slots_T)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt=None, adopt=False, **attn):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, qfmt=None, adopt=False,
+                 lora: LoRAConfig | None = None, **attn):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt, **attn)
+        self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt, lora=lora, **attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt)
+        self.mlp = MLP(cfg, dtype, rngs, qfmt, adopt, lora=lora)
 
 
 def decoder_layer(layer: DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2, window, index,
@@ -334,7 +376,8 @@ def decoder_layer(layer: DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2,
     h_DT, k_cache, v_cache = layer.self_attn(layer.input_layernorm(x_DT), cos_TH2, sin_TH2,
                                              k_cache, v_cache, md, index, window)
     x_DT = x_DT + h_DT
-    return x_DT + layer.mlp(layer.post_attention_layernorm(x_DT)), k_cache, v_cache, None
+    return (x_DT + layer.mlp(layer.post_attention_layernorm(x_DT), md.lora_slots), k_cache,
+            v_cache, None)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -348,19 +391,22 @@ class LlamaForCausalLM(nnx.Module):
     gate/up/down weight a ``quant.QuantizedWeight`` of that method's format;
     the embedding, norms and LM head stay ``dtype``.
 
+    ``lora`` (``EngineConfig.lora``): adapter slots beside every q/k/v/o and
+    gate/up/down weight, in ``dtype`` (``jaxserve.models.lora``); None: none.
+
     Raises:
       ValueError: an unknown quantization method.
     """
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", interpret=False, quantization: str = "none",
-                 quantization_group_size: int = 32):
+                 quantization_group_size: int = 32, lora: LoRAConfig | None = None):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
         qfmt = quant.method_format(quantization, quantization_group_size)
         adopt = quantization == "gguf"
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, qfmt, adopt,
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, qfmt, adopt, lora=lora,
                                              attention_impl=attention_impl, interpret=interpret,
                                              sliding_window=cfg.layer_window(i))
                                 for i in range(cfg.num_layers)])

@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params, layer_rope_tables, put_param)
@@ -261,9 +261,9 @@ class MoEDecoderLayer(nnx.Module):
     an ``MoEBlock`` or, for ``mlp_only_layers``, llama's dense ``MLP``."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs, sparse: bool, qfmt=None, adopt=False,
-                 **attn):
+                 lora: LoRAConfig | None = None, **attn):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt, **attn)
+        self.self_attn = Attention(cfg, dtype, rngs, qfmt=qfmt, adopt=adopt, lora=lora, **attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MoEBlock(cfg, dtype, rngs, qfmt, adopt) if sparse \
             else MLP(cfg, dtype, rngs, qfmt, adopt)
@@ -290,6 +290,8 @@ class MoEForCausalLM(nnx.Module):
 
     Same interface as ``LlamaForCausalLM`` except that ``__call__`` also
     returns the step's expert load (``has_expert_load`` tells the runner).
+    ``lora`` adds adapter slots to the attention's q/k/v/o only (none on the
+    experts, nor on the dense MLPs of ``mlp_only_layers``).
 
     Raises:
       ValueError: ``cfg.num_experts`` is 0 (a dense config).
@@ -299,7 +301,7 @@ class MoEForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", interpret=False, quantization: str = "none",
-                 quantization_group_size: int = 32):
+                 quantization_group_size: int = 32, lora: LoRAConfig | None = None):
         if cfg.num_experts < 1:
             raise ValueError(f"architecture {cfg.architecture!r} needs num_experts >= 1, "
                              f"got {cfg.num_experts}")
@@ -309,7 +311,7 @@ class MoEForCausalLM(nnx.Module):
         adopt = quantization == "gguf"
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([
-            MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers, qfmt, adopt,
+            MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers, qfmt, adopt, lora,
                             attention_impl=attention_impl, interpret=interpret,
                             sliding_window=cfg.layer_window(i))
             for i in range(cfg.num_layers)])
