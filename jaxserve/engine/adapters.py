@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import LoRAConfig
+from jaxserve.models import lora as lora_model
 
 log = logging.getLogger(__name__)
 
@@ -92,64 +93,57 @@ class Adapter:
     removed: bool = False
 
 
+def _without_slot_axis(leaf):
+    """The sharding of one slot's values of a LoRA leaf: the leaf's, less
+    its slot axis (unsharded)."""
+    k = lora_model.slot_axis(leaf)
+    spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
+    return jax.sharding.NamedSharding(leaf.sharding.mesh,
+                                      jax.sharding.PartitionSpec(*(spec[:k] + spec[k + 1:])))
+
+
 class SlotWriter:
     """Writes one adapter's values into a slot of the runner's state.
 
-    The LoRA leaves of ``runner.state`` (``lora_paths``) are replaced by a
-    jitted ``write_slot`` that donates them (an in-place update) and keeps
-    their shardings, so the step programs see inputs of the same type and
-    compile nothing. The program is compiled once (``warmup``).
-
-    Args:
-      runner: the ``ModelRunner`` whose ``state`` holds the slots.
-      lora_paths: the key paths of its LoRA leaves (``models.lora.lora_paths``).
-      write_slot: ``models.lora.write_slot``.
+    The LoRA leaves of ``runner.state`` (``models.lora.lora_leaves``) are
+    replaced by a jitted ``models.lora.write_slot`` that donates them (an
+    in-place update) and keeps their shardings, so the step programs see
+    inputs of the same type and compile nothing. The write is compiled once,
+    ahead of time (``warmup``); the slot is an i32 input.
     """
 
-    def __init__(self, runner, lora_paths, write_slot):
+    def __init__(self, runner):
         self.runner = runner
-        flat, self._treedef = jax.tree_util.tree_flatten_with_path(runner.state)
-        keys = [path for path, _ in flat]
-        self._paths = list(lora_paths)
-        self._index = [keys.index(p) for p in self._paths]
-        shardings = tuple(flat[i][1].sharding for i in self._index)
-        self._write = jax.jit(
-            lambda leaves, slot, values: tuple(write_slot(dict(zip(self._paths, leaves)), slot,
-                                                          dict(zip(self._paths, values)))[p]
-                                               for p in self._paths),
-            donate_argnums=(0,), out_shardings=shardings)
-        self._value_shardings = shardings
+        leaves = lora_model.lora_leaves(runner.state)
+        self._paths = list(leaves)
+        self._shardings = {p: x.sharding for p, x in leaves.items()}
+        self._dtypes = {p: x.dtype for p, x in leaves.items()}
+        self._value_shardings = {p: _without_slot_axis(x) for p, x in leaves.items()}
+        self._write = jax.jit(lora_model.write_slot, donate_argnums=(0,),
+                              out_shardings=self._shardings)
         self._compiled = None
         self.num_writes = 0
         self.write_seconds = 0.0
 
-    def _leaves(self):
-        flat = jax.tree_util.tree_leaves(self.runner.state)
-        return flat, tuple(flat[i] for i in self._index)
-
     def warmup(self) -> None:
-        """Compile the write (ahead of time: nothing is written)."""
-        _, leaves = self._leaves()
-        values = tuple(jax.ShapeDtypeStruct(x.shape[:self._slot_axis(x)]
-                                            + x.shape[self._slot_axis(x) + 1:], x.dtype)
-                       for x in leaves)
+        """Compile the write ahead of time (nothing is written)."""
+        leaves = lora_model.lora_leaves(self.runner.state)
+        values = {}
+        for p, x in leaves.items():
+            k = lora_model.slot_axis(x)
+            values[p] = jax.ShapeDtypeStruct(x.shape[:k] + x.shape[k + 1:], x.dtype,
+                                             sharding=self._value_shardings[p])
         self._compiled = self._write.lower(leaves, np.int32(1), values).compile()
-
-    def _slot_axis(self, leaf) -> int:
-        return 1 if self.runner.scan_layers else 0
 
     def write(self, slot: int, values: dict) -> float:
         """Put ``values`` (``Adapter.values``) into ``slot`` (1..max_loras);
         returns the seconds it took, the device write finished."""
         t0 = time.perf_counter()
-        flat, leaves = self._leaves()
-        vals = tuple(jax.device_put(values[p], s)
-                     for p, s in zip(self._paths, self._value_shardings))
-        fn = self._compiled or self._write
-        new = fn(leaves, np.int32(slot), vals)
-        for i, x in zip(self._index, new):
-            flat[i] = x
-        self.runner.state = jax.tree_util.tree_unflatten(self._treedef, flat)
+        leaves = lora_model.lora_leaves(self.runner.state)
+        vals = {p: jax.device_put(np.asarray(values[p], self._dtypes[p]),
+                                  self._value_shardings[p]) for p in self._paths}
+        new = (self._compiled or self._write)(leaves, np.int32(slot), vals)
+        lora_model.set_lora_leaves(self.runner.state, new)
         jax.block_until_ready(new)
         dt = time.perf_counter() - t0
         self.num_writes += 1
@@ -307,16 +301,16 @@ def build_slots(config, runner, model_config, scheduler) -> AdapterSlots | None:
     if config.lora is None:
         return None
     from checkpoints import peft
-    from jaxserve.models import lora as lora_model
-    family_model = runner.graph_model() if hasattr(runner, "graph_model") else None
+    from flax import nnx
+    shapes = nnx.merge(runner.graphdef, runner.state)  # the layer runs, for slot_values
 
     def load(name: str, path: str) -> Adapter:
         adapter = peft.load_adapter(path)
         peft.check_adapter(adapter, model_config, config.lora)
-        values = lora_model.slot_values(family_model or runner, adapter)
+        values = lora_model.slot_values(shapes, adapter)
         return Adapter(name, path, adapter.rank, values, cache_root(name, path))
 
-    writer = SlotWriter(runner, runner.lora_paths, lora_model.write_slot)
+    writer = SlotWriter(runner)
     writer.warmup()
     slots = AdapterSlots(config.lora, load, writer)
     scheduler.adapters = slots
