@@ -291,7 +291,10 @@ class StepPipeline:
         samples, kv_lens = [], []
         for r, q in zip(batch.requests, batch.q_lens):
             start = r.num_computed_tokens
-            self.num_prompt_tokens += max(0, min(start + q, len(r.prompt_token_ids)) - start)
+            computed = max(0, min(start + q, len(r.prompt_token_ids)) - start)
+            self.num_prompt_tokens += computed
+            if r.adapter is not None:
+                r.adapter.num_prompt_tokens += computed
             r.num_computed_tokens += q
             kv_lens.append(r.num_computed_tokens)
             samples.append(r.num_computed_tokens >= r.num_tokens)

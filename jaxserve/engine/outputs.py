@@ -157,6 +157,8 @@ class OutputProcessor:
         if r.params.logprobs is not None:
             r.output_logprobs.append(self._logprob_dict(tok, lp, *top, r.params.logprobs))
         self.num_generation_tokens += 1
+        if r.adapter is not None:
+            r.adapter.num_generation_tokens += 1
         m = r.metrics
         m.num_output_tokens = max(m.num_output_tokens, n_out)
         if m.first_token_time is None:
