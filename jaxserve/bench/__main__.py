@@ -10,8 +10,8 @@
 | ``soak`` | hours of mixed, partly hostile gRPC + HTTP traffic: leaks and wrong endings | ``soak`` |
 | ``eval`` | perplexity and KL divergence against the unquantized model | ``eval`` |
 | ``structured`` | structured outputs: a JSON-schema batch against the same batch unconstrained; forced-token drafting against plain constrained decoding | ``structured`` |
-| ``device`` | one GPU: kernel self-check, the kernel against JAX's, a Llama-3-8B-shaped model's steps, formats, workloads; each section time-limited | ``structured`` | structured outputs: a JSON-schema batch against the same batch unconstrained; forced-token drafting against plain constrained decoding | ``structured`` |
-| ``device`` |
+| ``lora`` | multi-LoRA: a batch spread over adapters against the base alone; the time to swap an adapter into a slot | ``lora`` |
+| ``device`` | one GPU: kernel self-check, the kernel against JAX's, a Llama-3-8B-shaped model's steps, formats, workloads; each section time-limited | ``device`` |
 
 ``serve`` and ``eval`` build their engine from ``jaxserve.main``'s flags (the
 one place engine flags are defined): they run ``python -m jaxserve.main
@@ -36,7 +36,8 @@ import os
 import subprocess
 import sys
 
-from jaxserve.bench import device, peers, soak, speculation, startup, structured, throughput
+from jaxserve.bench import (device, lora, peers, soak, speculation, startup, structured,
+                            throughput)
 
 COMMANDS = {
     "serve": "serving benchmark: workloads at concurrency levels against HF, llama.cpp and "
@@ -50,6 +51,8 @@ COMMANDS = {
     "eval": "perplexity and KL divergence (every flag of python -m jaxserve.main --mode eval)",
     "structured": "structured outputs: a JSON-schema batch against the same batch "
                   "unconstrained, forced-token drafting against plain constrained decoding",
+    "lora": "multi-LoRA: a batch spread over adapters against the base alone, and the "
+            "time to swap an adapter into a slot",
     "device": "GPU: kernel self-check, the kernel against JAX's, then a Llama-3-8B-shaped "
               "model's steps, formats and workloads, each section time-limited",
 }
@@ -83,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     soak.add_arguments(p["soak"])
     device.add_arguments(p["device"])
     structured.add_arguments(p["structured"])
+    lora.add_arguments(p["lora"])
     return ap
 
 
@@ -144,6 +148,8 @@ def main(argv=None, parts: dict | None = None) -> int:
             return soak.run(a)
         if a.command == "structured":
             return structured.run(a)
+        if a.command == "lora":
+            return lora.run(a)
         return device.run(a)
     except ValueError as e:
         ap.error(str(e))
