@@ -375,3 +375,95 @@ def test_bf16_and_named_adapter_keys(tiny, tmp_path):
     ra, rb = raw["model.layers.1.mlp.up_proj.weight"]
     np.testing.assert_allclose(a, ra, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(b, 2.0 * rb, rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------- HF transformers + peft reference (slow)
+
+HF_FAMILIES = ("llama", "qwen3", "gemma3")
+
+
+@pytest.fixture(scope="module", params=HF_FAMILIES)
+def hf_case(request, tmp_path_factory):
+    """A tiny random HF model (``test_hf_checkpoints.make_hf``: Llama with
+    q/k/v/o biases, Qwen3 with q/k norms and head_dim 32;
+    ``test_hf_gemma3_llama3.make_hf``: Gemma 3 with a sliding and a global
+    layer), saved; two random peft adapters on all 7 targets, saved;
+    peft's logits at every position of each prompt: unmerged, merged
+    (``merge_and_unload``) and the base's.
+
+    Returns (name, base folder, {adapter: (folder, unmerged, merged)}, base logits).
+    """
+    import copy
+
+    import peft
+    import torch
+    name = request.param
+    if name == "gemma3":
+        from test_hf_gemma3_llama3 import make_hf
+    else:
+        from test_hf_checkpoints import make_hf
+    hf = make_hf(name)
+    folder = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(folder, safe_serialization=True)
+
+    def logits(model):
+        with torch.no_grad():
+            return [model(torch.tensor([p])).logits[0].numpy() for p in PROMPTS]
+
+    configs = {
+        "plain": peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGETS),
+                                 init_lora_weights=False),
+        "rslora": peft.LoraConfig(r=8, lora_alpha=16, use_rslora=True, target_modules=list(TARGETS),
+                                  rank_pattern={"q_proj": 4, "down_proj": 12},
+                                  init_lora_weights=False),
+    }
+    adapters = {}
+    torch.manual_seed(7)
+    for key, lc in configs.items():
+        pm = peft.get_peft_model(copy.deepcopy(hf), lc).eval()
+        pm.save_pretrained(folder / key)
+        unmerged = logits(pm)
+        adapters[key] = (folder / key, unmerged, logits(pm.merge_and_unload()))
+    return name, folder, adapters, logits(hf)
+
+
+@pytest.mark.slow
+def test_logits_match_peft_unmerged_and_merged(hf_case):
+    """Slot 2 holds the plain adapter, slot 1 the rsLoRA one: every prompt on
+    slot 2 gives peft's logits (unmerged and merged) within 1e-4; one batch
+    with rows on slots 2, 1 and 0 gives each row its own model's logits."""
+    from checkpoints.hf_loader import load_hf
+    name, folder, adapters, base = hf_case
+    ckpt = load_hf(folder)
+    cfg = ckpt.config
+    lc = LoRAConfig(max_loras=2, max_lora_rank=16)
+    model = build(cfg, ckpt.params, lc)
+    for slot, key in ((2, "plain"), (1, "rslora")):
+        ad = load_adapter(str(adapters[key][0]))
+        check_adapter(ad, cfg, lc)
+        assert ad.target_modules == tuple(sorted(TARGETS))
+        put_adapter(model, slot, ad)
+    assert load_adapter(str(adapters["rslora"][0])).rank == 12
+
+    def rows(logits):
+        out, start = [], 0
+        for p in PROMPTS:
+            out.append(logits[start:start + len(p)])
+            start += len(p)
+        return out
+
+    ours = rows(run(model, prefill_md(PROMPTS, [2, 2, 2])))
+    _, unmerged, merged = adapters["plain"]
+    diff = [max(float(np.abs(o - r).max()) for o, r in zip(ours, ref)) for ref in (unmerged,
+                                                                                  merged)]
+    print(f"{name}: plain adapter, max |logit diff| vs peft unmerged / merged "
+          f"{diff[0]:.2e} / {diff[1]:.2e}")
+    for o, u, m in zip(ours, unmerged, merged):
+        np.testing.assert_allclose(o, u, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(o, m, atol=1e-4, rtol=0)
+    assert np.abs(ours[0] - base[0]).max() > 0.1  # the adapter changes the logits
+    mixed = rows(run(model, prefill_md(PROMPTS, [2, 1, 0])))
+    want = [adapters["plain"][1][0], adapters["rslora"][1][1], base[2]]
+    for o, w in zip(mixed, want):
+        np.testing.assert_allclose(o, w, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(mixed[1], adapters["rslora"][2][1], atol=1e-4, rtol=0)
