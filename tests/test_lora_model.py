@@ -467,3 +467,29 @@ def test_logits_match_peft_unmerged_and_merged(hf_case):
     for o, w in zip(mixed, want):
         np.testing.assert_allclose(o, w, atol=1e-4, rtol=0)
     np.testing.assert_allclose(mixed[1], adapters["rslora"][2][1], atol=1e-4, rtol=0)
+
+
+def test_slots_shard_like_their_base_weights(tiny, tmp_path):
+    """On a tp=2 mesh (fake CPU devices) each LoRA leaf splits along its base
+    projection's split axis (slot and rank axes whole), and the sharded step
+    gives the one-device logits."""
+    from sharding.mesh import make_mesh, validate_mesh_for_model
+    from sharding.rules import param_shardings
+    cfg, params = tiny
+    folder, _ = write_adapter(tmp_path / "a", cfg, np.random.default_rng(5))
+    model = build(cfg, params, LoRAConfig(max_loras=2, max_lora_rank=8))
+    put_adapter(model, 1, load_adapter(str(folder)))
+    md = prefill_md(PROMPTS, [1, 0, 1])
+    want = run(model, md)
+    mesh = make_mesh("tp=2", jax.devices()[:2])
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh, validate_mesh_for_model(mesh.shape, cfg))
+    specs = {p: tuple(s.spec) for p, s in nnx.to_flat_state(shardings)}
+    pre = ("layers", 0)
+    assert specs[pre + ("self_attn", "q_proj_lora", "b")] == (None, None, "tp", None)
+    assert specs[pre + ("self_attn", "o_proj_lora", "a")] == (None, None, None, "tp")
+    assert specs[pre + ("mlp", "down_proj_lora", "a")] == (None, None, None, "tp")
+    assert specs[pre + ("mlp", "gate_proj_lora", "a")] == (None, None, None, None)
+    nnx.update(model, jax.device_put(state, shardings))
+    assert len(model.layers[0].self_attn.q_proj_lora.b.value.sharding.device_set) == 2
+    np.testing.assert_allclose(run(model, md), want, atol=2e-5, rtol=0)
