@@ -204,7 +204,11 @@ def test_leaves_paths_and_slot_axis():
         assert tuple(var.get_metadata()["out_sharding"])[-2:] == ("embed", None)
         values = {p: np.full(leaf.shape[:len(lead)] + leaf.shape[len(lead) + 1:], 1.0 + i)
                   for i, (p, leaf) in enumerate(leaves.items())}
-        new = jax.jit(lora.write_slot)(leaves, jnp.int32(2), values)
+        write = jax.jit(lora.write_slot)
+        write(leaves, jnp.int32(1), values)
+        programs = write._cache_size()
+        new = write(leaves, jnp.int32(2), values)
+        assert write._cache_size() == programs  # the slot is traced: one program, every slot
         for i, (p, leaf) in enumerate(new.items()):
             arr = np.moveaxis(np.asarray(leaf), len(lead), 0)
             assert (arr[1] == 1.0 + i).all() and not arr[0].any() and not arr[2].any()
@@ -230,10 +234,13 @@ def test_slot_zero_is_the_base_model(tiny, tmp_path):
     np.testing.assert_array_equal(run(model, prefill_md(PROMPTS)), base)  # slots None
     np.testing.assert_allclose(run(model, prefill_md(PROMPTS, [0, 0, 0])), base, atol=1e-5,
                                rtol=0)
+    step = _STEPS[nnx.split(model)[0]]
+    programs = step._cache_size()
     put_adapter(model, 1, load_adapter(str(write_adapter(tmp_path / "a", cfg,
                                                          np.random.default_rng(0))[0])))
     np.testing.assert_allclose(run(model, prefill_md(PROMPTS, [0, 0, 0])), base, atol=1e-5,
                                rtol=0)
+    assert step._cache_size() == programs  # a loaded adapter is values: nothing compiles
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -375,6 +382,13 @@ def test_bf16_and_named_adapter_keys(tiny, tmp_path):
     ra, rb = raw["model.layers.1.mlp.up_proj.weight"]
     np.testing.assert_allclose(a, ra, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(b, 2.0 * rb, rtol=1e-2, atol=1e-2)
+    # Gemma 3 inside Gemma3ForConditionalGeneration: model.language_model.layers.*
+    from safetensors.numpy import load_file
+    path = str(folder / "adapter_model.safetensors")
+    save_file({k.replace("model.model.layers", "model.model.language_model.layers"): v
+               for k, v in load_file(path).items()}, path)
+    np.testing.assert_array_equal(
+        load_adapter(str(folder)).tensors["model.layers.1.mlp.up_proj.weight"][1], b)
 
 
 # ------------------------------------------------- HF transformers + peft reference (slow)
