@@ -241,6 +241,8 @@ def test_slot_zero_is_the_base_model(tiny, tmp_path):
     np.testing.assert_allclose(run(model, prefill_md(PROMPTS, [0, 0, 0])), base, atol=1e-5,
                                rtol=0)
     assert step._cache_size() == programs  # a loaded adapter is values: nothing compiles
+    put_adapter(model, 1, None)  # unload: the slot back to zeros
+    assert not any(np.asarray(x).any() for x in lora.lora_leaves(nnx.state(model)).values())
 
 
 @pytest.mark.parametrize("scan", [True, False])

@@ -211,7 +211,7 @@ def _modules(layer) -> list[tuple[str, str]]:
     return out
 
 
-def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
+def slot_values(model, adapter=None) -> dict[tuple, np.ndarray]:
     """One slot's values of every LoRA leaf of ``model`` for ``adapter``.
 
     Args:
@@ -220,12 +220,14 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
         ``model.layer_segments``, row i - start) or not.
       adapter: a ``checkpoints.peft.PeftAdapter`` (its ``tensors``: the
         base weight's HF name -> (A f32 [r, I], B f32 [O, r], scaling folded
-        into B)), checked against the model (``checkpoints.peft.check_adapter``).
+        into B)), checked against the model (``checkpoints.peft.check_adapter``);
+        None: an empty slot (all zeros, to unload).
 
     Returns:
       path (as ``lora_paths``) -> f32 array of the leaf's shape without its
       slot axis: ``a`` [R, I] / ``b`` [O, R] (stacked: [n, R, I] / [n, O, R]),
-      the adapter's rank zero-padded to R, zeros where it has no tensor.
+      the adapter's rank zero-padded to R, zeros where it has no tensor. Every
+      LoRA leaf has a value, so writing them overwrites the whole slot.
 
     Raises:
       ValueError: the model has no LoRA modules, or the adapter names a
@@ -233,6 +235,7 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
     """
     segments = model.layer_segments or tuple((i, i + 1) for i in range(len(model.layers)))
     stacked = model.layer_segments is not None
+    tensors = {} if adapter is None else adapter.tensors
     out, used = {}, set()
     for j, ((start, stop), layer) in enumerate(zip(segments, model.layers)):
         for sub, proj in _modules(layer):
@@ -243,8 +246,8 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
             b = np.zeros((stop - start, *b_shape), np.float32)
             for i in range(start, stop):
                 name = f"model.layers.{i}.{sub}.{proj}.weight"
-                if name in adapter.tensors:
-                    A, B = adapter.tensors[name]
+                if name in tensors:
+                    A, B = tensors[name]
                     r = A.shape[0]
                     a[i - start, :r] = A
                     b[i - start, :, :r] = B
@@ -254,7 +257,7 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
             out[pre + ("b",)] = b if stacked else b[0]
     if not out:
         raise ValueError("slot_values: the model has no LoRA modules (built without lora=)")
-    missed = sorted(set(adapter.tensors) - used)
+    missed = sorted(set(tensors) - used)
     if missed:
         raise ValueError(f"{adapter.path}: the model has no LoRA module for {missed[:4]}")
     return out
