@@ -49,41 +49,50 @@ PAGE = 8
 PAGES_PER_ROW = 16  # the XLA attention's page block
 
 
-def prefill_md(prompts, slots=None) -> AttentionMetadata:
-    """Metadata of one prefill step of ``prompts`` (lists of ids), each from
-    position 0 on its own pages, logits at every token; ``slots``: each
-    prompt's LoRA slot (None: LoRA off)."""
+SEQ_PAGES = 4  # pages of each sequence of a step: sequence k has pages 4k .. 4k + 3
+
+
+def prefill_md(prompts, slots=None, decode=False) -> AttentionMetadata:
+    """Metadata of one step over ``prompts`` (lists of ids), sequence k on
+    pages ``SEQ_PAGES * k ..``, logits at every token; ``slots``: each
+    sequence's LoRA slot (None: LoRA off). ``decode``: a decode-only step of
+    each prompt's last token, its earlier tokens already in the cache
+    (prefilled by ``prefill_md([p[:-1] ...])``); else all tokens from position 0."""
     ids, pos, pages, offs, kv_lens, table, cu = [], [], [], [], [], [], [0]
-    next_page = 0
-    for p in prompts:
-        n = -(-len(p) // PAGE)
-        row = list(range(next_page, next_page + n))
-        next_page += n
-        ids += list(p)
-        pos += list(range(len(p)))
-        pages += [row[t // PAGE] for t in range(len(p))]
-        offs += [t % PAGE for t in range(len(p))]
+    for k, p in enumerate(prompts):
+        row = list(range(SEQ_PAGES * k, SEQ_PAGES * (k + 1)))
+        assert len(p) <= SEQ_PAGES * PAGE
+        span = range(len(p) - 1, len(p)) if decode else range(len(p))
+        ids += [p[t] for t in span]
+        pos += list(span)
+        pages += [row[t // PAGE] for t in span]
+        offs += [t % PAGE for t in span]
         kv_lens.append(len(p))
-        table.append(row + [0] * (PAGES_PER_ROW - n))
-        cu.append(cu[-1] + len(p))
+        table.append(row + [0] * (PAGES_PER_ROW - len(row)))
+        cu.append(cu[-1] + len(span))
     T = len(ids)
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     lora_slots = None if slots is None else i32(
-        [s for p, s in zip(prompts, slots) for _ in p])
+        [s for n, s in zip(np.diff(cu), slots) for _ in range(n)])
     return AttentionMetadata(i32(ids), i32(pos), i32(pages), i32(offs), i32(kv_lens), i32(table),
-                             i32(cu), i32([len(prompts)]), i32(range(T)), i32([0]), False,
+                             i32(cu), i32([len(prompts)]), i32(range(T)),
+                             i32([len(prompts) if decode else 0]), decode,
                              lora_slots=lora_slots)
 
 
-def run(model, md, num_pages: int = 16):
-    """Logits f32 [T, V] of every token of ``md`` (one jitted step on a fresh cache)."""
+def run(model, md, cache=None, return_cache=False):
+    """Logits f32 [T, V] of every token of ``md``: one jitted step on
+    ``cache`` (k, v ``KVPages``; None: a fresh one), and the updated cache
+    with ``return_cache``."""
     cfg = model.cfg
-    shape = (cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
-    k, v = KVPages(jnp.zeros(shape)), KVPages(jnp.zeros(shape))
+    if cache is None:
+        shape = (cfg.num_layers, 16, PAGE, cfg.num_kv_heads, cfg.head_dim)
+        cache = KVPages(jnp.zeros(shape)), KVPages(jnp.zeros(shape))
     graphdef, state = nnx.split(model)
     if graphdef not in _STEPS:  # one jit per model structure: its programs are reused
-        _STEPS[graphdef] = jax.jit(lambda state, k, v, md: nnx.merge(graphdef, state)(k, v, md)[0])
-    return np.asarray(_STEPS[graphdef](state, k, v, md))
+        _STEPS[graphdef] = jax.jit(lambda state, k, v, md: nnx.merge(graphdef, state)(k, v, md))
+    logits, k, v = _STEPS[graphdef](state, *cache, md)[:3]
+    return (np.asarray(logits), (k, v)) if return_cache else np.asarray(logits)
 
 
 _STEPS: dict = {}
@@ -280,6 +289,24 @@ def test_adapters_equal_merged_weights(tiny, tmp_path, scan):
         np.testing.assert_allclose(ours[start:start + len(w)], w, atol=2e-5, rtol=0)
         start += len(w)
     assert np.abs(want[0] - run(build(cfg, params), prefill_md(PROMPTS[:1]))).max() > 0.1
+
+
+def test_decode_step_uses_the_slots(tiny, tmp_path):
+    """A decode-only step (``md.decode_only``, one token per row) on slots 2
+    and 1 after a prefill of the prompts but their last token gives the
+    last-token logits of a whole-prompt prefill on the same slots."""
+    cfg, params = tiny
+    rng = np.random.default_rng(6)
+    model = build(cfg, params, LoRAConfig(max_loras=2, max_lora_rank=8))
+    for slot in (1, 2):
+        folder, _ = write_adapter(tmp_path / str(slot), cfg, rng, r=4 * slot)
+        put_adapter(model, slot, load_adapter(str(folder)))
+    slots = [2, 1, 0]
+    whole = run(model, prefill_md(PROMPTS, slots))
+    last = np.cumsum([len(p) for p in PROMPTS]) - 1
+    _, cache = run(model, prefill_md([p[:-1] for p in PROMPTS], slots), return_cache=True)
+    decoded = run(model, prefill_md(PROMPTS, slots, decode=True), cache)
+    np.testing.assert_allclose(decoded, whole[last], atol=2e-5, rtol=0)
 
 
 def test_moe_attention_adapter_equals_merged(tmp_path):
