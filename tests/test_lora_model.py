@@ -11,6 +11,11 @@ numpy (``write_adapter``), then
   computed here: ``alpha / r``, rsLoRA ``alpha / sqrt(r)``, ``rank_pattern`` /
   ``alpha_pattern``), stacked (scanned) and unrolled, for Llama and the MoE
   family (attention targets);
+* a decode-only step applies each row's slot as the prefill does;
+* writing a slot (the slot a traced scalar) and running after it compile
+  nothing new; unloading zeroes the slot;
+* on a tp=2 mesh the slots split along their base projection's axis and
+  give the one-device logits;
 * an int8 base with an f32 adapter stays within a measured bound of the f32
   base with the same adapter;
 * each unsupported adapter is a ValueError naming the file and the field.
