@@ -41,9 +41,12 @@ base projection for scale)::
     | 512, 576 -> 1536   | 5.819 | 1.954       | 2.224          | 36.56  | 28.32                |
     | 512, 1536 -> 576   | 6.135 | 1.899       | 1.948          | 34.83  | 5.851                |
 
-The one-hot form wins at both sizes (the gather is 6-19x slower at T=512).
-Its cost grows with S*R (it is the work of one rank-S*R LoRA): with the
-defaults S=4, R=16 it is about half the table's.
+With the defaults S=4, R=16, one-hot 2-D: 0.077 / 0.071 ms at T=32 (base
+0.350 / 0.350), 0.981 / 1.136 ms at T=512 (base 5.494 / 5.736); gather
+0.408 / 0.392 and 33.2 / 34.9 ms. The one-hot form wins at both sizes (the
+gather is 6-30x slower at T=512); its cost is the work of one rank-S*R LoRA
+(20-65% of the base projection here), paid by every token of a step,
+slot 0 included, whenever LoRA is on.
 
 Paths: ``lora_paths``, ``slot_values`` and ``write_slot`` key the LoRA
 leaves by their NNX state path (a tuple of str / int, as
@@ -208,7 +211,7 @@ def _modules(layer) -> list[tuple[str, str]]:
     return out
 
 
-def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
+def slot_values(model, adapter=None) -> dict[tuple, np.ndarray]:
     """One slot's values of every LoRA leaf of ``model`` for ``adapter``.
 
     Args:
@@ -217,12 +220,14 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
         ``model.layer_segments``, row i - start) or not.
       adapter: a ``checkpoints.peft.PeftAdapter`` (its ``tensors``: the
         base weight's HF name -> (A f32 [r, I], B f32 [O, r], scaling folded
-        into B)), checked against the model (``checkpoints.peft.check_adapter``).
+        into B)), checked against the model (``checkpoints.peft.check_adapter``);
+        None: an empty slot (all zeros, to unload).
 
     Returns:
       path (as ``lora_paths``) -> f32 array of the leaf's shape without its
       slot axis: ``a`` [R, I] / ``b`` [O, R] (stacked: [n, R, I] / [n, O, R]),
-      the adapter's rank zero-padded to R, zeros where it has no tensor.
+      the adapter's rank zero-padded to R, zeros where it has no tensor. Every
+      LoRA leaf has a value, so writing them overwrites the whole slot.
 
     Raises:
       ValueError: the model has no LoRA modules, or the adapter names a
@@ -230,6 +235,7 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
     """
     segments = model.layer_segments or tuple((i, i + 1) for i in range(len(model.layers)))
     stacked = model.layer_segments is not None
+    tensors = {} if adapter is None else adapter.tensors
     out, used = {}, set()
     for j, ((start, stop), layer) in enumerate(zip(segments, model.layers)):
         for sub, proj in _modules(layer):
@@ -240,8 +246,8 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
             b = np.zeros((stop - start, *b_shape), np.float32)
             for i in range(start, stop):
                 name = f"model.layers.{i}.{sub}.{proj}.weight"
-                if name in adapter.tensors:
-                    A, B = adapter.tensors[name]
+                if name in tensors:
+                    A, B = tensors[name]
                     r = A.shape[0]
                     a[i - start, :r] = A
                     b[i - start, :, :r] = B
@@ -251,7 +257,7 @@ def slot_values(model, adapter) -> dict[tuple, np.ndarray]:
             out[pre + ("b",)] = b if stacked else b[0]
     if not out:
         raise ValueError("slot_values: the model has no LoRA modules (built without lora=)")
-    missed = sorted(set(adapter.tensors) - used)
+    missed = sorted(set(tensors) - used)
     if missed:
         raise ValueError(f"{adapter.path}: the model has no LoRA module for {missed[:4]}")
     return out
