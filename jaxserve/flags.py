@@ -232,8 +232,8 @@ def lora_modules() -> list[tuple[str, str]]:
     """``--lora_modules`` as (name, path) pairs, in the given order.
 
     Raises:
-      ValueError: an entry that is not ``name=path``, a name given twice, or
-        a path that is not a folder (naming the entry).
+      ValueError: an entry that is not ``name=path``, a name given twice or
+        equal to ``--model``, or a path that is not a folder (naming the entry).
     """
     out, seen = [], set()
     for entry in FLAGS.lora_modules:
@@ -243,6 +243,9 @@ def lora_modules() -> list[tuple[str, str]]:
             raise ValueError(f"--lora_modules entry {entry!r}: expected name=path")
         if name in seen:
             raise ValueError(f"--lora_modules entry {entry!r}: the name {name!r} is given twice")
+        if name == FLAGS.model:
+            raise ValueError(f"--lora_modules entry {entry!r}: the name is --model's (requests "
+                             f"naming it get the base model)")
         if not os.path.isdir(path):
             raise ValueError(f"--lora_modules entry {entry!r}: {path!r} is not a folder")
         seen.add(name)

@@ -126,7 +126,8 @@ def test_lora_flags_parse():
         for value, needle in ((f"x={here},x={there}", "'x' is given twice"),
                               ("nameonly", "'nameonly': expected name=path"),
                               ("=/tmp", "'=/tmp': expected name=path"),
-                              ("z=/no/such/folder", "'/no/such/folder' is not a folder")):
+                              ("z=/no/such/folder", "'/no/such/folder' is not a folder"),
+                              (f"smollm2-135m={here}", "the name is --model's")):
             cli.FLAGS.unparse_flags()
             cli.FLAGS(["jaxserve", f"--lora_modules={value}"])
             with pytest.raises(ValueError, match="--lora_modules entry") as e:
