@@ -4,7 +4,7 @@ flags into the core's dataclasses.
 Flags live here only; everything below the entry point takes
 ``jaxserve.config`` dataclasses. ``engine_config()`` is the single path from
 flags to an ``EngineConfig`` (model, dtype, KV cache, scheduler, mesh,
-quantization, speculation, compilation cache); ``server_config()`` builds the
+quantization, speculation, LoRA slots, compilation cache); ``server_config()`` builds the
 ``ServerConfig`` of ``--mode serve``. Each raises ``ValueError`` naming the
 flag or field at fault, so a bad value fails before anything slow starts
 (``main`` prints ``error: ...`` and exits 2).
@@ -20,8 +20,8 @@ import os
 from absl import flags
 
 from jaxserve.bench.workloads import WORKLOADS
-from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, kv_cache_dtype_from_name)
+from jaxserve.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
 from jaxserve.engine.request import SamplingParams, check_text
 from jaxserve.server_config import DisaggConfig, ServerConfig
@@ -86,6 +86,16 @@ flags.DEFINE_string("draft_quantization", "none", "speculation draft: the draft'
 flags.DEFINE_bool("speculative_adaptive", True, "speculation: let the policy choose k per step "
                   "from measured acceptance and step costs (off: always "
                   "--num_speculative_tokens).")
+flags.DEFINE_bool("enable_lora", False, "Serve LoRA adapters (PEFT folders) beside the base "
+                  "model: --max_loras slots on the device; requests pick one by name (the "
+                  "OpenAI model field, gRPC lora_name). Implied by --lora_modules.")
+flags.DEFINE_integer("max_loras", 4, "LoRA: adapters held on the device at once (more may be "
+                     "registered: they swap in, least recently used out).")
+flags.DEFINE_integer("max_lora_rank", 16, "LoRA: the largest adapter rank accepted (every "
+                     "adapter is zero-padded to it).")
+flags.DEFINE_list("lora_modules", [], "LoRA: adapters registered at start, before serving: "
+                  "name=path[,name=path...] (path: a PEFT folder with adapter_config.json and "
+                  "adapter_model.safetensors). Turns LoRA on.")
 flags.DEFINE_integer("num_devices", None, "Use the first N devices (default: all when --mesh "
                      "is given, else one); the --mesh product must equal it.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'tp=2' or 'dp=1,tp=4,ep=2' (axes dp, tp, "
@@ -218,6 +228,48 @@ def speculative_config() -> SpeculativeConfig:
         adaptive=FLAGS.speculative_adaptive)
 
 
+def lora_modules() -> list[tuple[str, str]]:
+    """``--lora_modules`` as (name, path) pairs, in the given order.
+
+    Raises:
+      ValueError: an entry that is not ``name=path``, a name given twice or
+        equal to ``--model``, or a path that is not a folder (naming the entry).
+    """
+    out, seen = [], set()
+    for entry in FLAGS.lora_modules:
+        name, eq, path = entry.partition("=")
+        name, path = name.strip(), path.strip()
+        if not eq or not name or not path:
+            raise ValueError(f"--lora_modules entry {entry!r}: expected name=path")
+        if name in seen:
+            raise ValueError(f"--lora_modules entry {entry!r}: the name {name!r} is given twice")
+        if name == FLAGS.model:
+            raise ValueError(f"--lora_modules entry {entry!r}: the name is --model's (requests "
+                             f"naming it get the base model)")
+        if not os.path.isdir(path):
+            raise ValueError(f"--lora_modules entry {entry!r}: {path!r} is not a folder")
+        seen.add(name)
+        out.append((name, path))
+    return out
+
+
+def lora_config() -> LoRAConfig | None:
+    """The ``EngineConfig.lora`` of the LoRA flags: None (off) unless
+    ``--enable_lora`` or ``--lora_modules``.
+
+    Raises:
+      ValueError: a bad ``--lora_modules`` entry, or ``--max_loras`` /
+        ``--max_lora_rank`` out of range (naming the flag).
+    """
+    modules = lora_modules()
+    if not FLAGS.enable_lora and not modules:
+        return None
+    try:
+        return LoRAConfig(max_loras=FLAGS.max_loras, max_lora_rank=FLAGS.max_lora_rank)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
+
+
 def engine_config(speculative: SpeculativeConfig | None = None) -> EngineConfig:
     """The ``EngineConfig`` of the flags: the one conversion of engine flags.
 
@@ -247,7 +299,8 @@ def engine_config(speculative: SpeculativeConfig | None = None) -> EngineConfig:
         compilation_cache_dir=compile_cache.resolve_dir(FLAGS.compilation_cache_dir),
         scan_layers=FLAGS.scan_layers, async_scheduling=FLAGS.async_scheduling,
         quantization=FLAGS.quantization, quantization_group_size=FLAGS.quantization_group_size,
-        speculative=speculative if speculative is not None else speculative_config())
+        speculative=speculative if speculative is not None else speculative_config(),
+        lora=lora_config())
 
 
 def engine_devices() -> list | None:

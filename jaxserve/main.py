@@ -87,9 +87,21 @@ from jaxserve.flags import FLAGS
 
 def _llm(config: EngineConfig):
     """The ``LLM`` facade over an ``Engine`` built from ``config`` (the flags'
-    ``EngineConfig``; ``LLM(...)`` itself takes vLLM's keyword arguments)."""
+    ``EngineConfig``; ``LLM(...)`` itself takes vLLM's keyword arguments),
+    with the ``--lora_modules`` adapters registered.
+
+    Raises:
+      ValueError: a model that fails to load, or an adapter folder the model
+        cannot take (naming the ``--lora_modules`` entry, the file and field).
+    """
     from jaxserve import LLM, Engine
-    return LLM.from_engine(Engine(config, devices=cli.engine_devices()))
+    llm = LLM.from_engine(Engine(config, devices=cli.engine_devices()))
+    for name, path in cli.lora_modules():
+        try:
+            llm.engine.add_lora(name, path)
+        except ValueError as e:
+            raise ValueError(f"--lora_modules entry '{name}={path}': {e}") from None
+    return llm
 
 
 def _bench(llm) -> None:

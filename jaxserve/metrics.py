@@ -51,6 +51,12 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
               jaxserve_disagg_fallbacks_total{reason}, jaxserve_kv_lease_expired_total
               (a prefill worker's)
 
+  LoRA adapters (``jaxserve.engine.adapters``; none without --enable_lora):
+    counters  jaxserve_lora_requests_total{lora_name} (requests admitted with
+              that adapter), jaxserve_lora_swaps_total (adapters written into a
+              device slot)
+    gauge     jaxserve_lora_slots_resident (slots holding an adapter)
+
 A server also exports the serving figures under vLLM's names
 (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
 ``vllm:time_to_first_token_seconds``, ... with vLLM's ``model_name`` label:
@@ -208,7 +214,28 @@ class ServingMetrics:
         self.attention_impl = prom.Gauge("jaxserve_attention_impl", "1 for the attention path "
                                          "the engine serves with (pallas, xla).", ("impl",),
                                          registry=r)
+        self.lora_requests = c("jaxserve_lora_requests", "Requests admitted with a LoRA "
+                               "adapter, by adapter name.", ("lora_name",))
+        self.lora_swaps = c("jaxserve_lora_swaps", "LoRA adapters written into a device "
+                            "slot (a slot's previous adapter evicted, or an empty slot filled).")
+        self.lora_resident = g("jaxserve_lora_slots_resident",
+                               "LoRA slots holding an adapter.")
+        self.lora_info: tuple[tuple[str, ...], int] | None = None  # (running, max_loras)
+        self._lora_swaps_seen = 0
         self._last = None
+
+    def observe_lora(self, slots, max_loras: int) -> None:
+        """Advance the LoRA figures from the engine's ``AdapterSlots`` (engine
+        thread): swaps, resident slots, and the adapters that running
+        sequences pin (vLLM's ``vllm:lora_requests_info``)."""
+        st = slots.stats()
+        if st["swaps"] > self._lora_swaps_seen:
+            self.lora_swaps.inc(st["swaps"] - self._lora_swaps_seen)
+            self._lora_swaps_seen = st["swaps"]
+        self.lora_resident.set(st["resident"])
+        running = tuple(sorted(n for n, p in zip(slots.in_slot[1:], slots.pins[1:])
+                               if n is not None and p))
+        self.lora_info = (running, max_loras)
 
     def export_vllm_names(self, model_name: str) -> None:
         """Also export the serving figures under vLLM's names
@@ -220,7 +247,8 @@ class ServingMetrics:
              self.generation_tokens, self.preemptions, self.success, self.prefix_queries,
              self.cached_tokens, self.ttft, self.tpot, self.itl, self.e2e, self.queue,
              self.prompt_len, self.output_len, self.spec_drafts, self.spec_draft_tokens,
-             self.spec_accepted_tokens, self.spec_accepted_per_pos], model_name))
+             self.spec_accepted_tokens, self.spec_accepted_per_pos], model_name,
+            lora_info=lambda: self.lora_info))
 
     def observe_stats(self, stats, extra_waiting: int = 0) -> None:
         """Set gauges and advance counters from an ``EngineStats`` snapshot

@@ -10,11 +10,19 @@ are kept, ``finish_reason`` renamed to vLLM's ``finished_reason``. Nothing
 is counted twice: there is one metric object, exported under two names.
 The units are the same (seconds, tokens, a 0..1 usage ratio), so only the
 names change.
+
+With LoRA adapters it also yields vLLM's ``vllm:lora_requests_info`` gauge:
+one sample, labels ``running_lora_adapters`` (the adapters running sequences
+use, comma-separated), ``max_lora`` (device slots) and
+``waiting_lora_adapters`` (always empty here: the scheduler's waiting queue is
+not read), value the scrape's Unix time, as vLLM sets it.
 """
 
 from __future__ import annotations
 
-from prometheus_client.core import Metric
+import time
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Our name (as the metric object knows it, without ``_total``) -> vLLM's.
@@ -52,14 +60,17 @@ class VllmNames(Collector):
     Args:
       metrics: the metric objects (their ``collect()`` is read at each scrape).
       model_name: the served model's name (vLLM's ``model_name`` label).
+      lora_info: ``() -> (running adapter names, max_loras)``, or None while
+        (or where) no LoRA figures exist: ``vllm:lora_requests_info``.
 
     Raises:
       ValueError: a metric whose name has no vLLM name.
     """
 
-    def __init__(self, metrics, model_name: str):
+    def __init__(self, metrics, model_name: str, lora_info=None):
         self.metrics = list(metrics)
         self.model_name = model_name
+        self.lora_info = lora_info  # () -> (running adapter names, max_loras) or None
         for m in self.metrics:
             if m._name not in VLLM_NAMES:
                 raise ValueError(f"no vLLM name for {m._name}")
@@ -77,6 +88,14 @@ class VllmNames(Collector):
                     out.add_sample(name + s.name[len(fam.name):], labels, s.value,
                                    s.timestamp, s.exemplar)
                 yield out
+        info = self.lora_info() if self.lora_info is not None else None
+        if info is not None:
+            running, max_loras = info
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                  labels=["running_lora_adapters", "max_lora",
+                                          "waiting_lora_adapters"])
+            g.add_metric([",".join(running), str(max_loras), ""], time.time())
+            yield g
 
 
 __all__ = ["VLLM_NAMES", "VllmNames"]

@@ -499,7 +499,13 @@ def test_models_health_metrics(server, client, http, tiny_gguf):
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["id"] == tiny_gguf
     assert client.models.retrieve(tiny_gguf).id == tiny_gguf  # GET /v1/models/{id}
+    assert raw["data"][0]["parent"] is None and len(raw["data"]) == 1  # no LoRA adapters
     _assert_error(http.get("/v1/models/other"), 404, "model")
+    # vLLM's LoRA routes answer 400 on a server started without LoRA
+    for route, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
+                        ("/v1/unload_lora_adapter", {"lora_name": "x"})):
+        err = _assert_error(http.post(route, json=body), 400)
+        assert "LoRA is not enabled" in err["message"], err
     assert http.get("/health").status_code == 200
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

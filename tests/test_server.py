@@ -234,6 +234,16 @@ def test_no_prompt_and_duplicate_id(server):
             list(c.stub.Generate(pb.GenerateRequest()))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prompt" in err.value.details()
+        # LoRA: off on this server; another model name is NOT_FOUND, the
+        # adapter RPCs FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as err:
+            c.complete(token_ids=[5], max_tokens=2, lora_name="other")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "lora_name" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            c.load_lora_adapter("x", "/tmp")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert c.model_info().max_loras == 0
         first = c.generate(request_id="dup", token_ids=[5], max_tokens=300, ignore_eos=True)
         next(first)  # the first request is running
         with pytest.raises(grpc.RpcError) as err:

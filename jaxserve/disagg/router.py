@@ -114,12 +114,16 @@ class DecodeEngine(AsyncEngine):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None,
-                       hold_kv: bool = False) -> RequestStream:
+                       hold_kv: bool = False, lora: str | None = None) -> RequestStream:
         """``AsyncEngine.generate``, routed: the prompt is prefilled by a
         prefill worker when ``route`` says so, here otherwise (or when the
-        handoff fails). Raises as ``AsyncEngine.generate``."""
+        handoff fails). A LoRA adapter's request (``lora``) always runs here
+        (prefill workers hold no adapters). Raises as ``AsyncEngine.generate``."""
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self.check_queue(params)
+        if lora is not None:
+            self.metrics.disagg_routed.labels(route="unsupported").inc()
+            return await self._local(prompt_ids, params, arrival, "unsupported", lora)
         route, worker, skip = await self.route(prompt_ids, params)
         self.metrics.disagg_routed.labels(route=route).inc()
         if worker is not None:
@@ -132,16 +136,19 @@ class DecodeEngine(AsyncEngine):
                 route = f"fallback:{e.reason}"
         return await self._local(prompt_ids, params, arrival, route)
 
-    async def _local(self, prompt_ids, params, arrival, route) -> RequestStream:
+    async def _local(self, prompt_ids, params, arrival, route, lora=None) -> RequestStream:
         constraints = None
         if params.has_token_mask:  # a grammar compile never runs on the engine thread
             constraints = await asyncio.to_thread(self.engine.build_constraints, params)
 
         def add(engine, engine_id):
             engine.add_request(engine_id, prompt_ids, params, arrival_time=arrival,
-                               constraints=constraints)
+                               constraints=constraints, lora=lora)
             engine.get_sequences(engine_id)[0].metrics.disagg_route = route
-        return await self._submit(params, add)
+        stream = await self._submit(params, add)
+        if lora is not None:
+            self.metrics.lora_requests.labels(lora).inc()
+        return stream
 
     async def _handoff(self, worker: PrefillClient, prompt_ids, params, arrival, skip: int
                        ) -> RequestStream:

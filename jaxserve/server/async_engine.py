@@ -13,7 +13,10 @@ Threads and queues (JetStream's orchestrator, reduced to one loop):
                                               handed to its request's asyncio
                                               queue with call_soon_threadsafe
 
-No other thread touches the ``Engine``. An abort queued while a step runs is
+No other thread touches the ``Engine``, except its LoRA registry
+(``add_lora`` / ``remove_lora`` / ``list_loras``: thread-safe; a folder is
+parsed on a worker thread, its slot written by the engine thread when a
+request first needs it). An abort queued while a step runs is
 applied before the next step starts, so a cancelled request stops within one
 step (``jaxserve_abort_delay_steps`` records the gap). Engine request ids are
 internal (``s<counter>``), so a client may reuse its own id at once.
@@ -146,6 +149,8 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit."""
         self._loop = asyncio.get_running_loop()
+        if self.engine.adapters is not None:  # the LoRA figures exist from the start
+            self.metrics.observe_lora(self.engine.adapters, self.max_loras)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
         if self.stream_limits.watched:
@@ -214,7 +219,7 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None,
-                       hold_kv: bool = False) -> "RequestStream":
+                       hold_kv: bool = False, lora: str | None = None) -> "RequestStream":
         """Queue a request and return a ``RequestStream`` of its outputs; the
         last one has ``finished`` True. The caller must ``aclose()`` it
         (in a ``finally``): closing it before the end aborts the request.
@@ -228,6 +233,8 @@ class AsyncEngine:
           hold_kv: keep the pages when it finishes (``Engine.add_request``;
             a prefill worker's requests). The engine id is the stream's
             ``engine_id``.
+          lora: the LoRA adapter's name (``Engine.add_request``'s ``lora``);
+            None: the base model. Counted in ``jaxserve_lora_requests_total``.
 
         A request with a token mask (structured outputs, allowed_token_ids,
         bad_words) has its constraints built on a worker thread first
@@ -238,6 +245,8 @@ class AsyncEngine:
           ValueError: from ``Engine.add_request``'s checks or the grammar
             backend (a server checks requests before:
             ``jaxserve.server.frontend``).
+          UnknownAdapterError: ``lora`` names no adapter (unloaded since the
+            front end checked it).
           StreamAborted: ``abort_all`` ran before the engine thread took it.
           QueueFullError: too many sequences cannot start (``check_queue``).
           ShuttingDownError: after ``stop_accepting``.
@@ -247,9 +256,50 @@ class AsyncEngine:
         if params.has_token_mask:  # a grammar compile never runs on the engine thread
             self.check_queue(params)
             constraints = await asyncio.to_thread(self.engine.build_constraints, params)
-        return await self._submit(params, lambda engine, engine_id: engine.add_request(
+        stream = await self._submit(params, lambda engine, engine_id: engine.add_request(
             engine_id, prompt_ids, params, arrival_time=arrival, hold_kv=hold_kv,
-            constraints=constraints))
+            constraints=constraints, lora=lora))
+        if lora is not None:
+            self.metrics.lora_requests.labels(lora).inc()
+        return stream
+
+    # ---- LoRA adapters: the registry is thread-safe (``engine.adapters``), so
+    # these run on the asyncio thread or a worker thread, never the engine's.
+
+    @property
+    def max_loras(self) -> int | None:
+        """Adapter slots on the device; None when LoRA is off."""
+        lora = self.engine.config.lora
+        return None if lora is None else lora.max_loras
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Every registered adapter's name -> its PEFT folder ({} when off)."""
+        slots = self.engine.adapters
+        out = {}
+        for name in self.engine.list_loras():
+            try:
+                out[name] = slots.get(name).path
+            except KeyError:  # unloaded meanwhile
+                pass
+        return out
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Register the PEFT folder ``path`` as adapter ``name``; the folder is
+        read and checked on a worker thread (``Engine.add_lora``).
+
+        Raises:
+          ValueError: LoRA off, a taken or bad name, a folder the model cannot
+            take (naming the file and field).
+        """
+        await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister adapter ``name``; its running requests finish with it.
+
+        Raises:
+          UnknownAdapterError: no adapter of that name (or LoRA off).
+        """
+        self.engine.remove_lora(name)
 
     async def _submit(self, params: SamplingParams, add) -> "RequestStream":
         """Queue ``add(engine, engine_id)`` (an ``Engine`` method that starts
@@ -438,6 +488,8 @@ class AsyncEngine:
             self._engine_waiting = engine.num_waiting
             self._engine_running = engine.num_running
             self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
+            if engine.adapters is not None:
+                self.metrics.observe_lora(engine.adapters, self.max_loras)
 
     def _dispatch(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)

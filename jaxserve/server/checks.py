@@ -178,6 +178,9 @@ def add_generation_servicer(servicer, server) -> None:
         "Tokenize": (grpc.unary_unary_rpc_method_handler, pb.TokenizeRequest),
         "Detokenize": (grpc.unary_unary_rpc_method_handler, pb.DetokenizeRequest),
         "ModelInfo": (grpc.unary_unary_rpc_method_handler, pb.ModelInfoRequest),
+        "LoadLoRAAdapter": (grpc.unary_unary_rpc_method_handler, pb.LoadLoRAAdapterRequest),
+        "UnloadLoRAAdapter": (grpc.unary_unary_rpc_method_handler,
+                              pb.UnloadLoRAAdapterRequest),
     }
     handlers = {name: make(getattr(servicer, name), request_deserializer=safe_deserializer(cls),
                            response_serializer=serialize)

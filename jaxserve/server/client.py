@@ -34,9 +34,10 @@ SERVICE_NAME = "jaxserve.v1.Generation"
 
 def make_request(prompt: str | None = None, *, token_ids=None, messages=None,
                  request_id: str = "", output_kind: int = pb.OUTPUT_KIND_DELTA,
-                 **sampling) -> pb.GenerateRequest:
+                 lora_name: str = "", **sampling) -> pb.GenerateRequest:
     """A ``GenerateRequest`` from exactly one of ``prompt`` (text), ``token_ids``
-    or ``messages`` (``[{"role", "content"}]``), and ``SamplingParams`` fields
+    or ``messages`` (``[{"role", "content"}]``), a LoRA adapter's name
+    (``lora_name``; empty: the base model), and ``SamplingParams`` fields
     as keywords (``max_tokens=16, temperature=0, stop=[...]``, ...; one
     constraint: ``json_schema=<JSON text>``, ``regex=``, ``choice=[...]``,
     ``grammar=``, ``json_object=True``; ``logit_bias={id: bias}``).
@@ -52,7 +53,7 @@ def make_request(prompt: str | None = None, *, token_ids=None, messages=None,
         raise ValueError(f"unknown sampling fields {unknown}")
     if isinstance(sampling.get("choice"), (list, tuple)):
         sampling["choice"] = pb.Choices(choices=sampling["choice"])
-    req = pb.GenerateRequest(request_id=request_id, output_kind=output_kind,
+    req = pb.GenerateRequest(request_id=request_id, output_kind=output_kind, lora_name=lora_name,
                              sampling=pb.SamplingParams(**{
                                  k: v for k, v in sampling.items() if v is not None}))
     if prompt is not None:
@@ -203,6 +204,15 @@ class Client:
     def model_info(self) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Register the server-side PEFT folder ``lora_path`` as ``lora_name``."""
+        self.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path), metadata=self.metadata)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=lora_name),
+                                    metadata=self.metadata)
+
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """``"SERVING"``, ``"NOT_SERVING"``, ... of the standard health service."""
         r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
@@ -252,6 +262,14 @@ class AsyncClient:
     async def model_info(self) -> pb.ModelInfoResponse:
         return await self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        await self.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path), metadata=self.metadata)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=lora_name),
+                                          metadata=self.metadata)
+
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
                                          timeout=timeout, metadata=self.metadata)
@@ -292,13 +310,14 @@ def main(argv=None) -> int:
     ap.add_argument("--token", default=None, help="bearer token")
     ap.add_argument("--tls_ca", default=None, help="PEM file of the CA to trust (TLS)")
     ap.add_argument("--timeout", type=float, default=None, help="deadline, seconds")
+    ap.add_argument("--lora_name", default="", help="a LoRA adapter the server has loaded")
     a = ap.parse_args(argv)
     kw = dict(messages=[{"role": "user", "content": a.prompt}]) if a.chat else \
         dict(prompt=a.prompt)
     try:
         ca = _read_ca(a.tls_ca) if a.tls_ca else None
         request = make_request(max_tokens=a.max_tokens, temperature=a.temperature,
-                               seed=a.seed, **kw)
+                               seed=a.seed, lora_name=a.lora_name, **kw)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

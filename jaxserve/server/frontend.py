@@ -41,6 +41,7 @@ from typing import AsyncIterator, Iterable, Sequence
 
 import jinja2
 
+from jaxserve.engine.adapters import UnknownAdapterError
 from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
 from jaxserve.server.async_engine import (AsyncEngine, EngineError, QueueFullError,
                                           RequestStream, StreamAborted)
@@ -167,6 +168,26 @@ class Frontend:
         """Stop the tokenizer workers."""
         if self.tokenizer_pool is not None:
             self.tokenizer_pool.close()
+
+    # ---- the model a request names ----------------------------------------------
+
+    def resolve_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model name picks (vLLM's rule): None
+        for the base model (its name, or no name), the name itself for a
+        registered adapter.
+
+        Raises:
+          UnknownAdapterError: any other name (HTTP 404 naming ``model``,
+            gRPC NOT_FOUND naming the request's field).
+        """
+        if not model or model == self.model_name:
+            return None
+        adapters = self.engine.lora_adapters() if self.engine is not None else {}
+        if model in adapters:
+            return model
+        loaded = f" and the LoRA adapters {sorted(adapters)}" if adapters else ""
+        raise UnknownAdapterError(f"The model `{model}` does not exist; this server "
+                                  f"serves `{self.model_name}`{loaded}")
 
     # ---- sampling limits ------------------------------------------------------
 
@@ -391,6 +412,7 @@ class Job:
     prompt_texts: list[str | None]
     params: list[SamplingParams]
     streams: list[RequestStream]
+    lora: str | None = None  # the LoRA adapter every prompt runs with (None: the base)
 
     @property
     def n(self) -> int:
@@ -445,13 +467,14 @@ class Job:
 
 async def start_job(engine: AsyncEngine, request_id: str, prompt_ids: list[list[int]],
                     prompt_texts: list[str | None], params: list[SamplingParams],
-                    arrival: float) -> Job:
-    """Put every prompt in the engine, or none: a failure closes the ones
-    already in. Raises as ``AsyncEngine.generate``."""
-    job = Job(request_id, prompt_ids, prompt_texts, params, [])
+                    arrival: float, lora: str | None = None) -> Job:
+    """Put every prompt in the engine (with the LoRA adapter ``lora``, or
+    the base model), or none: a failure closes the ones already in. Raises
+    as ``AsyncEngine.generate``."""
+    job = Job(request_id, prompt_ids, prompt_texts, params, [], lora)
     try:
         for ids, p in zip(prompt_ids, params):
-            job.streams.append(await engine.generate(ids, p, arrival))
+            job.streams.append(await engine.generate(ids, p, arrival, lora=lora))
             job.streams[-1].set_request_id(request_id)
     except BaseException:
         for s in job.streams:

@@ -6,7 +6,10 @@ front ends share the queue, the prefix cache and the metrics:
 
   ``POST /v1/completions``        text, list of texts, token ids or lists of them
   ``POST /v1/chat/completions``   messages rendered with the model's chat template
-  ``GET  /v1/models``             the served model
+  ``GET  /v1/models``             the served model and its LoRA adapters (vLLM's cards:
+                                  an adapter's ``root`` is its folder, ``parent`` the model)
+  ``POST /v1/load_lora_adapter``  vLLM's ``{lora_name, lora_path}``: register a PEFT folder
+  ``POST /v1/unload_lora_adapter``  vLLM's ``{lora_name}``
   ``GET  /health``                200 serving; 503 while loading or draining
   ``GET  /version``               ``{"version"}`` (vLLM's), the installed jaxserve
   ``GET  /metrics``               the Prometheus registry of the metrics port
@@ -27,6 +30,8 @@ than ``json_body.MAX_JSON_DEPTH``, a content type other than
 over ``max_http_body_bytes``, 401 without the bearer token when one is
 configured (every route but ``/health`` and ``/metrics``; the rule gRPC
 applies too, ``auth.bearer_refusal``), 404 for another model name or route,
+or an adapter that is not loaded (the ``model`` field names a LoRA adapter,
+vLLM's convention: ``Frontend.resolve_model``),
 429 when the waiting queue is full now (retry later), 503 while loading or
 draining, 500 when the engine fails a running request. Messages write what
 UTF-8 cannot encode (a lone surrogate in a model name) as backslash escapes
@@ -67,6 +72,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server_config import ServerConfig
+from jaxserve.engine.adapters import UnknownAdapterError
 from jaxserve.engine.request import RequestOutput, escape_text
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import json_body
@@ -193,6 +199,8 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.model)
+        app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         app.api_route("/health", methods=["GET", "HEAD"])(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/version")(lambda: {"version": _version()})
@@ -240,6 +248,8 @@ class OpenAIServer:
         return json_body.loads(b"".join(chunks))
 
     async def _parse(self, request: Request, cls):
+        """The request body as ``cls`` and the LoRA adapter its ``model``
+        names (None: the base model); 404 for another model."""
         self._auth(request)
         body = await self._body(request)
         req = oai.parse(cls, body)
@@ -247,11 +257,9 @@ class OpenAIServer:
         if unknown:
             log.warning("%s: ignoring unknown fields %s", request.url.path,
                         escape_text(", ".join(unknown)))
-        model = getattr(req, "model", None)
-        if model is not None and model != self.frontend.model_name:
-            raise oai.APIError(404, f"The model `{model}` does not exist; this server serves "
-                                    f"`{self.frontend.model_name}`", "model")
-        return req
+        with self._errors():
+            lora = self.frontend.resolve_model(getattr(req, "model", None))
+        return req, lora
 
     @staticmethod
     def _request_id(request: Request, prefix: str) -> str:
@@ -265,6 +273,8 @@ class OpenAIServer:
         """The engine's and checks' exceptions as ``APIError``s."""
         try:
             yield
+        except UnknownAdapterError as e:  # the model field names no model or adapter
+            raise oai.APIError(404, str(e), "model") from None
         except InvalidRequest as e:  # "<field>: <why>"
             field = str(e).split(":", 1)[0]
             raise oai.bad_request(str(e), field if field.replace(".", "").isidentifier()
@@ -280,12 +290,14 @@ class OpenAIServer:
             raise oai.APIError(503, "the tokenizer workers died; retry") from None
 
     async def _start(self, engine: AsyncEngine, rid: str, prompt_ids, prompt_texts, base,
-                     asked: int | None, max_name: str, arrival: float) -> Job:
+                     asked: int | None, max_name: str, arrival: float,
+                     lora: str | None) -> Job:
         """Put every prompt in the engine, each with its output budget."""
         with self._errors():
             params = [dataclasses.replace(base, max_tokens=self.frontend.output_budget(
                 asked, len(ids), max_name)) for ids in prompt_ids]
-            return await start_job(engine, rid, prompt_ids, prompt_texts, params, arrival)
+            return await start_job(engine, rid, prompt_ids, prompt_texts, params, arrival,
+                                   lora)
 
     # ---- generation -------------------------------------------------------------
 
@@ -293,7 +305,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         engine = self._ready()
         engine.metrics.received.inc()
-        req = await self._parse(request, oai.CompletionRequest)
+        req, lora = await self._parse(request, oai.CompletionRequest)
         prompts = oai.completion_prompts(req)
         asked = None if "max_tokens" in req.model_fields_set and req.max_tokens is None else \
             req.max_tokens
@@ -326,7 +338,7 @@ class OpenAIServer:
                                                          req.skip_special_tokens) if tok else "")
                      for t, i in zip(texts, ids)]
         job = await self._start(engine, self._request_id(request, "cmpl"), ids, texts, base,
-                                asked, "max_tokens", arrival)
+                                asked, "max_tokens", arrival, lora)
         if req.stream:
             return self._sse_response(self._completion_chunks(job, req, k))
         return await self._until_done(request, self._completion_body(job, req, k))
@@ -335,7 +347,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         engine = self._ready()
         engine.metrics.received.inc()
-        req = await self._parse(request, oai.ChatCompletionRequest)
+        req, lora = await self._parse(request, oai.ChatCompletionRequest)
         oai.check_chat(req)
         with self._errors():
             chat = prepare_chat(req)
@@ -354,7 +366,7 @@ class OpenAIServer:
             ids = await self.frontend.chat_prompt(chat.messages, "messages", chat.tools)
         base = base.with_stop(engine.tokenizer.chat_stop)  # a transcript's turn end
         job = await self._start(engine, self._request_id(request, "chatcmpl"), [ids], [None],
-                                base, asked, max_name, arrival)
+                                base, asked, max_name, arrival, lora)
         if req.stream:
             return self._sse_response(self._chat_chunks(job, req, k, chat.plan))
         return await self._until_done(request, self._chat_body(job, req, k, chat.plan))
@@ -399,7 +411,7 @@ class OpenAIServer:
         return None if tok is None else (lambda i: tok.decode([i], skip_special_tokens=False))
 
     def _head(self, job: Job, obj: str) -> dict:
-        return oai.head(job.request_id, obj, self.frontend.model_name)
+        return oai.head(job.request_id, obj, job.lora or self.frontend.model_name)
 
     # ---- completions and chat ---------------------------------------------------
 
@@ -440,18 +452,72 @@ class OpenAIServer:
     # ---- the other routes -------------------------------------------------------
 
     async def models(self, request: Request):
+        """``GET /v1/models``: the served model, then its LoRA adapters (vLLM's
+        cards: ``root`` the adapter's folder, ``parent`` the model)."""
         self._auth(request)
         engine = self._ready()
-        return {"object": "list", "data": [oai.model_card(
-            self.frontend.model_name, self.created, engine.max_model_len)]}
+        base = self.frontend.model_name
+        cards = [oai.model_card(base, self.created, engine.max_model_len)]
+        cards += [oai.model_card(name, self.created, engine.max_model_len, root=path,
+                                 parent=base)
+                  for name, path in sorted(engine.lora_adapters().items())]
+        return {"object": "list", "data": cards}
 
     async def model(self, request: Request, model_id: str):
-        """``GET /v1/models/{id}``: the served model, or 404 for another id."""
+        """``GET /v1/models/{id}``: the served model or an adapter's card, or
+        404 for another id."""
         listing = await self.models(request)
-        if model_id != self.frontend.model_name:
-            raise oai.APIError(404, f"The model `{model_id}` does not exist; this server serves "
-                                    f"`{self.frontend.model_name}`", "model")
-        return listing["data"][0]
+        for card in listing["data"]:
+            if card["id"] == model_id:
+                return card
+        with self._errors():
+            self.frontend.resolve_model(model_id)  # raises: 404 naming model
+        raise oai.APIError(404, f"The model `{model_id}` does not exist", "model")
+
+    # ---- LoRA adapters (vLLM's routes) ---------------------------------------------
+
+    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> tuple[str, ...]:
+        """The named string fields of a LoRA route's body; 400 when LoRA is
+        off or a field is missing or not a non-empty string."""
+        self._auth(request)
+        engine = self._ready()
+        body = await self._body(request)
+        if engine.max_loras is None:
+            raise oai.bad_request("LoRA is not enabled: start the server with --enable_lora "
+                                  "(or --lora_modules)")
+        if not isinstance(body, dict):
+            raise oai.bad_request("the body must be a JSON object")
+        out = []
+        for f in fields:
+            v = body.get(f)
+            if not isinstance(v, str) or not v:
+                raise oai.bad_request(f"{f}: must be a non-empty string", f)
+            out.append(v)
+        return tuple(out)
+
+    async def load_lora_adapter(self, request: Request):
+        """vLLM's ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}``:
+        registers the PEFT folder (read and checked on a worker thread); 400
+        for a bad folder (naming the file and field) or a name in use."""
+        name, path = await self._lora_body(request, ("lora_name", "lora_path"))
+        if name == self.frontend.model_name:
+            raise oai.bad_request(f"lora_name: {name!r} is the served model's name",
+                                  "lora_name")
+        with self._errors():
+            await self.frontend.engine.add_lora(name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request):
+        """vLLM's ``POST /v1/unload_lora_adapter`` ``{lora_name}``; 404 for a
+        name not loaded. Requests running with it finish with it."""
+        (name,) = await self._lora_body(request, ("lora_name",))
+        try:
+            self.frontend.engine.remove_lora(name)
+        except UnknownAdapterError as e:
+            raise oai.APIError(404, str(e), "lora_name") from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.",
+                        media_type="text/plain")
 
     async def health(self, request: Request):
         self._ready()

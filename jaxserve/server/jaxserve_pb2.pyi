@@ -116,20 +116,22 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "output_kind")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "output_kind", "lora_name")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_KIND_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatMessages
     sampling: SamplingParams
     request_id: str
     output_kind: OutputKind
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., output_kind: _Optional[_Union[OutputKind, str]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., output_kind: _Optional[_Union[OutputKind, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "token")
@@ -260,7 +262,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "dtype", "kv_cache_dtype", "mesh", "backend", "num_devices", "vocab_size", "page_size", "num_pages", "attention_impl", "max_prompt_len")
+    __slots__ = ("name", "architecture", "max_model_len", "dtype", "kv_cache_dtype", "mesh", "backend", "num_devices", "vocab_size", "page_size", "num_pages", "attention_impl", "max_prompt_len", "max_loras", "lora_adapters")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +283,8 @@ class ModelInfoResponse(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_IMPL_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -294,4 +298,36 @@ class ModelInfoResponse(_message.Message):
     num_pages: int
     attention_impl: str
     max_prompt_len: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., mesh: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., num_devices: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., attention_impl: _Optional[str] = ..., max_prompt_len: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., mesh: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., num_devices: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., attention_impl: _Optional[str] = ..., max_prompt_len: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -55,6 +55,16 @@ class GenerationStub:
                 request_serializer=jaxserve_dot_server_dot_jaxserve__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_server_dot_jaxserve__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/jaxserve.v1.Generation/LoadLoRAAdapter',
+                request_serializer=jaxserve_dot_server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_server_dot_jaxserve__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/jaxserve.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=jaxserve_dot_server_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_server_dot_jaxserve__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -86,7 +96,26 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ModelInfo(self, request, context):
-        """The served model and how it runs.
+        """The served model and how it runs (and its LoRA adapters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoRAAdapter(self, request, context):
+        """Registers a PEFT LoRA folder under a name that requests then pick with
+        GenerateRequest.lora_name (vLLM's /v1/load_lora_adapter).
+        FAILED_PRECONDITION when the server runs without LoRA (--enable_lora);
+        INVALID_ARGUMENT for a bad folder (the message names the file and
+        field) or a name in use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unregisters an adapter (vLLM's /v1/unload_lora_adapter); requests
+        running with it finish with it. NOT_FOUND for a name not loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +143,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=jaxserve_dot_server_dot_jaxserve__pb2.ModelInfoRequest.FromString,
                     response_serializer=jaxserve_dot_server_dot_jaxserve__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=jaxserve_dot_server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=jaxserve_dot_server_dot_jaxserve__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=jaxserve_dot_server_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=jaxserve_dot_server_dot_jaxserve__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +264,60 @@ class Generation:
             '/jaxserve.v1.Generation/ModelInfo',
             jaxserve_dot_server_dot_jaxserve__pb2.ModelInfoRequest.SerializeToString,
             jaxserve_dot_server_dot_jaxserve__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Generation/LoadLoRAAdapter',
+            jaxserve_dot_server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            jaxserve_dot_server_dot_jaxserve__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Generation/UnloadLoRAAdapter',
+            jaxserve_dot_server_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            jaxserve_dot_server_dot_jaxserve__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -357,10 +357,13 @@ def usage_of(prompt_ids: Sequence[Sequence[int]], last: Sequence[RequestOutput |
                  sum(o.metrics.num_cached_tokens for o in last if o))
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict:
-    """A ``/v1/models`` entry."""
+def model_card(name: str, created: int, max_model_len: int, root: str | None = None,
+               parent: str | None = None) -> dict:
+    """A ``/v1/models`` entry (vLLM's ``ModelCard``): a LoRA adapter's
+    ``root`` is its folder and ``parent`` the base model; the base model's
+    ``root`` is its own name, its ``parent`` null."""
     return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-            "root": name, "max_model_len": max_model_len}
+            "root": root or name, "parent": parent, "max_model_len": max_model_len}
 
 
 def _echo_logprobs(prompt_ids: Sequence[int], out: RequestOutput):

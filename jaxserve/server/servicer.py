@@ -10,6 +10,12 @@ the field (anything UTF-8 cannot encode written as a backslash escape). Register
 whose deserializer turns undecodable bytes into INVALID_ARGUMENT. The
 servicer exists before the model has loaded (so health and reflection
 answer at once); until ``Frontend.set_engine`` its methods answer UNAVAILABLE.
+
+LoRA adapters: ``GenerateRequest.lora_name`` picks one (empty or the served
+model's name: the base; another name: NOT_FOUND, ``Frontend.resolve_model``);
+``LoadLoRAAdapter`` / ``UnloadLoRAAdapter`` are vLLM's load and unload
+routes (a folder is read on a worker thread); ``ModelInfo`` lists the
+adapters.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import grpc
 
+from jaxserve.engine.adapters import UnknownAdapterError
 from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams, escape_text
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
@@ -170,6 +177,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 f"req-{next(self._ids)}"
             if request.output_kind not in pb.OutputKind.values():
                 raise InvalidRequest(f"output_kind: unknown value {request.output_kind}")
+            try:
+                lora = self.frontend.resolve_model(request.lora_name)
+            except UnknownAdapterError as e:
+                await self._reject(context, grpc.StatusCode.NOT_FOUND,
+                                   UnknownAdapterError(f"lora_name: {e}"))
             params = sampling_params_from_proto(request.sampling)
             self.frontend.check_limits(params, "sampling.")
             check_output_size(params, request.output_kind)
@@ -198,8 +210,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._live_ids.add(rid)
         try:
             try:
-                outputs = await engine.generate(ids, params, arrival_time)
+                outputs = await engine.generate(ids, params, arrival_time, lora=lora)
                 outputs.set_request_id(rid)
+            except UnknownAdapterError as e:  # unloaded since resolve_model
+                engine.metrics.rejected.labels("NOT_FOUND").inc()
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    escape_text(f"lora_name: {e}"))
             except ValueError as e:
                 engine.metrics.rejected.labels("INVALID_ARGUMENT").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(e)))
@@ -389,9 +405,49 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             check_decoded(request)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(err)))
+        adapters = [pb.LoRAAdapter(name=n, path=p)
+                    for n, p in sorted(engine.lora_adapters().items())]
         return pb.ModelInfoResponse(name=self.frontend.model_name,
                                     max_prompt_len=self.frontend.max_prompt_len,
+                                    max_loras=engine.max_loras or 0, lora_adapters=adapters,
                                     **engine.model_info())
+
+    # ---- LoRA adapters ----------------------------------------------------------
+
+    async def _lora_engine(self, request, context) -> AsyncEngine:
+        engine = await self._ready(context)
+        try:
+            check_decoded(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(err)))
+        if engine.max_loras is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "LoRA is not enabled: start the server with --enable_lora "
+                                "(or --lora_modules)")
+        if not request.lora_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name: must not be empty")
+        return engine
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context):
+        engine = await self._lora_engine(request, context)
+        if request.lora_name == self.frontend.model_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(
+                f"lora_name: {request.lora_name!r} is the served model's name"))
+        if not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: must not be empty")
+        try:
+            await engine.add_lora(request.lora_name, request.lora_path)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, escape_text(str(e)))
+        return pb.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context):
+        engine = await self._lora_engine(request, context)
+        try:
+            engine.remove_lora(request.lora_name)
+        except UnknownAdapterError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, escape_text(str(e)))
+        return pb.UnloadLoRAAdapterResponse()
 
 
 __all__ = ["GenerationServicer", "InvalidRequest", "MAX_LOGPROBS", "constraint_from_proto",
