@@ -227,3 +227,33 @@ def test_smollm2_adapter_logits_equal_hf_peft(smollm2_hf, smollm2_path, tmp_path
           f"{diff_merged:.2e}; the adapter moves them by {np.abs(want - base).max():.2f}")
     assert np.abs(want - base).max() > 0.1
     assert diff <= 1e-4 and diff_merged <= 1e-4  # measured 3.4e-05 and 5.0e-05
+
+
+@pytest.mark.parametrize("kw", [
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                             "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+    dict(max_num_batched_tokens=8),  # chunked prefill: every prompt in chunks of <= 8 tokens
+    dict(num_pages=10),  # 80 tokens of cache for 4 sequences of <= 32: preemption
+], ids=["ngram", "chunked", "preempted"])
+def test_adapter_rows_exact_under_speculation_chunking_preemption(tiny_parts, peft_models,
+                                                                    lora_llm, kw):
+    """Each row's greedy tokens with its adapter equal the plain engine's
+    (``lora_llm``), whatever the step shapes: ngram drafts verified under the
+    row's adapter, prompts cut into chunks, sequences preempted and
+    recomputed (their slot released and pinned again)."""
+    from conftest import _factory
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    loras = ["plain", "rslora", None, "pattern"]
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    want = [o.outputs[0].token_ids for o in lora_llm.generate(prompts, params, loras)]
+    llm = _factory(tiny_parts)(enable_lora=True, max_loras=3, max_lora_rank=8, **kw)
+    for name, (folder, _) in peft_models.items():
+        llm.engine.add_lora(name, folder)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, loras)]
+    assert got == want
+    s = llm.engine.stats()
+    if "num_pages" in kw:
+        assert s.num_preemptions > 0
+    if "speculative_config" in kw:
+        assert s.spec_num_draft_tokens > 0
+    assert llm.engine.adapters.stats()["pinned"] == 0
