@@ -140,10 +140,13 @@ def lora_delta(lora: LoRA, x_IT, slots_T):
 
 def with_delta(y_OT, lora: LoRA | None, x_IT, slots_T):
     """``y + lora_delta(lora, x, slots)``, or ``y`` when there is no LoRA
-    module (LoRA off) or no slots (``AttentionMetadata.lora_slots`` None)."""
+    module (LoRA off) or no slots (``AttentionMetadata.lora_slots`` None).
+    A step whose tokens are all the base's (every slot 0) skips the delta
+    at run time (``lax.cond``): it reads none of the slots' weights."""
     if lora is None or slots_T is None:
         return y_OT
-    return y_OT + lora_delta(lora, x_IT, slots_T)
+    return jax.lax.cond(jnp.any(slots_T > 0),
+                        lambda: y_OT + lora_delta(lora, x_IT, slots_T), lambda: y_OT)
 
 
 def slot_axis(leaf) -> int:
