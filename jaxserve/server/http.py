@@ -89,6 +89,7 @@ from jaxserve.server.chat_tools import (chat_pairs, chat_tool_chunks, chat_tool_
                                         prepare_chat, request_constraint)
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
 from jaxserve.server.frontend import Frontend, Job, chat_messages, start_job
+from jaxserve.server.lora_routes import LoRARoutes
 from jaxserve.server.sse_events import sse_events
 from jaxserve.server.tool_parsers import plan_tools
 
@@ -113,7 +114,7 @@ class _Uvicorn(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-class OpenAIServer:
+class OpenAIServer(LoRARoutes):
     """The HTTP API over the front end the gRPC servicer shares.
 
     Args:
@@ -473,51 +474,6 @@ class OpenAIServer:
         with self._errors():
             self.frontend.resolve_model(model_id)  # raises: 404 naming model
         raise oai.APIError(404, f"The model `{model_id}` does not exist", "model")
-
-    # ---- LoRA adapters (vLLM's routes) ---------------------------------------------
-
-    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> tuple[str, ...]:
-        """The named string fields of a LoRA route's body; 400 when LoRA is
-        off or a field is missing or not a non-empty string."""
-        self._auth(request)
-        engine = self._ready()
-        body = await self._body(request)
-        if engine.max_loras is None:
-            raise oai.bad_request("LoRA is not enabled: start the server with --enable_lora "
-                                  "(or --lora_modules)")
-        if not isinstance(body, dict):
-            raise oai.bad_request("the body must be a JSON object")
-        out = []
-        for f in fields:
-            v = body.get(f)
-            if not isinstance(v, str) or not v:
-                raise oai.bad_request(f"{f}: must be a non-empty string", f)
-            out.append(v)
-        return tuple(out)
-
-    async def load_lora_adapter(self, request: Request):
-        """vLLM's ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}``:
-        registers the PEFT folder (read and checked on a worker thread); 400
-        for a bad folder (naming the file and field) or a name in use."""
-        name, path = await self._lora_body(request, ("lora_name", "lora_path"))
-        if name == self.frontend.model_name:
-            raise oai.bad_request(f"lora_name: {name!r} is the served model's name",
-                                  "lora_name")
-        with self._errors():
-            await self.frontend.engine.add_lora(name, path)
-        return Response(f"Success: LoRA adapter '{name}' added successfully.",
-                        media_type="text/plain")
-
-    async def unload_lora_adapter(self, request: Request):
-        """vLLM's ``POST /v1/unload_lora_adapter`` ``{lora_name}``; 404 for a
-        name not loaded. Requests running with it finish with it."""
-        (name,) = await self._lora_body(request, ("lora_name",))
-        try:
-            self.frontend.engine.remove_lora(name)
-        except UnknownAdapterError as e:
-            raise oai.APIError(404, str(e), "lora_name") from None
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.",
-                        media_type="text/plain")
 
     async def health(self, request: Request):
         self._ready()
