@@ -53,7 +53,8 @@ prefix ``jaxserve_`` and Prometheus base units (seconds, tokens, pages):
 
   LoRA adapters (``jaxserve.engine.adapters``; none without --enable_lora):
     counters  jaxserve_lora_requests_total{lora_name} (requests admitted with
-              that adapter), jaxserve_lora_swaps_total (adapters written into a
+              that adapter), jaxserve_lora_tokens_total{lora_name, kind}
+              (prompt / generation tokens), jaxserve_lora_swaps_total (adapters written into a
               device slot)
     gauge     jaxserve_lora_slots_resident (slots holding an adapter)
 
@@ -220,8 +221,13 @@ class ServingMetrics:
                             "slot (a slot's previous adapter evicted, or an empty slot filled).")
         self.lora_resident = g("jaxserve_lora_slots_resident",
                                "LoRA slots holding an adapter.")
+        self.lora_tokens = c("jaxserve_lora_tokens", "Tokens computed with a LoRA adapter, "
+                             "by adapter name and kind (prompt: prefill tokens computed, "
+                             "cache hits excluded; generation: tokens sampled).",
+                             ("lora_name", "kind"))
         self.lora_info: tuple[tuple[str, ...], int] | None = None  # (running, max_loras)
         self._lora_swaps_seen = 0
+        self._lora_tokens_seen: dict = {}  # (adapter object id, kind) -> count exported
         self._last = None
 
     def observe_lora(self, slots, max_loras: int) -> None:
@@ -233,6 +239,15 @@ class ServingMetrics:
             self.lora_swaps.inc(st["swaps"] - self._lora_swaps_seen)
             self._lora_swaps_seen = st["swaps"]
         self.lora_resident.set(st["resident"])
+        with slots._lock:
+            adapters = list(slots.adapters.values())
+        for a in adapters:
+            for kind, n in (("prompt", a.num_prompt_tokens),
+                            ("generation", a.num_generation_tokens)):
+                seen = self._lora_tokens_seen.get((id(a), kind), 0)
+                if n > seen:
+                    self.lora_tokens.labels(a.name, kind).inc(n - seen)
+                    self._lora_tokens_seen[(id(a), kind)] = n
         running = tuple(sorted(n for n, p in zip(slots.in_slot[1:], slots.pins[1:])
                                if n is not None and p))
         self.lora_info = (running, max_loras)

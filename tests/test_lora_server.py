@@ -252,11 +252,21 @@ def test_metrics_count_requests_per_adapter_and_swaps(server, http, model_files)
     assert http.post("/v1/load_lora_adapter", json={
         "lora_name": "m", "lora_path": model_files[1]["a"]}).status_code == 200
     before = server.metrics()
+    usage = {"b": [0, 0]}  # prompt, completion tokens of the "b" requests
     for model in ("b", "b", "a", "m"):  # 3 adapters through 2 slots: a write at least
-        assert _complete(http, model, PROMPTS[1]).status_code == 200
+        r = _complete(http, model, PROMPTS[1])
+        assert r.status_code == 200
+        if model == "b":
+            usage["b"][0] += r.json()["usage"]["prompt_tokens"]
+            usage["b"][1] += r.json()["usage"]["completion_tokens"]
     after = server.metrics()
     key = 'jaxserve_lora_requests_total{lora_name="b"}'
     assert after[key] - before.get(key, 0) == 2
+    gen = 'jaxserve_lora_tokens_total{kind="generation",lora_name="b"}'
+    prompt = 'jaxserve_lora_tokens_total{kind="prompt",lora_name="b"}'
+    assert after[gen] - before.get(gen, 0) == usage["b"][1]
+    # Prompt tokens computed: the second "b" request finds the first's full pages cached.
+    assert 0 < after[prompt] - before.get(prompt, 0) <= usage["b"][0]
     assert after["jaxserve_lora_swaps_total"] - before.get("jaxserve_lora_swaps_total", 0) >= 1
     assert after["jaxserve_lora_slots_resident"] == 2
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "m"}).status_code == 200
