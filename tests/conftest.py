@@ -211,8 +211,8 @@ def num_mappings() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def collect_dead_engines():
-    """After each test module (its module fixtures torn down first), collect
-    the engines its tests dropped.
+    """After each test module (its module fixtures torn down first), free the
+    XLA executables its tests left behind (``_free_executables``).
 
     Why: a live XLA:CPU executable holds memory mappings (code, read-only and
     data sections of its kernels; ~930 for a tiny-model engine), and a dropped
@@ -222,19 +222,33 @@ def collect_dead_engines():
     ~20,000 mappings after the first tenth of the suite, and Linux refuses a
     process more than ``vm.max_map_count`` (65,530) mappings; XLA then died
     with SIGSEGV loading the next executable (CI, 80% of the suite in).
+    Kernel tests leave as many in ``jit``'s caches of module-level
+    functions (one executable per shape tried).
     """
     yield
-    _peak_mappings[0] = max(_peak_mappings[0], num_mappings())
-    gc.collect()
+    _free_executables(16_000)
+
+
+def _free_executables(limit: int) -> None:
+    """Note the mappings; past ``limit``, a full collection, then, if they
+    are still past it, JAX's in-memory caches dropped too (``jit``'s
+    executables of module-level functions: a kernel test's hundreds of
+    shapes stay mapped otherwise; a later call finds them in the persistent
+    cache)."""
+    n = num_mappings()
+    _peak_mappings[0] = max(_peak_mappings[0], n)
+    if n > limit:
+        gc.collect()
+        if num_mappings() > limit:
+            import jax
+            jax.clear_caches()
+            gc.collect()
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """The same inside a module whose tests build many engines: a full
-    collection once the mappings pass a third of the kernel's limit."""
-    n = num_mappings()
-    _peak_mappings[0] = max(_peak_mappings[0], n)
-    if n > 20_000:
-        gc.collect()
+    """The same inside a module whose tests build many engines or shapes,
+    at half the kernel's limit."""
+    _free_executables(32_000)
 
 
 # ---- the suite's compile bill ------------------------------------------------
