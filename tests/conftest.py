@@ -32,6 +32,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
+import gc
 import time
 
 import pytest
@@ -193,6 +194,63 @@ def mixtral_folders(tmp_path_factory):
     return hf, out
 
 
+# ---- executables freed between modules -----------------------------------------
+
+_peak_mappings = [0]  # the most memory mappings this process held after a test
+
+
+def num_mappings() -> int:
+    """This process's memory mappings (lines of ``/proc/self/maps``; 0 where
+    there is none)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_dead_engines():
+    """After each test module (its module fixtures torn down first), free the
+    XLA executables its tests left behind (``_free_executables``).
+
+    Why: a live XLA:CPU executable holds memory mappings (code, read-only and
+    data sections of its kernels; ~930 for a tiny-model engine), and a dropped
+    engine sits in reference cycles (a runner and its jitted bound methods)
+    that only a full collection frees. In a process this large (torch,
+    transformers) Python runs full collections rarely, so engines piled up:
+    ~20,000 mappings after the first tenth of the suite, and Linux refuses a
+    process more than ``vm.max_map_count`` (65,530) mappings; XLA then died
+    with SIGSEGV loading the next executable (CI, 80% of the suite in).
+    Kernel tests leave as many in ``jit``'s caches of module-level
+    functions (one executable per shape tried).
+    """
+    yield
+    _free_executables(16_000)
+
+
+def _free_executables(limit: int) -> None:
+    """Note the mappings; past ``limit``, a full collection, then, if they
+    are still past it, JAX's in-memory caches dropped too (``jit``'s
+    executables of module-level functions: a kernel test's hundreds of
+    shapes stay mapped otherwise; a later call finds them in the persistent
+    cache)."""
+    n = num_mappings()
+    _peak_mappings[0] = max(_peak_mappings[0], n)
+    if n > limit:
+        gc.collect()
+        if num_mappings() > limit:
+            import jax
+            jax.clear_caches()
+            gc.collect()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The same inside a module whose tests build many engines or shapes,
+    at half the kernel's limit."""
+    _free_executables(32_000)
+
+
 # ---- the suite's compile bill ------------------------------------------------
 
 def pytest_sessionstart(session):
@@ -216,4 +274,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"jaxserve suite: {time.monotonic() - t0:.0f} s wall; XLA programs built in this "
         f"process: {c.programs} ({c.loaded} loaded from the persistent cache, {c.compiled} "
         f"compiled in {c.compile_s:.0f} s; tracing {c.trace_s:.0f} s, lowering "
-        f"{c.lower_s:.0f} s)")
+        f"{c.lower_s:.0f} s); at most {_peak_mappings[0]:,} memory mappings after a test"
+        f" (the kernel's limit: vm.max_map_count)")
