@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from checkpoints.gguf_loader import GGUFCheckpoint, load_gguf, load_gguf_config
 from checkpoints.hf_loader import HFCheckpoint, load_hf, load_hf_config
 from checkpoints.orbax_ckpt import (OrbaxCheckpoint, is_orbax_checkpoint, load_orbax,
                                     load_orbax_config, save_orbax)
+from checkpoints.orbax_lora import check_adapters
 from jaxserve.config import EngineConfig, ModelConfig
 
 
@@ -167,7 +168,8 @@ def load_checkpoint(model: str | os.PathLike, dtype: Any = np.float32,
 
 def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
                      dtype: Any = np.float32, show_progress: bool = True,
-                     quantization: str = "none", group_size: int = 32) -> list[pathlib.Path]:
+                     quantization: str = "none", group_size: int = 32,
+                     lora_modules: Sequence[tuple[str, str]] = ()) -> list[pathlib.Path]:
     """Load ``model`` (anything ``load_checkpoint`` takes) and write it as an
     Orbax checkpoint folder (``orbax_ckpt.save_orbax``) in ``output_dir``.
 
@@ -182,6 +184,9 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
         Q8_0 / Q4_0 / Q4_1 blocks (other types: dense f32). Embeddings, norms,
         routers and the LM head stay ``dtype``; ``"none"`` stores everything
         in ``dtype`` (a quantized source is dequantized).
+      lora_modules: (name, PEFT adapter folder) pairs shipped in the
+        checkpoint (``checkpoints.orbax_lora``), each checked against the
+        model before any weights load.
 
     Returns:
       The paths written.
@@ -189,7 +194,9 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
     Raises:
       ValueError: as ``load_checkpoint``, ``output_dir`` exists and is not
         empty, an unknown method, ``"gguf"`` for a folder, or an int4 group
-        size that does not divide an input dim (before any weights load).
+        size that does not divide an input dim, or an adapter of
+        ``lora_modules`` the model cannot take (``LoRA adapter 'name=path':
+        ...``; all before any weights load or anything is written).
       RuntimeError: downloading an alias failed.
     """
     from checkpoints.hf_loader import expected_tensors
@@ -202,6 +209,7 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
     if quantization == "gguf" and pathlib.Path(model).expanduser().is_dir():
         raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks, but {model!r} "
                          f"is a folder (HF or Orbax); use int8, w8a8 or int4")
+    adapters = check_adapters(lora_modules, load_model_config(model)) if lora_modules else {}
     if fmt is not None:
         quant.check_shapes(quantization, group_size, [
             shape for name, shape in expected_tensors(load_model_config(model)).items()
@@ -219,7 +227,8 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
         else:
             params[name] = quant.quantize_np(w, quant.DENSE if quantization == "gguf" else fmt)
     return save_orbax(out, dataclasses.replace(ckpt, params=params), source=os.fspath(model),
-                      quantization=quantization, group_size=group_size)
+                      quantization=quantization, group_size=group_size,
+                      lora_adapters=adapters)
 
 
 __all__ = ["EngineLoad", "check_quantization", "convert_to_orbax", "load_for_engine",

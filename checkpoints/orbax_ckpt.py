@@ -9,6 +9,8 @@ Layout of a checkpoint folder written by ``save_orbax``::
     <dir>/tokenizer_meta.json bos/eos/unk/pad ids and the chat template
     <dir>/jaxserve_orbax.json format version, source, the source's scalar
                               metadata, and the size of every file under params/
+    <dir>/lora/<name>/        PEFT LoRA adapters converted with the base (only
+                              if any; ``checkpoints.orbax_lora``)
 
 ``restore_orbax(dir, shardings)`` gives each tensor an
 ``ArrayRestoreArgs(sharding=...)``, so Orbax (tensorstore) reads into each
@@ -58,6 +60,8 @@ from checkpoints.orbax_metadata import (CONFIG_FILE, FORMAT_VERSION, INFO_FILE, 
                                     assemble_parts, check_params_files, crc32, file_sizes,
                                     is_orbax_checkpoint, json_safe, load_orbax_config, part_shapes,
                                     read_info, read_json, resolve_quantization, saved_quantization)
+from checkpoints.orbax_lora import INFO_KEY as LORA_INFO_KEY
+from checkpoints.orbax_lora import save_adapters
 from jaxserve.config import ModelConfig
 
 CHUNK_BYTES = 4 << 20  # largest chunk of a saved tensor
@@ -87,7 +91,8 @@ class OrbaxCheckpoint:
 
 
 def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
-               quantization: str = "none", group_size: int = 32) -> list[pathlib.Path]:
+               quantization: str = "none", group_size: int = 32,
+               lora_adapters: Mapping[str, Any] | None = None) -> list[pathlib.Path]:
     """Write ``checkpoint`` (what ``checkpoints.loader.load_checkpoint`` returns)
     as an Orbax checkpoint folder (layout in the module docstring).
 
@@ -99,6 +104,9 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
       source: what it was loaded from (recorded in ``jaxserve_orbax.json``).
       quantization, group_size: the method the ``QuantizedTensor``s were
         made with (recorded in ``jaxserve_orbax.json``).
+      lora_adapters: name -> ``peft.PeftAdapter``, already checked
+        (``orbax_lora.check_adapters``): copied under ``lora/<name>/`` and
+        listed in ``jaxserve_orbax.json`` (``checkpoints.orbax_lora``).
 
     Returns:
       The files and folders written, ``params/`` first.
@@ -142,6 +150,8 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
                 "chat_template": checkpoint.chat_template}
         (out / TOKENIZER_META_FILE).write_text(json.dumps(meta, indent=1))
         written += [out / TOKENIZER_FILE, out / TOKENIZER_META_FILE]
+    lora_written, lora_table = save_adapters(out, dict(lora_adapters or {}))
+    written += lora_written
     sizes = file_sizes(out / PARAMS_DIR)
     info = {"format_version": FORMAT_VERSION, "source": source,
             "metadata": json_safe(checkpoint.metadata or {}),
@@ -150,6 +160,8 @@ def save_orbax(output_dir: str | os.PathLike, checkpoint, source: str = "",
     if quantization != "none":
         info["quantization"] = {"method": quantization, "group_size": group_size,
                                 "formats": formats}
+    if lora_table:
+        info[LORA_INFO_KEY] = lora_table
     (out / INFO_FILE).write_text(json.dumps(info, indent=1, default=str))
     return written + [out / INFO_FILE]
 

@@ -39,6 +39,10 @@ Modes:
     uint8 parts and f32 scales; ``gguf`` keeps the file's blocks); prints
     the paths written. ``--model <that folder>`` then restores it straight
     into the mesh's shardings (in the quantization it was converted with).
+    ``--lora_modules name=path,...`` ships those PEFT adapters in the folder
+    (each checked against the model first: a bad one exits 2 naming the
+    entry, writing nothing); serving the folder registers them under their
+    names, LoRA on (``checkpoints.orbax_lora``).
 
 Speculative decoding (every mode that decodes; eval and convert ignore it):
 ``--speculative_method ngram|draft`` with ``--num_speculative_tokens``,
@@ -74,7 +78,7 @@ from absl import app, flags
 
 from jaxserve import demo
 from jaxserve import flags as cli
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig, LoRAConfig, SpeculativeConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.page_table import cdiv
 from jaxserve.flags import FLAGS
@@ -88,19 +92,39 @@ from jaxserve.flags import FLAGS
 def _llm(config: EngineConfig):
     """The ``LLM`` facade over an ``Engine`` built from ``config`` (the flags'
     ``EngineConfig``; ``LLM(...)`` itself takes vLLM's keyword arguments),
-    with the ``--lora_modules`` adapters registered.
+    with the adapters an Orbax checkpoint ships (``checkpoints.orbax_lora``;
+    they turn LoRA on, with ``--max_loras`` / ``--max_lora_rank``) and the
+    ``--lora_modules`` adapters registered; a ``--lora_modules`` entry of a
+    shipped adapter's name replaces it.
 
     Raises:
       ValueError: a model that fails to load, or an adapter folder the model
-        cannot take (naming the ``--lora_modules`` entry, the file and field).
+        cannot take (naming the ``--lora_modules`` entry or the checkpoint's
+        adapter, the file and field).
     """
+    from checkpoints.orbax_lora import checkpoint_adapters
     from jaxserve import LLM, Engine
+    modules = cli.lora_modules()
+    shipped = [(n, p) for n, p in checkpoint_adapters(config.model)
+               if n not in dict(modules)]  # an explicit --lora_modules entry wins
+    if shipped and config.lora is None:  # adapters in the checkpoint turn LoRA on
+        config = dataclasses.replace(config, lora=LoRAConfig(FLAGS.max_loras,
+                                                             FLAGS.max_lora_rank))
     llm = LLM.from_engine(Engine(config, devices=cli.engine_devices()))
-    for name, path in cli.lora_modules():
+    for name, path in shipped:
+        try:
+            llm.engine.add_lora(name, path)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {name!r} of the checkpoint {config.model}: "
+                             f"{e}") from None
+    for name, path in modules:
         try:
             llm.engine.add_lora(name, path)
         except ValueError as e:
             raise ValueError(f"--lora_modules entry '{name}={path}': {e}") from None
+    if shipped:
+        logging.info("LoRA adapters of the checkpoint registered: %s",
+                     ", ".join(n for n, _ in shipped))
     return llm
 
 
@@ -216,7 +240,8 @@ def _convert() -> None:
         raise ValueError("--mode convert needs --output (the Orbax folder to write)")
     written = convert_to_orbax(FLAGS.model, FLAGS.output, dtype=np.dtype(jnp.dtype(FLAGS.dtype)),
                                quantization=FLAGS.quantization,
-                               group_size=FLAGS.quantization_group_size)
+                               group_size=FLAGS.quantization_group_size,
+                               lora_modules=cli.lora_modules())
     quantized = "" if FLAGS.quantization == "none" else f", projections {FLAGS.quantization}"
     print(f"converted {FLAGS.model} ({FLAGS.dtype}{quantized}) to an Orbax checkpoint:")
     for path in written:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+from checkpoints.orbax_lora import checkpoint_adapters
 from jaxserve.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
@@ -74,7 +75,9 @@ class LLM:
       enable_lora, max_loras, max_lora_rank: LoRA adapter slots (vLLM's
         names; ``LoRAConfig``): ``max_loras`` adapters on device at once,
         ranks up to ``max_lora_rank``; requests pick one with
-        ``generate(..., lora_request=LoRARequest(name, id, path))``.
+        ``generate(..., lora_request=LoRARequest(name, id, path))``. With
+        ``enable_lora``, the adapters an Orbax checkpoint ``model`` ships
+        (converted with ``lora_modules``) are registered under their names.
       model_config, params, tokenizer, chat_template, devices: see ``Engine``.
 
     Raises:
@@ -115,6 +118,9 @@ class LLM:
             speculative=speculative_config_from_dict(speculative_config),
             lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None)
         self.engine = Engine(config, **parts)
+        if enable_lora and "params" not in parts:  # the adapters an Orbax checkpoint ships
+            for name, path in checkpoint_adapters(model):
+                self.engine.add_lora(name, path)
 
     @classmethod
     def from_engine(cls, engine: Engine) -> LLM:
