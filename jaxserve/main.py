@@ -93,7 +93,8 @@ def _llm(config: EngineConfig):
     """The ``LLM`` facade over an ``Engine`` built from ``config`` (the flags'
     ``EngineConfig``; ``LLM(...)`` itself takes vLLM's keyword arguments),
     with the adapters an Orbax checkpoint ships (``checkpoints.orbax_lora``;
-    they turn LoRA on, with ``--max_loras`` / ``--max_lora_rank``) and the
+    they turn LoRA on, with ``--max_loras`` / ``--max_lora_rank``, except in a
+    multi-host job, which serves the base only, with a warning) and the
     ``--lora_modules`` adapters registered; a ``--lora_modules`` entry of a
     shipped adapter's name replaces it.
 
@@ -108,8 +109,14 @@ def _llm(config: EngineConfig):
     shipped = [(n, p) for n, p in checkpoint_adapters(config.model)
                if n not in dict(modules)]  # an explicit --lora_modules entry wins
     if shipped and config.lora is None:  # adapters in the checkpoint turn LoRA on
-        config = dataclasses.replace(config, lora=LoRAConfig(FLAGS.max_loras,
-                                                             FLAGS.max_lora_rank))
+        from jaxserve.engine import multihost
+        if multihost.in_job():  # LoRA is one-process only: serve the base
+            logging.warning("LoRA adapters of the checkpoint not served (%s): a multi-host "
+                            "job serves the base model only", ", ".join(n for n, _ in shipped))
+            shipped = []
+        else:
+            config = dataclasses.replace(config, lora=LoRAConfig(FLAGS.max_loras,
+                                                                 FLAGS.max_lora_rank))
     llm = LLM.from_engine(Engine(config, devices=cli.engine_devices()))
     for name, path in shipped:
         try:

@@ -15,9 +15,11 @@ written; a truncated adapter file is a ``ValueError`` naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -117,7 +119,6 @@ def test_serve_turns_lora_on_and_lists_adapters(converted, adapters, tiny_gguf, 
 
 def test_bad_adapter_fails_convert_before_writing(tiny_gguf, adapters, tmp_path):
     other = load_model_config(tiny_gguf)
-    import dataclasses
     wrong = write_random_adapter(str(tmp_path / "wrong"), dataclasses.replace(
         other, intermediate_size=other.intermediate_size * 2), 4, seed=5)
     out = tmp_path / "never"
@@ -131,7 +132,6 @@ def test_bad_adapter_fails_convert_before_writing(tiny_gguf, adapters, tmp_path)
 
 
 def test_truncated_adapter_file_named(converted, tmp_path):
-    import shutil
     copy = tmp_path / "ckpt"
     shutil.copytree(converted, copy)
     weights = copy / "lora" / "b" / "adapter_model.safetensors"
