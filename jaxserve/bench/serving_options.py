@@ -142,10 +142,12 @@ class BenchOptions:
         if self.peers:
             raise ValueError(f"--lora_mix runs jaxserve alone: the peers ({', '.join(self.peers)})"
                              " serve no adapters; add --peers=none")
-        bad = [n for n in names if n not in self.lora_modules]
+        # A running --target has its own adapters: the server checks the names.
+        bad = [n for n in names if n not in self.lora_modules and self.target is None]
         if bad:
+            known = ", ".join(self.lora_modules) or "none"
             raise ValueError(f"--lora_mix names adapter(s) {', '.join(bad)} not registered with "
-                             f"--lora_modules (registered: {', '.join(self.lora_modules) or 'none'})")
+                             f"--lora_modules (registered: {known})")
         if n_random and self.target is not None:
             raise ValueError("--lora_mix random:N writes its adapters for a spawned server; "
                              "with --target, name adapters the server has registered")
