@@ -81,3 +81,26 @@ def test_lora_mix_options():
     reqs = [BenchRequest("chat", [1, 2], 3) for _ in range(5)]
     assert [r.lora for r in serving_lora.assign(reqs, ["x", "y"])] == ["x", "y", "x", "y", "x"]
     assert all(r.lora is None for r in reqs)  # the base pass's requests are left alone
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_lora_mix_over_a_spawned_server(tiny_gguf, tmp_path, backend):
+    """gRPC (``lora_name``) and HTTP (the ``model`` field): the adapters are
+    written for the spawned server's ``--lora_modules``, every mix request
+    succeeds, and the swaps come from its ``jaxserve_lora_swaps_total``."""
+    out = tmp_path / "res"
+    res = _cli("--model", tiny_gguf, "--workload", "chat", "--concurrency", "1,2",
+               "--num_prompts", "2", "--scale", "0.05", "--peers", "none",
+               "--lora_mix", "random:2", "--max_lora_rank", "4", "--max_loras", "3",
+               "--num_pages", "128", "--page_size", "8", "--nowarmup", "--backend", backend,
+               "--output", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads((out / "result.json").read_text())
+    assert r["lora_mix"]["rank"] == 4 and r["lora_mix"]["max_loras"] == 3
+    assert any(f.startswith("--lora_modules=random0=") for f in r["config"]["engine_flags"])
+    for lv in r["levels"]:
+        mix = lv["lora_mix"]["mix_summary"]
+        assert mix["completed"] == 2 and mix["failed"] == 0
+        assert mix["output_tokens"] == lv["summary"]["output_tokens"] > 0
+        assert lv["lora_mix"]["ratio"] > 0
+    assert [lv["lora_mix"]["swaps"] for lv in r["levels"]] == [2, 0]

@@ -78,9 +78,12 @@ def _passes(reqs, names) -> list:
     return [reqs] + ([serving_lora.assign(reqs, names)] if names else [])
 
 
-def _spawned_rank(opts: BenchOptions) -> int | None:
-    """The adapter rank of a spawned server's ``random:N`` (None: a target's)."""
-    return None if opts.target else opts.max_lora_rank
+def _client_entry(opts: BenchOptions) -> dict:
+    """The result's ``lora_mix`` for a server: a spawned one's slots and rank
+    (from its flags), None for a target's."""
+    slots = [int(f.partition("=")[2]) for f in opts.engine_flags if f.startswith("--max_loras=")]
+    return serving_lora.result_entry(opts, None if opts.target else opts.max_lora_rank,
+                                     None if opts.target or not slots else slots[-1])
 
 
 def _client_mix(lv: dict, c: int, mix, slo: dict, sw0, metrics_url) -> None:
@@ -251,7 +254,7 @@ def run_grpc(opts: BenchOptions):
         records = []
         names = opts.lora_names()
         if names:
-            result["lora_mix"] = serving_lora.result_entry(opts, _spawned_rank(opts), None)
+            result["lora_mix"] = _client_entry(opts)
 
         async def go():
             async with AsyncClient(target) as client:
@@ -360,7 +363,7 @@ def run_openai(opts: BenchOptions):
         kw = dict(api_key=opts.api_key, prompt_as=prompt_as, tokenizer=tok)
         names = opts.lora_names()
         if names:
-            result["lora_mix"] = serving_lora.result_entry(opts, _spawned_rank(opts), None)
+            result["lora_mix"] = _client_entry(opts)
 
         async def go():
             t = time.monotonic()
