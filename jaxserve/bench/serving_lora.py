@@ -16,6 +16,10 @@ round-robin, and the two passes' output tok/s side by side.
   slot swaps during the mix pass (in-process ``engine.adapters.stats()``;
   over gRPC/HTTP ``jaxserve_lora_swaps_total`` of the server's metrics page,
   None without one).
+- The mix pass reuses none of the base pass's KV pages even where the
+  prefix cache is not emptied (a server): an adapter's pages hash from its
+  own root. The roofline counts the base passes only; in-process the mix
+  pass's XLA compilations are in its entry.
 - Peers serve no adapters: ``--lora_mix`` with peers is refused.
 """
 

@@ -24,6 +24,10 @@ Steps of a run:
    made with the server's ``/tokenize`` and sent as token ids where it takes
    them, else as text; ``backend="grpc"`` with ``target`` drives a running
    gRPC server.
+   With ``--lora_mix`` (``serving_lora``) every level runs twice, the base
+   alone then the same requests with adapters round-robin (the warm-up
+   likewise), and the level's ``lora_mix`` entry holds both output tok/s,
+   their ratio and the slot swaps of the mix pass; no peers then.
 4. Roofline: the device's ceilings (measured: ``roofline.measure_ceilings``,
    or given) and ``roofline.analyze`` of the recorded steps, per level and
    over all levels (in-process only), in the bytes as stored: the mean bytes
