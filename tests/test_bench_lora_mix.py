@@ -104,3 +104,23 @@ def test_lora_mix_over_a_spawned_server(tiny_gguf, tmp_path, backend):
         assert mix["output_tokens"] == lv["summary"]["output_tokens"] > 0
         assert lv["lora_mix"]["ratio"] > 0
     assert [lv["lora_mix"]["swaps"] for lv in r["levels"]] == [2, 0]
+
+
+def test_lora_mix_turns_lora_on_for_the_bench_only():
+    from jaxserve import flags as cli
+    cli.FLAGS.unparse_flags()
+    try:
+        cli.FLAGS(["jaxserve", "--mode", "bench", "--workload", "chat", "--peers=none",
+                   "--lora_mix", "random:2", "--max_loras", "2", "--max_lora_rank", "8"])
+        lc = cli.lora_config()
+        assert (lc.max_loras, lc.max_lora_rank) == (2, 8)
+        from jaxserve.bench import suite
+        opts = suite.options_from_flags({n: getattr(cli.FLAGS, n) for n in suite.FLAG_NAMES})
+        assert opts.lora_mix == "random:2" and opts.max_lora_rank == 8
+        assert {"--enable_lora=True", "--max_loras=2", "--max_lora_rank=8"} <= set(
+            opts.engine_flags)
+        cli.FLAGS.unparse_flags()
+        cli.FLAGS(["jaxserve", "--lora_mix", "random:2"])  # --mode generate: no LoRA
+        assert cli.lora_config() is None
+    finally:
+        cli.FLAGS.unparse_flags()
