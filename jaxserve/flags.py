@@ -155,6 +155,12 @@ flags.DEFINE_bool("warmup_in_background", True, "--mode serve --warmup: turn SER
 flags.DEFINE_string("compilation_cache_dir", "auto", "Persistent XLA compilation cache folder: "
                     "compiled programs are written there and a later start loads them. auto: "
                     "$JAXSERVE_CACHE/xla (~/.cache/jaxserve/xla); '' turns it off.")
+flags.DEFINE_string("lora_mix", None, "bench --workload: LoRA adapters given to the "
+                    "requests round-robin: names registered with --lora_modules (a,b,...), "
+                    "or random:N (N random rank---max_lora_rank adapters written to a temp "
+                    "folder and registered); each level runs the base alone and the mix in "
+                    "alternation and reports both output tok/s and their ratio. Turns LoRA "
+                    "on; no --peers.")
 flags.DEFINE_float("peak_tflops", None, "bench --workload: the device's peak TFLOP/s for "
                    "MFU (default: measured with a large matmul).")
 flags.DEFINE_float("peak_gbps", None, "bench --workload: the device's peak GB/s for MBU "
@@ -255,14 +261,15 @@ def lora_modules() -> list[tuple[str, str]]:
 
 def lora_config() -> LoRAConfig | None:
     """The ``EngineConfig.lora`` of the LoRA flags: None (off) unless
-    ``--enable_lora`` or ``--lora_modules``.
+    ``--enable_lora``, ``--lora_modules`` or (``--mode bench``) ``--lora_mix``.
 
     Raises:
       ValueError: a bad ``--lora_modules`` entry, or ``--max_loras`` /
         ``--max_lora_rank`` out of range (naming the flag).
     """
     modules = lora_modules()
-    if not FLAGS.enable_lora and not modules:
+    if not FLAGS.enable_lora and not modules and not (FLAGS.mode == "bench"
+                                                       and FLAGS.lora_mix):
         return None
     try:
         return LoRAConfig(max_loras=FLAGS.max_loras, max_lora_rank=FLAGS.max_lora_rank)

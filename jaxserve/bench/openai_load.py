@@ -395,7 +395,7 @@ async def run_openai(base_url: str, model: str, requests: list[BenchRequest], co
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def one(client: httpx.AsyncClient, i: int, req: BenchRequest):
-        body = {"model": model, "prompt": prompts[i], "max_tokens": req.output_len,
+        body = {"model": req.lora or model, "prompt": prompts[i], "max_tokens": req.output_len,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                 "ignore_eos": True, "skip_special_tokens": False, **(extra_body or {})}
         st, parser = states[i], SSEParser()

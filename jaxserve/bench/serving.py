@@ -181,7 +181,8 @@ def run_inprocess(engine, requests: list[BenchRequest], concurrency: int,
             # Sent on arrival, or when a slot freed if all were taken then.
             send = max(t0 + offsets[i], freed_at)
             req = requests[i]
-            rid = engine.add_request(None, req.prompt_ids, _params(req), arrival_time=send)
+            rid = engine.add_request(None, req.prompt_ids, _params(req), arrival_time=send,
+                                     lora=req.lora)
             records[rid] = RequestRecord(rid, req.workload, len(req.prompt_ids), send)
             order.append(rid)
             in_flight.add(rid)
@@ -355,7 +356,7 @@ async def run_grpc(client, requests: list[BenchRequest], concurrency: int,
             try:
                 async for r in client.generate(token_ids=req.prompt_ids,
                                                max_tokens=req.output_len, temperature=0.0,
-                                               ignore_eos=True,
+                                               ignore_eos=True, lora_name=req.lora or "",
                                                output_kind=pb.OUTPUT_KIND_DELTA):
                     now = time.monotonic()
                     toks = [t for c in r.completions for t in c.token_ids]

@@ -17,7 +17,7 @@ import dataclasses
 import math
 
 from jaxserve.bench import peers as peers_mod
-from jaxserve.bench import stats
+from jaxserve.bench import serving_lora, stats
 from jaxserve.bench.workloads import WORKLOADS
 
 CPU_SCALE = 0.2
@@ -68,6 +68,10 @@ class BenchOptions:
         worker); the ``colocated`` peer runs the same engine flags with
         prefill and decode in one server on all the CPUs.
       disagg_flags: ``jaxserve.main`` flags both spawned workers get.
+      lora_mix: ``--lora_mix``: adapter names among ``lora_modules``, or
+        ``random:N`` (``serving_lora``); None: the base alone.
+      lora_modules: the names registered with ``--lora_modules``.
+      max_lora_rank: the rank of ``random:N``'s adapters.
     """
 
     workload: str = "mixed"
@@ -91,6 +95,9 @@ class BenchOptions:
     engine_flags: tuple[str, ...] = ()
     role: str = "both"
     disagg_flags: tuple[str, ...] = ()
+    lora_mix: str | None = None
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -126,6 +133,31 @@ class BenchOptions:
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
         peers_mod.parse_peers(",".join(self.peers))
+        self._check_lora_mix()
+
+    def _check_lora_mix(self):
+        names, n_random = serving_lora.parse_lora_mix(self.lora_mix)
+        if not names and not n_random:
+            return
+        if self.peers:
+            raise ValueError(f"--lora_mix runs jaxserve alone: the peers ({', '.join(self.peers)})"
+                             " serve no adapters; add --peers=none")
+        # A running --target has its own adapters: the server checks the names.
+        bad = [n for n in names if n not in self.lora_modules and self.target is None]
+        if bad:
+            known = ", ".join(self.lora_modules) or "none"
+            raise ValueError(f"--lora_mix names adapter(s) {', '.join(bad)} not registered with "
+                             f"--lora_modules (registered: {known})")
+        if n_random and self.target is not None:
+            raise ValueError("--lora_mix random:N writes its adapters for a spawned server; "
+                             "with --target, name adapters the server has registered")
+        if self.role != "both":
+            raise ValueError("--lora_mix with --role decode is not supported")
+
+    def lora_names(self) -> list[str]:
+        """The adapters of the mix, in round-robin order ([] without ``--lora_mix``)."""
+        names, n_random = serving_lora.parse_lora_mix(self.lora_mix)
+        return list(names) or serving_lora.random_names(n_random)
 
     def prompts_per_level(self) -> list[int]:
         return [self.num_prompts or max(4, c) for c in self.concurrency]
@@ -141,7 +173,8 @@ SPEC_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min
 OPTIONAL_FLAGS = ("num_pages", "max_model_len", "mesh", "num_devices", "seed", "draft_model")
 BENCH_FLAGS = ("workload", "concurrency", "request_rate", "num_prompts", "slo", "peers",
                "backend", "target", "scale", "seed", "warmup", "peak_tflops", "peak_gbps",
-               "model", "role")
+               "model", "role", "lora_mix", "lora_modules", "enable_lora", "max_loras",
+               "max_lora_rank")
 DISAGG_FLAGS = ("disagg_min_prefill_tokens", "disagg_max_cached_ratio", "kv_lease_s")
 FLAG_NAMES = tuple(dict.fromkeys(SERVER_FLAGS + SPEC_FLAGS + OPTIONAL_FLAGS + BENCH_FLAGS
                                  + DISAGG_FLAGS))
@@ -160,6 +193,11 @@ def options_from_flags(values: dict, api_key: str | None = None) -> BenchOptions
     if values["speculative_method"] != "none":
         flag_args += server_args(SPEC_FLAGS)
     flag_args += server_args([n for n in OPTIONAL_FLAGS if values[n] is not None])
+    modules = list(values["lora_modules"] or [])
+    if values["enable_lora"] or modules or values["lora_mix"]:
+        flag_args += ["--enable_lora=True"] + server_args(["max_loras", "max_lora_rank"])
+        if modules:  # a list flag: one comma list
+            flag_args.append("--lora_modules=" + ",".join(modules))
     return BenchOptions(
         workload=values["workload"], concurrency=parse_levels(values["concurrency"]),
         request_rate=values["request_rate"], num_prompts=values["num_prompts"],
@@ -170,7 +208,9 @@ def options_from_flags(values: dict, api_key: str | None = None) -> BenchOptions
         peak_bytes=values["peak_gbps"] * 1e9 if values["peak_gbps"] else None,
         model=values["model"], dtype=values["dtype"], quantization=values["quantization"],
         kv_cache_dtype=values["kv_cache_dtype"], engine_flags=tuple(flag_args),
-        role=values["role"], disagg_flags=tuple(server_args(DISAGG_FLAGS)))
+        role=values["role"], disagg_flags=tuple(server_args(DISAGG_FLAGS)),
+        lora_mix=values["lora_mix"], max_lora_rank=values["max_lora_rank"],
+        lora_modules=tuple(m.partition("=")[0].strip() for m in modules))
 
 
 def run_scale(opts: BenchOptions, platform: str) -> float:

@@ -12,6 +12,7 @@ under the tables.
 
 from __future__ import annotations
 
+from jaxserve.bench import serving_lora
 from jaxserve.bench.report import fmt as _f
 
 ENGINE_LABEL = {"jaxserve": "jaxserve", "hf": "HF transformers", "llama_cpp": "llama.cpp",
@@ -209,6 +210,8 @@ def markdown(result: dict) -> str:
     lines += _disagg_lines(result)
     if http := _http_notes(result):
         lines += ["", "Driven over HTTP:", "", *http]
+    if mix := serving_lora.markdown(result):
+        lines += ["", *mix]
     clients = ("C closed-loop clients (request k is sent when request k - C ends)"
                if cfg["request_rate"] is None else
                "the same Poisson arrival times, at most C requests in flight (request k is "

@@ -24,6 +24,10 @@ Steps of a run:
    made with the server's ``/tokenize`` and sent as token ids where it takes
    them, else as text; ``backend="grpc"`` with ``target`` drives a running
    gRPC server.
+   With ``--lora_mix`` (``serving_lora``) every level runs twice, the base
+   alone then the same requests with adapters round-robin (the warm-up
+   likewise), and the level's ``lora_mix`` entry holds both output tok/s,
+   their ratio and the slot swaps of the mix pass; no peers then.
 4. Roofline: the device's ceilings (measured: ``roofline.measure_ceilings``,
    or given) and ``roofline.analyze`` of the recorded steps, per level and
    over all levels (in-process only), in the bytes as stored: the mean bytes
@@ -52,8 +56,8 @@ import time
 
 import jax
 
-from jaxserve.bench import formats, machine, openai_load, report, roofline, serving
-from jaxserve.bench import serving_plots, serving_report
+from jaxserve.bench import formats, machine, openai_load, report, roofline, serving, stats
+from jaxserve.bench import serving_lora, serving_plots, serving_report
 from jaxserve.bench.serving_levels import level_dict, log, shapes, slices
 from jaxserve.bench.serving_options import BenchOptions, run_scale
 from jaxserve.bench.serving_peers import run_peers
@@ -73,6 +77,33 @@ def _client_warmup(t0: float, warmed: bool) -> dict:
             "note": "every level once, untimed, on other prompts of the same shapes "
                     f"({dt:.0f} s)" if warmed else "none"}
 
+def _passes(reqs, names) -> list:
+    """A level's requests for the base pass, and with ``names`` the mix pass."""
+    return [reqs] + ([serving_lora.assign(reqs, names)] if names else [])
+
+
+def _client_entry(opts: BenchOptions) -> dict:
+    """The result's ``lora_mix`` for a server: a spawned one's slots and rank
+    (from its flags), None for a target's."""
+    slots = [int(f.partition("=")[2]) for f in opts.engine_flags if f.startswith("--max_loras=")]
+    return serving_lora.result_entry(opts, None if opts.target else opts.max_lora_rank,
+                                     None if opts.target or not slots else slots[-1])
+
+
+def _client_mix(lv: dict, c: int, mix, slo: dict, sw0, metrics_url) -> None:
+    """A client-driven level's ``lora_mix`` entry from its mix pass ``mix``."""
+    lv["lora_mix"] = serving_lora.pair_dict(
+        lv["summary"], stats.summarize(mix.records, slo=slo),
+        serving_lora.swaps_between(sw0, serving_lora.metric_swaps(metrics_url)))
+    _log_mix(c, lv["lora_mix"])
+
+
+def _log_mix(c: int, p: dict) -> None:
+    ratio = "-" if p["ratio"] is None else f"{p['ratio']:.2f}x"
+    log(f"C={c} with the LoRA mix: {p['mix_output_tok_s']:.1f} output tok/s ({ratio} the "
+        f"base's), {p['swaps']} slot swaps")
+
+
 def base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) -> dict:
     return {
         "benchmark": "jaxserve serving benchmark (python -m jaxserve.bench serve)",
@@ -85,7 +116,8 @@ def base_result(opts: BenchOptions, scale: float, requests, counts, extra_env) -
                    "request_rate": None if math.isinf(opts.request_rate) else opts.request_rate,
                    "slo": opts.slo, "peers": list(opts.peers), "scale": scale,
                    "seed": opts.seed, "warmup": opts.warmup,
-                   "engine_flags": list(opts.engine_flags), "role": opts.role},
+                   "engine_flags": list(opts.engine_flags), "role": opts.role,
+                   "lora_mix": opts.lora_mix},
         "env": machine.environment(extra_env),
         "workload": {"shapes": shapes(requests),
                      "nominal": {w: dataclasses.asdict(s) for w, s in SHAPES.items()}},
@@ -114,12 +146,26 @@ def run_inprocess(llm, opts: BenchOptions):
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "model_config": dataclasses.asdict(engine.model_config)})
+    names = opts.lora_names()
+    if names:
+        lcfg = engine.config.lora
+        if lcfg is None:
+            raise ValueError("--lora_mix needs an engine with LoRA on (--enable_lora)")
+        _, n_random = serving_lora.parse_lora_mix(opts.lora_mix)
+        for name, path in serving_lora.write_random(engine.model_config, n_random,
+                                                    lcfg.max_lora_rank) if n_random else ():
+            engine.add_lora(name, path)
+        result["lora_mix"] = serving_lora.result_entry(opts, lcfg.max_lora_rank,
+                                                       lcfg.max_loras)
     t = time.monotonic()
     comp = engine.num_compilations
     if opts.warmup:
         engine.warmup()  # every step shape first, then the sweep once for the rest
         for c, reqs in zip(opts.concurrency, per_level):
             serving.run_inprocess(engine, reqs, c, opts.request_rate, opts.seed)
+            if names:
+                serving.run_inprocess(engine, serving_lora.assign(reqs, names), c,
+                                      opts.request_rate, opts.seed)
             log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")
     result["warmup"] = {
         "seconds": time.monotonic() - t, "compilations": engine.num_compilations - comp,
@@ -143,6 +189,15 @@ def run_inprocess(llm, opts: BenchOptions):
         lv = level_dict(run, opts.slo)
         lv["steps"] = run.steps
         lv["reruns"] = reruns
+        if names:  # the same requests with the adapters, right after the base pass
+            sw0 = serving_lora.engine_swaps(engine)
+            mix = serving.run_inprocess(engine, serving_lora.assign(reqs, names), c,
+                                        opts.request_rate, opts.seed)
+            lv["lora_mix"] = serving_lora.pair_dict(
+                lv["summary"], stats.summarize(mix.records, slo=opts.slo),
+                serving_lora.engine_swaps(engine) - sw0)
+            lv["lora_mix"]["compilations"] = mix.compilations
+            _log_mix(c, lv["lora_mix"])
         result["levels"].append(lv)
         s = lv["summary"]
         log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
@@ -201,12 +256,16 @@ def run_grpc(opts: BenchOptions):
                        "num_devices": info.num_devices, "dtype": info.dtype,
                        "attention_impl": info.attention_impl, "disagg": disagg}})
         records = []
+        names = opts.lora_names()
+        if names:
+            result["lora_mix"] = _client_entry(opts)
 
         async def go():
             async with AsyncClient(target) as client:
                 t = time.monotonic()
                 for c, reqs in zip(opts.concurrency, slices(warm, counts)):
-                    await serving.run_grpc(client, reqs, c, opts.request_rate, opts.seed)
+                    for rs in _passes(reqs, names):
+                        await serving.run_grpc(client, rs, c, opts.request_rate, opts.seed)
                     log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")
                 result["warmup"] = _client_warmup(t, opts.warmup)
                 for c, reqs in zip(opts.concurrency, per_level):
@@ -214,6 +273,11 @@ def run_grpc(opts: BenchOptions):
                                                  metrics_url)
                     records.append(run.records)
                     result["levels"].append(level_dict(run, opts.slo))
+                    if names:
+                        sw0 = serving_lora.metric_swaps(metrics_url)
+                        mix = await serving.run_grpc(client, serving_lora.assign(reqs, names), c,
+                                                     opts.request_rate, opts.seed)
+                        _client_mix(result["levels"][-1], c, mix, opts.slo, sw0, metrics_url)
                     s = result["levels"][-1]["summary"]
                     log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
                         f"{s['failed']} failed")
@@ -301,12 +365,16 @@ def run_openai(opts: BenchOptions):
         mode = "continuous batching" if jaxserve else "as served"
         records = []
         kw = dict(api_key=opts.api_key, prompt_as=prompt_as, tokenizer=tok)
+        names = opts.lora_names()
+        if names:
+            result["lora_mix"] = _client_entry(opts)
 
         async def go():
             t = time.monotonic()
             for c, reqs in zip(opts.concurrency, slices(warm, counts)):
-                await openai_load.run_openai(base, model["id"], reqs, c, opts.request_rate,
-                                             opts.seed, **kw)
+                for rs in _passes(reqs, names):
+                    await openai_load.run_openai(base, model["id"], rs, c, opts.request_rate,
+                                                 opts.seed, **kw)
                 log(f"warm-up C={c} done ({time.monotonic() - t:.0f} s)")
             result["warmup"] = _client_warmup(t, opts.warmup)
             for c, reqs in zip(opts.concurrency, per_level):
@@ -315,6 +383,12 @@ def run_openai(opts: BenchOptions):
                                                    metrics_url, **kw)
                 records.append(run.records)
                 result["levels"].append(level_dict(run, opts.slo, mode))
+                if names:
+                    sw0 = serving_lora.metric_swaps(metrics_url)
+                    mix = await openai_load.run_openai(
+                        base, model["id"], serving_lora.assign(reqs, names), c,
+                        opts.request_rate, opts.seed, **kw)
+                    _client_mix(result["levels"][-1], c, mix, opts.slo, sw0, metrics_url)
                 s = result["levels"][-1]["summary"]
                 log(f"C={c}: {s['completed']} requests in {s['duration_s']:.1f} s, "
                     f"{s['failed']} failed, {run.http['short_outputs']} short")
@@ -343,6 +417,8 @@ def run(opts: BenchOptions, output_dir: str, llm=None,
     """
     t0 = time.monotonic()
     started = t0 if started is None else started
+    if opts.backend != "inprocess" and opts.lora_mix and not opts.target:
+        opts = dataclasses.replace(opts, engine_flags=serving_lora.spawn_flags(opts))
     if opts.backend == "inprocess":
         if llm is None:
             raise ValueError("the in-process backend needs an LLM")

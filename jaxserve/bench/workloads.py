@@ -194,11 +194,13 @@ class BenchRequest:
       workload: the shape it was drawn from (``"chat"``, ...; never ``"mixed"``).
       prompt_ids: token ids, exactly what every engine is given.
       output_len: tokens to generate (greedy, EOS ignored).
+      lora: the LoRA adapter's name (None: the base model; ``serving_lora``).
     """
 
     workload: str
     prompt_ids: list[int]
     output_len: int
+    lora: str | None = None
 
 
 class Text:
