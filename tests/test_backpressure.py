@@ -115,6 +115,30 @@ def test_stall_watch_aborts_only_unread_streams():
     assert _count(metrics, "stalled") == 1
 
 
+def test_a_slow_heap_trim_after_a_cut_does_not_stall_readers(monkeypatch):
+    """The heap trim after a cut runs off the event loop: in a process of a
+    few GB ``malloc_trim`` took over a second, and on the loop it made a
+    reader that keeps up look unread for that long, so it was cut too (the
+    suite's own process showed it: the stall tests failed there, never alone)."""
+    from jaxserve.server import backpressure
+    monkeypatch.setattr(backpressure, "malloc_trim", lambda: time.sleep(1.0))
+
+    async def run():
+        guard, metrics, aborted = _guard(StreamLimits(stall_timeout_s=0.3, pause_after_s=None))
+        unread, reader = _Stream("s5", asyncio.Queue()), _Stream("s6", asyncio.Queue())
+        watch = asyncio.ensure_future(guard.watch(lambda: [unread, reader]))
+        guard.deliver(unread, "a")
+        t_end = time.monotonic() + 2.0  # the cut near 0.5 s, then a 1 s trim
+        while time.monotonic() < t_end:
+            guard.deliver(reader, "b")
+            await asyncio.sleep(0.05)
+            assert reader.outputs.get_nowait() == "b"
+            guard.read(reader)
+        watch.cancel()
+        assert aborted == [unread] and not reader.dropped
+    asyncio.run(run())
+
+
 def test_unread_stream_is_paused_then_resumed_when_read_then_cut(caplog):
     """Unread past ``pause_after_s``: paused once; read empty: resumed; unread
     again past the stall timeout: cut (paused or not). A reader that keeps

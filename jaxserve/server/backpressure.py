@@ -167,7 +167,11 @@ class StreamGuard:
             await asyncio.sleep(self.limits.check_interval_s)
             if self._trim:  # the last tick's cuts freed their outputs by now
                 self._trim = False
-                malloc_trim()
+                # On a worker thread (ctypes drops the GIL): in a process of a
+                # few GB, malloc_trim walks the heap for up to a second or
+                # more, and on the loop that stall made healthy readers look
+                # unread (their outputs waited the whole trim) and got them cut.
+                await asyncio.to_thread(malloc_trim)
             now = time.monotonic()
             for s in open_streams():
                 if s.unread_since is None:
