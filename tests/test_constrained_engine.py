@@ -376,6 +376,8 @@ def test_forced_drafts_in_a_speculating_engine(tiny_parts, method):
                                        adaptive=False, **extra),
                draft_parts=tiny_parts if method == "draft" else None, **tiny_parts)
     e = spec.engine
+    # Forced runs ride as drafts whatever this machine's step times say (as ``llm``'s).
+    e.set_forced_draft_policy(ForcedDraftPolicy(cost_fn=lambda t: 1.0))
     install(spec, lambda p: Template(TEMPLATE))
     params = [greedy(30, allowed_token_ids=[0]), greedy(16, logit_bias={77: 100.0})]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]

@@ -254,7 +254,7 @@ def prepare_plan(batch, layout: PlanLayout, prev_rows_of: dict | None = None,
             input_ids[t] = 0
             prev_rows[t] = prev_rows_of[r]
         positions[t:t + q] = pos
-        if r.lora_slot:
+        if lora_slots is not None and r.lora_slot:  # a draft model's plans: no LoRA
             lora_slots[t:t + q] = r.lora_slot
         slot_pages[t:t + q] = pages[pos // L]
         slot_offsets[t:t + q] = pos % L
