@@ -1,4 +1,4 @@
-"""LoRA adapters shipped inside an Orbax checkpoint folder (issue 35).
+"""LoRA adapters shipped inside an Orbax checkpoint folder and registered from it at start.
 
 ``convert_to_orbax(model, out, lora_modules=[(name, path), ...])`` first
 reads every PEFT adapter folder and checks it against the base model

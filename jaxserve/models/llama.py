@@ -211,6 +211,17 @@ def _kv_heads_mesh(cfg: ModelConfig):
     return mesh, axis
 
 
+def _add_projections(module, shapes: dict, dtype, rngs, qfmt, adopt, lora) -> None:
+    """Set ``module.<name>`` to the weight of each projection of ``shapes``
+    (name -> ([out, in], logical axes)) and, with ``lora``, ``<name>_lora``
+    to its adapter slots (``lora.make``)."""
+    for n, ((out_dim, in_dim), names) in shapes.items():
+        setattr(module, n, quant.weight((out_dim, in_dim), names, dtype, rngs, qfmt, adopt))
+        if lora is not None:
+            setattr(module, n + lora_lib.SUFFIX,
+                    lora_lib.make(lora, in_dim, out_dim, names, dtype))
+
+
 class Attention(nnx.Module):
     """GQA self-attention over the paged cache: project, RoPE, write K/V, attend.
 
@@ -242,12 +253,7 @@ class Attention(nnx.Module):
                   "k_proj": ((K * H, D), ("kv_heads", "embed")),
                   "v_proj": ((K * H, D), ("kv_heads", "embed")),
                   "o_proj": ((D, N * H), ("embed", "q_heads"))}
-        for n, (shape, names) in shapes.items():
-            setattr(self, n, quant.weight(shape, names, dtype, rngs, qfmt, adopt))
-        if lora is not None:
-            for n, ((out_dim, in_dim), names) in shapes.items():
-                setattr(self, n + lora_lib.SUFFIX,
-                        lora_lib.make(lora, in_dim, out_dim, names, dtype))
+        _add_projections(self, shapes, dtype, rngs, qfmt, adopt, lora)
         bias = cfg.attention_bias
         self.q_bias = _param((N * H,), ("q_heads",), dtype, rngs) if bias else None
         self.k_bias = _param((K * H,), ("kv_heads",), dtype, rngs) if bias else None
@@ -338,12 +344,7 @@ class MLP(nnx.Module):
         D, F = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         shapes = {"gate_proj": ((F, D), ("mlp", "embed")), "up_proj": ((F, D), ("mlp", "embed")),
                   "down_proj": ((D, F), ("embed", "mlp"))}
-        for n, (shape, names) in shapes.items():
-            setattr(self, n, quant.weight(shape, names, dtype, rngs, qfmt, adopt))
-        if lora is not None:
-            for n, ((out_dim, in_dim), names) in shapes.items():
-                setattr(self, n + lora_lib.SUFFIX,
-                        lora_lib.make(lora, in_dim, out_dim, names, dtype))
+        _add_projections(self, shapes, dtype, rngs, qfmt, adopt, lora)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x_DT, lora_slots_T=None):
