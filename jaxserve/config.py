@@ -272,6 +272,9 @@ def kv_cache_dtype_from_name(name: str) -> str | None:
 
 # Weight quantization methods (``jaxserve.models.quant`` defines each).
 QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "gguf")
+# ``EngineConfig.quantization`` also takes "auto": the fastest of the formats that keep
+# the checkpoint's numerics, measured once per machine (``jaxserve.engine.format_choice``).
+QUANTIZATION_CHOICES = ("auto",) + QUANTIZATION_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,8 +489,10 @@ class EngineConfig:
         activations, int32 accumulation), ``"int4"`` (weight-only, groups of
         ``quantization_group_size`` along the input dim, scale and zero point),
         ``"gguf"`` (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, kept as they
-        are). Embeddings, norms, the MoE router, the LM head and attention
-        stay precise. See ``jaxserve.models.quant``.
+        are), or ``"auto"`` (the engine picks: on CPU the fastest of the formats
+        that keep the checkpoint's numerics, measured once per machine; see
+        ``jaxserve.engine.format_choice``). Embeddings, norms, the MoE router,
+        the LM head and attention stay precise. See ``jaxserve.models.quant``.
       quantization_group_size: input elements per scale of ``"int4"``.
       speculative: speculative decoding (``SpeculativeConfig``); off by default.
       lora: multi-LoRA slots (``LoRAConfig``); None: LoRA off (no adapter
@@ -516,7 +521,7 @@ class EngineConfig:
         if self.attention_impl not in ("auto", "pallas", "xla"):
             raise ValueError(f"attention_impl must be auto, pallas or xla, "
                              f"got {self.attention_impl!r}")
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
         check_positive("quantization_group_size", self.quantization_group_size)

@@ -45,7 +45,9 @@ flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 is off.")
 flags.DEFINE_integer("seed", None, "Per-request sampling seed.")
 flags.DEFINE_bool("json", False, "Print one JSON object per request instead of text.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter dtype.")
-flags.DEFINE_string("quantization", "none", "Weight format of the linear projections: none, "
+flags.DEFINE_string("quantization", "auto", "Weight format of the linear projections: auto "
+                    "(the default: on CPU the fastest of the formats that keep the checkpoint's "
+                    "numerics, measured once per machine and cached; none elsewhere), none, "
                     "int8 (weight-only, per channel), w8a8 (int8 weights x int8 activations), "
                     "int4 (groups along the input dim, scale + zero point) or gguf (the "
                     "file's own Q8_0/Q4_0/Q4_1 blocks). Embeddings, norms, router, LM head "

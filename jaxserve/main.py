@@ -172,7 +172,7 @@ def _eval(speculative: SpeculativeConfig) -> None:
     engine = _llm(config).engine
     ids, bos = ev.tokenize(engine, text)
     reference = None
-    if config.quantization != "none" or config.cache.dtype is not None:
+    if engine.config.quantization != "none" or config.cache.dtype is not None:  # auto resolved
         reference = _llm(dataclasses.replace(config, quantization="none", cache=dataclasses.replace(
             config.cache, dtype=None))).engine
     result = ev.evaluate(engine, ids, reference=reference, context=FLAGS.eval_context,
@@ -245,11 +245,13 @@ def _convert() -> None:
     from checkpoints.loader import convert_to_orbax
     if not FLAGS.output:
         raise ValueError("--mode convert needs --output (the Orbax folder to write)")
+    # A conversion keeps f32 unless a format is named (auto picks at serving time).
+    method = "none" if FLAGS.quantization == "auto" else FLAGS.quantization
     written = convert_to_orbax(FLAGS.model, FLAGS.output, dtype=np.dtype(jnp.dtype(FLAGS.dtype)),
-                               quantization=FLAGS.quantization,
+                               quantization=method,
                                group_size=FLAGS.quantization_group_size,
                                lora_modules=cli.lora_modules())
-    quantized = "" if FLAGS.quantization == "none" else f", projections {FLAGS.quantization}"
+    quantized = "" if method == "none" else f", projections {method}"
     print(f"converted {FLAGS.model} ({FLAGS.dtype}{quantized}) to an Orbax checkpoint:")
     for path in written:
         print(f"  {path}")

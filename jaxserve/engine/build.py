@@ -37,7 +37,7 @@ from checkpoints.loader import EngineLoad, check_quantization, load_for_engine, 
 from checkpoints.orbax_ckpt import restore_for_model
 from jaxserve import models
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import attention_check, compile_cache, multihost, shapes
+from jaxserve.engine import attention_check, compile_cache, format_choice, multihost, shapes
 from jaxserve.engine.attention_check import AttentionCheck
 from jaxserve.engine.page_table import PageAllocator
 from jaxserve.engine.runner import ModelRunner
@@ -103,6 +103,9 @@ def build_engine(config: EngineConfig, *, model_config: ModelConfig | None = Non
     # An fp8 KV cache where the device has no fp8 fails before any weights load.
     check_kv_cache_dtype(config.cache.dtype or config.dtype, mesh.devices.flat[0])
     _check_job(config, mesh, model_config)
+    if config.quantization == "auto":  # measured once per machine (format_choice)
+        config = (format_choice.resolve(config, load_model_config(config.model))
+                  if model_config is None else dataclasses.replace(config, quantization="none"))
     if model_config is None:  # alias, .gguf, HF or Orbax folder: checked, then loaded
         loaded, checked = load_for_engine(config, mesh.shape), True
     else:

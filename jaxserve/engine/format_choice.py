@@ -1,0 +1,249 @@
+"""``--quantization auto``: the weight format chosen by measurement, once per machine.
+
+The CPU dev machines differ (AVX2 only, AVX-512, AVX-512 with AMX) and so
+do XLA:CPU's and the CPU kernels' relative costs on them: which format
+decodes fastest is a property of the machine, not of the model alone. So
+``auto`` times the candidate formats on this machine at the model's own
+projection shapes and serves the fastest; the answer is cached per
+(machine, jax version, kernel availability, shapes) in
+``$JAXSERVE_CACHE/format_choice.json`` (default ``~/.cache/jaxserve``), so
+only a machine's first start pays for it (a few seconds).
+
+Candidates are the formats that keep the checkpoint's own numerics:
+
+| checkpoint | candidates | why |
+|---|---|---|
+| a GGUF file whose projections are all Q8_0 / Q4_0 / Q4_1 blocks | ``none``, ``gguf`` | both compute with the file's values exactly (``gguf`` keeps the blocks, ``none`` their f32 dequantization): PPL +0.00% |
+| anything else (HF folder, other GGUF types) | ``none`` | another format re-quantizes: its eval differs per model (SmolLM2's: ``benchmarks/quant``), so it stays an explicit choice |
+| an Orbax folder | its own | the checkpoint was converted with one |
+| GPU / TPU | ``none`` | bf16 with f32 accumulation is the accelerator default |
+| a multi-host job | ``none`` | each process would measure, and all must build the same model |
+
+A measurement times one program that runs every projection of every layer
+(the weights of ``num_layers`` layers, so they stream from memory as a
+model's do, plus the LM head) at M = 1 and M = 32 activation columns (a
+decode step alone and a batch of 32) through ``quant.quantized_matmul``
+(the kernel or XLA form it picks); a candidate's score is the geometric
+mean of its two times over ``none``'s, and the lowest score wins (``none``
+on ties within 3%). The figures are logged and kept in the cache entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "format_choice.json"
+COLUMNS = (1, 32)
+TIE = 0.97  # a candidate must take <= 97% of none's time to win
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+              "avx512_bf16", "amx_int8", "amx_bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatChoice:
+    """What ``choose`` decided.
+
+    Attributes:
+      quantization: the chosen method (``EngineConfig.quantization``).
+      candidates: the methods considered.
+      score: method -> geometric mean of its times over ``none``'s (1.0 for
+        ``none``); empty when nothing was measured.
+      ms: method -> {M: ms per pass over every projection} as measured.
+      cached: the answer came from the cache file.
+      reason: one line for the log and ``/v1/models``-style reports.
+    """
+
+    quantization: str
+    candidates: tuple[str, ...]
+    score: dict
+    ms: dict
+    cached: bool
+    reason: str
+
+
+def machine_key() -> str:
+    """The CPU model name and the vector flags that change which form is fastest."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and ":" in line:
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return f"{name} [{' '.join(f for f in _CPU_FLAGS if f in flags)}]"
+
+
+def gguf_block_format(path: pathlib.Path):
+    """The ``quant.TensorFormat`` of a GGUF file's projections when every one
+    of them is a Q8_0 / Q4_0 / Q4_1 block tensor (the most common one if
+    mixed), else None."""
+    from checkpoints.gguf_loader import KEPT_TYPES, tensor_types
+    from jaxserve.models import quant
+    proj = [t for n, t in tensor_types(path).items() if quant.is_projection(n)]
+    if not proj or any(t not in KEPT_TYPES for t in proj):
+        return None
+    names = [t.name for t in proj]
+    return quant.Q8_0 if max(set(names), key=names.count) == "Q8_0" else quant.Q4
+
+
+def _candidates(config: EngineConfig):
+    """(candidates, the gguf TensorFormat or None, the reason when fixed)."""
+    from checkpoints.fetch import resolve_model
+    from checkpoints.loader import is_orbax_checkpoint
+    if jax.default_backend() != "cpu":
+        return ("none",), None, f"{jax.default_backend()}: bf16 weights are the default"
+    if jax.process_count() > 1:
+        return ("none",), None, "a multi-host job: every process must build the same model"
+    if is_orbax_checkpoint(config.model):
+        return ("none",), None, "an Orbax checkpoint brings its own quantization"
+    path = pathlib.Path(config.model).expanduser()
+    if not path.exists():
+        path = resolve_model(config.model)
+    if path.suffix != ".gguf":
+        return ("none",), None, "not a GGUF file: only f32 keeps its numerics"
+    fmt = gguf_block_format(path)
+    if fmt is None:
+        return ("none",), None, "the GGUF file's projections are not all Q8_0/Q4_0/Q4_1 blocks"
+    return ("none", "gguf"), fmt, ""
+
+
+def _time_format(fmt, shapes, layers: int, head: tuple[int, int], reps: int = 3) -> dict:
+    """ms per pass over ``layers`` copies of every projection in ``shapes``
+    (a ``lax.scan`` over stacked copies, as the model runs its layers) plus
+    the LM head, at each of ``COLUMNS``; ``fmt`` None is dense f32."""
+    from jaxserve.models import quant
+    rng = np.random.default_rng(0)
+
+    def stored(shape, copies):
+        w = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        parts = (w,) if fmt is None else (lambda t: (t.q, t.scale, t.zero))(
+            quant.quantize_np(w, fmt))
+        return tuple(None if a is None else jnp.asarray(np.stack([a] * copies) if copies
+                                                         else a) for a in parts)
+
+    stack = [stored(s, layers) for s in shapes]
+    head_w = stored(head, 0)
+
+    def linear(w, x_DT):
+        if fmt is None:
+            return jnp.dot(w[0], x_DT, preferred_element_type=jnp.float32)
+        return quant.quantized_matmul(fmt, *w, x_DT)
+
+    @jax.jit
+    def run(stack, head_w, xs):
+        def layer(acc, ws):  # every output summed into the carry: nothing is dead code
+            return acc + sum(linear(w, xs[s[-1]]).sum() for w, s in zip(ws, shapes)), None
+        acc, _ = jax.lax.scan(layer, jnp.zeros((), jnp.float32), stack)
+        return acc + linear(head_w, xs[head[1]]).sum()
+
+    out = {}
+    for M in COLUMNS:
+        xs = {d: jnp.asarray(rng.standard_normal((d, M), dtype=np.float32))
+              for d in {s[-1] for s in shapes + [head]}}
+        run(stack, head_w, xs).block_until_ready()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            run(stack, head_w, xs).block_until_ready()
+            times.append(time.perf_counter() - t)
+        out[M] = 1e3 * statistics.median(times)
+    return out
+
+
+def _cache_path() -> pathlib.Path:
+    root = os.environ.get("JAXSERVE_CACHE") or os.path.expanduser("~/.cache/jaxserve")
+    return pathlib.Path(root) / CACHE_FILE
+
+
+def _kernel_tag() -> str:
+    try:
+        from pallas_kernels.quant_matmul_cpu import ffi
+        return "kernel" if ffi.available() else "xla"
+    except ImportError:
+        return "xla"
+
+
+def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool = True,
+           layers: int | None = None) -> FormatChoice:
+    """The method ``--quantization auto`` serves ``config.model`` with here.
+
+    Args:
+      config: the engine config (``model`` names the checkpoint).
+      model_config: the checkpoint's model config (shapes, layer count).
+      use_cache: read and write ``$JAXSERVE_CACHE/format_choice.json``.
+      layers: layers of weights in the timed program (default the model's).
+
+    Raises:
+      ValueError, RuntimeError: as ``checkpoints.fetch.resolve_model`` for a
+        model that cannot be found or fetched.
+    """
+    from checkpoints.loader import projection_shapes
+    cands, gguf_fmt, why = _candidates(config)
+    if len(cands) == 1:
+        return FormatChoice(cands[0], cands, {}, {}, False, why)
+    shapes = projection_shapes(model_config)[:5]  # q, k(=v), o, gate(=up), down
+    shapes = shapes[:2] + shapes[1:4] + shapes[3:]  # v and up counted again
+    head = (model_config.vocab_size, model_config.hidden_size)
+    layers = layers or model_config.num_layers
+    key = (f"{machine_key()} | jax {jax.__version__} | {_kernel_tag()} | "
+           f"{gguf_fmt} | {shapes} x {layers} + {head}")
+    path = _cache_path()
+    cache = {}
+    if use_cache and path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    if key in cache:
+        e = cache[key]
+        return FormatChoice(e["quantization"], cands, e["score"], e["ms"], True, e["reason"])
+    ms = {"none": _time_format(None, shapes, layers, head),
+          "gguf": _time_format(gguf_fmt, shapes, layers, head)}
+    score = {m: math.exp(statistics.fmean(math.log(ms[m][c] / ms["none"][c]) for c in COLUMNS))
+             for m in ms}
+    best = "gguf" if score["gguf"] <= TIE else "none"
+    reason = (f"measured on {machine_key()}: gguf takes {score['gguf']:.2f}x f32's time "
+              f"(M=1: {ms['gguf'][1]:.1f} vs {ms['none'][1]:.1f} ms, M=32: "
+              f"{ms['gguf'][32]:.1f} vs {ms['none'][32]:.1f} ms)")
+    if use_cache:
+        cache[key] = {"quantization": best, "score": score,
+                      "ms": {m: {str(c): v for c, v in t.items()} for m, t in ms.items()},
+                      "reason": reason}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("could not write %s: %s", path, e)
+    return FormatChoice(best, cands, score, ms, False, reason)
+
+
+def resolve(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """``config`` with ``quantization="auto"`` replaced by ``choose``'s
+    answer (logged); any other config unchanged."""
+    if config.quantization != "auto":
+        return config
+    c = choose(config, model_config)
+    log.info("--quantization auto -> %s (%s%s)", c.quantization, c.reason,
+             ", cached" if c.cached else "")
+    return dataclasses.replace(config, quantization=c.quantization)
