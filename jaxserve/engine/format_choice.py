@@ -17,6 +17,7 @@ Candidates are the formats that keep the checkpoint's own numerics:
 | anything else (HF folder, other GGUF types) | ``none`` | another format re-quantizes: its eval differs per model (SmolLM2's: ``benchmarks/quant``), so it stays an explicit choice |
 | an Orbax folder | its own | the checkpoint was converted with one |
 | GPU / TPU | ``none`` | bf16 with f32 accumulation is the accelerator default |
+| under 32 MiB of f32 projection weights | ``none`` | a step is overhead-bound and the formats time alike within noise |
 | a multi-host job | ``none`` | each process would measure, and all must build the same model |
 
 A measurement times one program that runs every projection of every layer
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "format_choice.json"
 COLUMNS = (1, 32)
 TIE = 0.97  # a candidate must take <= 97% of none's time to win
+# Below this many bytes of f32 projection weights a step is overhead-bound: the formats
+# time alike within noise, so a measurement would pick at random; auto keeps f32.
+MIN_WEIGHT_BYTES = 32 << 20
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
               "avx512_bf16", "amx_int8", "amx_bf16")
 
@@ -198,12 +202,17 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
     """
     from checkpoints.loader import projection_shapes
     cands, gguf_fmt, why = _candidates(config)
-    if len(cands) == 1:
-        return FormatChoice(cands[0], cands, {}, {}, False, why)
     shapes = projection_shapes(model_config)[:5]  # q, k(=v), o, gate(=up), down
     shapes = shapes[:2] + shapes[1:4] + shapes[3:]  # v and up counted again
     head = (model_config.vocab_size, model_config.hidden_size)
     layers = layers or model_config.num_layers
+    f32_bytes = 4 * layers * sum(math.prod(s) for s in shapes)
+    if len(cands) > 1 and f32_bytes < MIN_WEIGHT_BYTES:
+        why = (f"{f32_bytes / 2**20:.1f} MiB of f32 projections: overhead-bound, formats time "
+               f"alike; f32 kept")
+        cands = ("none",)
+    if len(cands) == 1:
+        return FormatChoice(cands[0], cands, {}, {}, False, why)
     key = (f"{machine_key()} | jax {jax.__version__} | {_kernel_tag()} | "
            f"{gguf_fmt} | {shapes} x {layers} + {head}")
     path = _cache_path()
