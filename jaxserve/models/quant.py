@@ -358,6 +358,53 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
     return (acc[:, :T] * s1 + acc[:, T:] * s2) * scale
 
 
+@jax.tree_util.register_pytree_node_class
+class StackedRead:
+    """A projection weight of a scanned layer, read in place: the whole
+    stacked array ``[n, ...]`` of its run of layers and this layer's index
+    (an i32 scalar) instead of the layer's slice.
+
+    ``stack.run_layers`` hands the layer body these for the leaves marked
+    ``stacked_read`` (2-D projections: ``weight``) so that no copy of the
+    layer's weights is made before the matmul (a scan's per-layer slice of
+    its inputs is a copy on XLA:CPU: the layer's whole weights written, then
+    read again by the dot). A matmul that can read at an offset takes the
+    pair as it is; anything else calls ``layer_slice`` (the slice, as before).
+    """
+
+    def __init__(self, stacked, index):
+        self.stacked = stacked
+        self.index = index
+
+    def tree_flatten(self):
+        return (self.stacked, self.index), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @property
+    def shape(self):
+        return self.stacked.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+
+def layer_slice(a):
+    """The per-layer array of ``a`` (a ``StackedRead`` sliced; anything else as is)."""
+    if isinstance(a, StackedRead):
+        return jax.lax.dynamic_index_in_dim(a.stacked, a.index, keepdims=False)
+    return a
+
+
+def is_stacked_read(path, variable) -> bool:
+    """``nnx`` filter: the variables ``weight`` marked to be read in place."""
+    meta = getattr(variable, "get_metadata", None)
+    return bool(meta and meta().get("stacked_read", False))
+
+
 class QuantizedWeight(nnx.Module):
     """One quantized projection weight ``[..., F, D]`` (HF's ``[out, in]``,
     optionally stacked over experts), replacing an ``nnx.Param`` in a model.
@@ -386,7 +433,9 @@ class QuantizedWeight(nnx.Module):
         *lead, F, D = self.shape
         G = fmt.groups(D)
         self.fmt = fmt
-        param = lambda a, n: nnx.Param(a, sharding_names=n, eager_sharding=False)  # noqa: E731
+        two_d = len(self.shape) == 2  # a 2-D projection is read in place in a scan
+        param = lambda a, n: nnx.Param(a, sharding_names=n, eager_sharding=False,  # noqa: E731
+                                       stacked_read=two_d)
         q_dtype = {0: jnp.float32, 4: jnp.uint8, 8: jnp.int8}[fmt.bits]
         q_shape = (*lead, F, D // 2) if fmt.bits == 4 else self.shape
         self.q = param(jnp.zeros(q_shape, q_dtype), self.names)
@@ -434,8 +483,10 @@ class QuantizedWeight(nnx.Module):
                 else jnp.asarray(arr, p.value.dtype)
 
     def parts(self):
-        """(q, scale, zero) arrays (None where absent)."""
-        return tuple(None if p is None else p.value for p in (self.q, self.scale, self.zero))
+        """(q, scale, zero) arrays (None where absent); a scanned layer's
+        ``StackedRead``s are sliced (``layer_slice``)."""
+        return tuple(None if p is None else layer_slice(p.value)
+                     for p in (self.q, self.scale, self.zero))
 
     def matmul(self, x_DT):
         """``W x``: [F, D] @ [D, T] -> f32 [F, T] (2-D weights only)."""
@@ -471,7 +522,10 @@ def weight(shape, names, dtype, rngs, fmt: TensorFormat | None, adopt: bool = Fa
     ``QuantizedWeight``; random init (``rngs``) draws N(0, scale^2) and
     quantizes it."""
     if fmt is None:
-        return param(shape, names, dtype, rngs, scale=scale)
+        p = param(shape, names, dtype, rngs, scale=scale)
+        if len(shape) == 2:  # a 2-D projection is read in place in a scan (StackedRead)
+            p.set_metadata("stacked_read", True)
+        return p
     w = QuantizedWeight(shape, names, fmt, adopt=adopt)
     if rngs is not None and fmt.bits != 0:
         value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -481,11 +535,13 @@ def weight(shape, names, dtype, rngs, fmt: TensorFormat | None, adopt: bool = Fa
 
 def linear(w, x_DT, b_F=None):
     """``W x (+ b)`` for feature-major activations: [F, D] @ [D, T] (+ [F]) ->
-    [F, T] in x's dtype; ``w`` an ``nnx.Param`` or a ``QuantizedWeight``."""
+    [F, T] in x's dtype; ``w`` an ``nnx.Param`` or a ``QuantizedWeight``,
+    either holding its arrays or ``StackedRead``s of them (inside a scanned
+    layer)."""
     if isinstance(w, QuantizedWeight):
         y_FT = w.matmul(x_DT).astype(x_DT.dtype)
     else:
-        y_FT = jnp.einsum("fd,dt->ft", w.value, x_DT)
+        y_FT = jnp.einsum("fd,dt->ft", layer_slice(w.value), x_DT)
     return y_FT if b_F is None else y_FT + b_F[:, None]
 
 

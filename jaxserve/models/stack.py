@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.models import quant
 from pallas_kernels.ragged_paged_attention.quant import KVPages
 
 # A window no position reaches: a scanned layer without a sliding window.
@@ -167,10 +168,13 @@ def run_layers(model: nnx.Module, body, x_DT, k_cache: KVPages, v_cache: KVPages
             auxes.append(None if aux is None else aux[None])
     else:
         for (a, b), layer in zip(model.layer_segments, model.layers):
-            graphdef, state = nnx.split(layer)
+            # Projections stay whole (read in place at the layer's offset:
+            # quant.StackedRead); every other leaf is sliced by the scan.
+            graphdef, resident, state = nnx.split(layer, quant.is_stacked_read, ...)
             seg_windows = windows[a:b]
             seg_ropes = rope_index[a:b]
-            xs = {"state": state, "index": jnp.arange(a, b, dtype=jnp.int32)}
+            xs = {"state": state, "index": jnp.arange(a, b, dtype=jnp.int32),
+                  "offset": jnp.arange(b - a, dtype=jnp.int32)}
             if len(set(seg_windows)) > 1:
                 xs["window"] = jnp.asarray([NO_WINDOW if w is None else w for w in seg_windows],
                                            jnp.int32)
@@ -179,9 +183,11 @@ def run_layers(model: nnx.Module, body, x_DT, k_cache: KVPages, v_cache: KVPages
                 cos_RTH = jnp.stack([c for c, _ in tables])
                 sin_RTH = jnp.stack([s for _, s in tables])
 
-            def step(carry, xs, graphdef=graphdef, window=seg_windows[0], rope=seg_ropes[0]):
+            def step(carry, xs, graphdef=graphdef, resident=resident, window=seg_windows[0],
+                     rope=seg_ropes[0]):
                 x_DT, k_cache, v_cache = carry
-                layer = nnx.merge(graphdef, xs["state"])
+                reads = jax.tree.map(lambda w: quant.StackedRead(w, xs["offset"]), resident)
+                layer = nnx.merge(graphdef, reads, xs["state"])
                 cos, sin = ((cos_RTH[xs["rope"]], sin_RTH[xs["rope"]]) if "rope" in xs
                             else tables[rope])
                 x_DT, k_cache, v_cache, aux = body(layer, x_DT, k_cache, v_cache, cos, sin,
