@@ -83,6 +83,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import QUANTIZATION_METHODS
+from pallas_kernels import quant_matmul_cpu
 
 INT8_MAX = 127
 # Grouped formats keep their scales and zero points in f16 (as ggml does:
@@ -324,15 +325,54 @@ def dequantize(fmt: TensorFormat, q, scale, zero, dtype=jnp.float32):
     return w.reshape(*lead, F, D).astype(dtype)
 
 
+def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT):
+    """``W x`` by ``pallas_kernels.quant_matmul_cpu`` where it is built, allowed
+    (``JAXSERVE_CPU_KERNELS``) and measured faster than the XLA form for this
+    format and column count; None otherwise (the caller takes the XLA form).
+    Only a 2-D weight (stacked experts keep their ragged dots) outside a
+    mesh of several devices (the engine's abstract mesh, as ``moe`` reads it:
+    a custom call does not split over a mesh, XLA would gather its operands)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if q.ndim != 2 or x_DT.ndim != 2 or not (mesh.empty or mesh.size == 1):
+        return None
+    if fmt.bits == 8 and fmt.group_size is None:
+        kind = "w8a8" if fmt.act_int8 else "int8"
+    elif fmt.act_int8:
+        return None
+    elif fmt.bits == 8:
+        kind = "q8g"
+    elif fmt.bits == 4 and zero is not None:
+        kind = "q4g"
+    else:
+        return None
+    F, D = scale.shape[0], x_DT.shape[0]
+    if not (quant_matmul_cpu.use_kernel(kind, F, D, x_DT.shape[1])
+            and quant_matmul_cpu.available()):
+        return None
+    if kind == "w8a8":
+        xq, sx = _quantize_act(x_DT)
+        return quant_matmul_cpu.w8a8_matmul(q, scale, xq, sx)
+    if kind == "int8":
+        return quant_matmul_cpu.int8_matmul(q, scale, x_DT)
+    if kind == "q8g":
+        return quant_matmul_cpu.q8g_matmul(q, scale, x_DT)
+    return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT)
+
+
 def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "auto"):
     """``W x`` for a quantized weight W [F, D] and feature-major x [D, T];
     f32 [F, T] (the caller casts).
 
-    ``lowering``: ``"auto"`` (the fastest form measured for the backend; see
-    the module docstring), ``"exact"`` (dequantize, then one dot in f32) or
-    ``"cpu"`` (the CPU forms on any backend, for tests).
+    ``lowering``: ``"auto"`` (the fastest form measured for the backend,
+    on CPU the C++ kernel where it wins; see the module docstring),
+    ``"exact"`` (dequantize, then one dot in f32) or
+    ``"cpu"`` (the XLA:CPU forms on any backend, for tests; never the kernel).
     """
     backend = "cpu" if lowering == "cpu" else jax.default_backend()
+    if lowering == "auto" and backend == "cpu":
+        y = _cpu_kernel(fmt, q, scale, zero, x_DT)
+        if y is not None:
+            return y
     if fmt.act_int8:  # w8a8: the definition quantizes x; one int8 dot everywhere
         xq, sx = _quantize_act(x_DT)
         if fmt.group_size is None:
