@@ -56,6 +56,7 @@ struct V {
   using F = float;
   using A = int8_t;
   static constexpr int W = 1;
+  static constexpr int kCols = 4;
   static F zero() { return 0.f; }
   static F set1(float v) { return v; }
   static F load(const float* p) { return *p; }
@@ -94,6 +95,7 @@ struct V {
   using F = __m256;
   using A = int8_t;
   static constexpr int W = 8;
+  static constexpr int kCols = 4;  // 2 rows x 4 columns of 16 ymm
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -148,6 +150,7 @@ struct V {
   using F = __m512;
   using A = uint8_t;  // xq + 128: vpdpbusd multiplies unsigned by signed bytes
   static constexpr int W = 16;
+  static constexpr int kCols = 8;  // 2 rows x 8 columns of 32 zmm
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
