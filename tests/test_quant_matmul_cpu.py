@@ -137,8 +137,15 @@ def test_quantized_matmul_kernel_equals_fallback(monkeypatch, fmt):
 @needs_kernel
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_params, method):  # noqa: F811
-    monkeypatch.setattr(qmm, "use_kernel", lambda kind, F, D, M: True)
+    traced = []  # (kind, M) of every kernel call traced into the steps
+
+    def use_kernel(kind, F, D, M):
+        traced.append((kind, M))
+        return True
+    monkeypatch.setattr(qmm, "use_kernel", use_kernel)
     with_kernel = _greedy(_llm(tiny_params, quantization=method))
+    assert {k for k, _ in traced} == {"int8" if method == "int8" else "q4g"}
+    assert 1 in {m for _, m in traced} and max(m for _, m in traced) > 1  # decode and prefill
     monkeypatch.setattr(qmm, "available", lambda: False)
     fallback = _greedy(_llm(tiny_params, quantization=method))
     assert with_kernel == fallback

@@ -44,6 +44,25 @@ SmolLM2 layers, 106M weights, ms per forward at M columns 1 / 2 / 8 / 32 / 128):
 | grouped dequantize, then dot | 164 | 148 | 151 | 193 | 280 |
 | packed int4 unpacked in the dot | 168 | 187 | 189 | 313 | 599 |
 
+The C++ kernel of ``pallas_kernels/quant_matmul_cpu`` (jax.ffi; optional,
+built by setup.py) reads the stored weights directly; same machine, loaded
+box, ms per forward of the same 30 layers (its docstring has every format):
+
+| form | M=1 | 2 | 8 | 32 | 128 |
+|---|---|---|---|---|---|
+| f32 ``W @ x`` (this run) | 155 | 165 | 188 | 270 | 529 |
+| int4: XLA, packed int4 unpacked in the dot | 347 | 368 | 360 | 426 | 677 |
+| int4: the kernel | 55 | 54 | 77 | 231 | 818 |
+| Q8_0: XLA / the kernel (f32 119 ... 503) | 76 / 41 | 104 / 54 | 83 / 89 | 198 / 208 | 424 / 732 |
+| int8: XLA two-term / the kernel | 33.6 / 31.9 | 33.0 / 37.6 | 37.5 / 61 | 57 / 222 | 99 / 662 |
+| w8a8: XLA / the kernel | 42.8 / 35.5 | 44.5 / 43.5 | 51 / 64 | 56 / 157 | 72 / 489 |
+
+So on CPU, where the library is built (``quant_matmul_cpu.available()``),
+``lowering="auto"`` calls the kernel for int4 / Q4_0 / Q4_1 at M <= 32,
+Q8_0 at M <= 4, and int8 and w8a8 at M = 1 (``quant_matmul_cpu.use_kernel``);
+elsewhere, without the library, or with ``JAXSERVE_CPU_KERNELS=0``, the XLA
+forms below.
+
 XLA:CPU runs only one quantized form fast: an int8 x int8 dot with at least
 two columns (one column falls onto a slow path: 140 ms above). A convert
 fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
