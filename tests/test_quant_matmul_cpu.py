@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxserve.models import quant
+from jaxserve.models.llama import LlamaForCausalLM, hf_params
 from pallas_kernels import quant_matmul_cpu as qmm
 from pallas_kernels.quant_matmul_cpu import ffi, reference
-from tests.test_quant import PROMPTS, TINY, _greedy, _llm, tiny_params  # noqa: F401
+from tests.test_quant import TINY, _greedy, _llm
 
 needs_kernel = pytest.mark.skipif(not qmm.available(), reason="quant_matmul_cpu not built")
 ISAS = [0, 1, 2]  # scalar, AVX2, AVX-512 (a level above the CPU's runs the CPU's best)
@@ -134,9 +136,15 @@ def test_quantized_matmul_kernel_equals_fallback(monkeypatch, fmt):
     assert np.abs(on - ref).max() <= _tol(ref, 128) * (30 if fmt.act_int8 else 1)
 
 
+@pytest.fixture(scope="module")
+def tiny_params():
+    model = LlamaForCausalLM(TINY, rngs=nnx.Rngs(0))
+    return {n: np.asarray(p[...]) * 3 for n, (p, _) in hf_params(model).items()}
+
+
 @needs_kernel
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_params, method):  # noqa: F811
+def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_params, method):
     traced = []  # (kind, M) of every kernel call traced into the steps
 
     def use_kernel(kind, F, D, M):

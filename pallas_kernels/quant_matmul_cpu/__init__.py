@@ -3,12 +3,12 @@
 -> f32 [F, M]. ``quant.quantized_matmul`` calls them on the CPU backend
 where ``use_kernel`` says they measured faster than its XLA form.
 
-| function | weight | per group | math |
-|---|---|---|---|
-| ``int8_matmul`` | q i8[F, D], scale f32[F, 1] | - | ``scale * sum q x`` in f32 FMAs |
-| ``q8g_matmul`` | q i8[F, D], scale f16[F, G] | ``s q`` | dequantized in registers, f32 FMAs |
-| ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` | dequantized in registers, f32 FMAs |
-| ``w8a8_matmul`` | q i8[F, D], scale f32[F, 1]; xq i8[D, M], sx f32[1, M] | - | exact int32 sums (``vpdpbusd``) |
+| function | operands | math |
+|---|---|---|
+| ``int8_matmul`` | q i8[F, D], scale f32[F, 1] | ``scale * sum q x``, f32 FMAs |
+| ``q8g_matmul`` | q i8[F, D], scale f16[F, G] | ``s q`` in registers, f32 FMAs |
+| ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` in registers, f32 FMAs |
+| ``w8a8_matmul`` | q i8[F, D], scale f32[F, 1], xq i8[D, M], sx f32[1, M] | int32 sums |
 
 Weight-only formats never round the activations: results equal the numpy
 f64 reference (``reference.py``) within f32 summation rounding; w8a8's

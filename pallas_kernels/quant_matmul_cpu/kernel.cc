@@ -257,12 +257,16 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("jaxserve_qmm_int8: q [F, D], scale [F, 1]");
   const int64_t F = qd[0], D = qd[1], M = x.dimensions().back();
   if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
+  const int8_t* qp = q.typed_data();
+  const float* sp = scale.typed_data();
+  float* o = out->typed_data();
   std::vector<float> xt(D * M);
+  const float* xp = xt.data();
   const int level = pick_isa(isa);
   auto fn = [&](int64_t f0, int64_t f1) {
-    if (level == 2) avx512::int8_rows(q.typed_data(), scale.typed_data(), xt.data(), D, M, f0, f1, out->typed_data());
-    else if (level == 1) avx2::int8_rows(q.typed_data(), scale.typed_data(), xt.data(), D, M, f0, f1, out->typed_data());
-    else scalar::int8_rows(q.typed_data(), scale.typed_data(), xt.data(), D, M, f0, f1, out->typed_data());
+    if (level == 2) avx512::int8_rows(qp, sp, xp, D, M, f0, f1, o);
+    else if (level == 1) avx2::int8_rows(qp, sp, xp, D, M, f0, f1, o);
+    else scalar::int8_rows(qp, sp, xp, D, M, f0, f1, o);
   };
   scalar::prepare_x(x.typed_data(), D, M, xt.data());
   parallel_rows(pool, threads, F, F * D * M, fn);
@@ -281,12 +285,15 @@ ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi
   if (level == 2 && gs % 16) level = 1;
   if (level == 1 && gs % 8) level = 0;
   std::vector<float> xt(D * M);
+  const float* xp = xt.data();
   scalar::prepare_x(x.typed_data(), D, M, xt.data());
+  const int8_t* qp = q.typed_data();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  float* o = out->typed_data();
   auto fn = [&](int64_t f0, int64_t f1) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
-    if (level == 2) avx512::q8g_rows(q.typed_data(), s, xt.data(), D, G, M, f0, f1, out->typed_data());
-    else if (level == 1) avx2::q8g_rows(q.typed_data(), s, xt.data(), D, G, M, f0, f1, out->typed_data());
-    else scalar::q8g_rows(q.typed_data(), s, xt.data(), D, G, M, f0, f1, out->typed_data());
+    if (level == 2) avx512::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
+    else if (level == 1) avx2::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
+    else scalar::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
   };
   parallel_rows(pool, threads, F, F * D * M, fn);
   return ffi::Error::Success();
@@ -306,15 +313,18 @@ ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
   if (level == 2 && gs % 32) level = 1;
   if (level == 1 && gs % 16) level = 0;
   std::vector<float> xt(D * M);
-  if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xt.data());
-  else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xt.data());
-  else scalar::prepare_x4(x.typed_data(), D, M, xt.data());
+  float* xp = xt.data();
+  if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
+  else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
+  else scalar::prepare_x4(x.typed_data(), D, M, xp);
+  const uint8_t* qp = q.typed_data();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data());
+  float* o = out->typed_data();
   auto fn = [&](int64_t f0, int64_t f1) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
-    const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data());
-    if (level == 2) avx512::q4g_rows(q.typed_data(), s, z, xt.data(), D, G, M, f0, f1, out->typed_data());
-    else if (level == 1) avx2::q4g_rows(q.typed_data(), s, z, xt.data(), D, G, M, f0, f1, out->typed_data());
-    else scalar::q4g_rows(q.typed_data(), s, z, xt.data(), D, G, M, f0, f1, out->typed_data());
+    if (level == 2) avx512::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
+    else if (level == 1) avx2::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
+    else scalar::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
   };
   parallel_rows(pool, threads, F, F * D * M, fn);
   return ffi::Error::Success();
@@ -331,19 +341,22 @@ ffi::Error W8a8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
   if (sx.element_count() != M)
     return ffi::Error::InvalidArgument("jaxserve_qmm_w8a8: sx must be [1, M]");
   const int level = pick_isa(isa);
+  const int8_t *qp = q.typed_data(), *xqp = xq.typed_data();
+  const float *sp = scale.typed_data(), *sxp = sx.typed_data();
+  float* o = out->typed_data();
   std::vector<int8_t> xqt8;
   std::vector<uint8_t> xqtu;
   if (level == 2) {
     xqtu.resize(D * M);
-    avx512::V::prepare_act(xq.typed_data(), D, M, xqtu.data());
+    avx512::V::prepare_act(xqp, D, M, xqtu.data());
   } else {
     xqt8.resize(D * M);
-    scalar::V::prepare_act(xq.typed_data(), D, M, xqt8.data());
+    scalar::V::prepare_act(xqp, D, M, xqt8.data());
   }
   auto fn = [&](int64_t f0, int64_t f1) {
-    if (level == 2) avx512::w8a8_rows(q.typed_data(), scale.typed_data(), xqtu.data(), sx.typed_data(), D, M, f0, f1, out->typed_data());
-    else if (level == 1) avx2::w8a8_rows(q.typed_data(), scale.typed_data(), xqt8.data(), sx.typed_data(), D, M, f0, f1, out->typed_data());
-    else scalar::w8a8_rows(q.typed_data(), scale.typed_data(), xqt8.data(), sx.typed_data(), D, M, f0, f1, out->typed_data());
+    if (level == 2) avx512::w8a8_rows(qp, sp, xqtu.data(), sxp, D, M, f0, f1, o);
+    else if (level == 1) avx2::w8a8_rows(qp, sp, xqt8.data(), sxp, D, M, f0, f1, o);
+    else scalar::w8a8_rows(qp, sp, xqt8.data(), sxp, D, M, f0, f1, o);
   };
   parallel_rows(pool, threads, F, F * D * M / 4, fn);
   return ffi::Error::Success();
