@@ -44,6 +44,25 @@ SmolLM2 layers, 106M weights, ms per forward at M columns 1 / 2 / 8 / 32 / 128):
 | grouped dequantize, then dot | 164 | 148 | 151 | 193 | 280 |
 | packed int4 unpacked in the dot | 168 | 187 | 189 | 313 | 599 |
 
+The C++ kernel of ``pallas_kernels/quant_matmul_cpu`` (jax.ffi; optional,
+built by setup.py) reads the stored weights directly; same machine, loaded
+box, ms per forward of the same 30 layers (its docstring has every format):
+
+| form | M=1 | 2 | 8 | 32 | 128 |
+|---|---|---|---|---|---|
+| f32 ``W @ x`` (this run) | 155 | 165 | 188 | 270 | 529 |
+| int4: XLA, packed int4 unpacked in the dot | 347 | 368 | 360 | 426 | 677 |
+| int4: the kernel | 55 | 54 | 77 | 231 | 818 |
+| Q8_0: XLA / the kernel (f32 119 ... 503) | 76 / 41 | 104 / 54 | 83 / 89 | 198 / 208 | 424 / 732 |
+| int8: XLA two-term / the kernel | 33.6 / 31.9 | 33.0 / 37.6 | 37.5 / 61 | 57 / 222 | 99 / 662 |
+| w8a8: XLA / the kernel | 42.8 / 35.5 | 44.5 / 43.5 | 51 / 64 | 56 / 157 | 72 / 489 |
+
+So on CPU, where the library is built (``quant_matmul_cpu.available()``),
+``lowering="auto"`` calls the kernel for int4 / Q4_0 / Q4_1 at M <= 32,
+Q8_0 at M <= 4, and int8 and w8a8 at M = 1 (``quant_matmul_cpu.use_kernel``);
+elsewhere, without the library, or with ``JAXSERVE_CPU_KERNELS=0``, the XLA
+forms below.
+
 XLA:CPU runs only one quantized form fast: an int8 x int8 dot with at least
 two columns (one column falls onto a slow path: 140 ms above). A convert
 fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
@@ -83,6 +102,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import QUANTIZATION_METHODS
+from pallas_kernels import quant_matmul_cpu
 
 INT8_MAX = 127
 # Grouped formats keep their scales and zero points in f16 (as ggml does:
@@ -324,15 +344,54 @@ def dequantize(fmt: TensorFormat, q, scale, zero, dtype=jnp.float32):
     return w.reshape(*lead, F, D).astype(dtype)
 
 
+def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT):
+    """``W x`` by ``pallas_kernels.quant_matmul_cpu`` where it is built, allowed
+    (``JAXSERVE_CPU_KERNELS``) and measured faster than the XLA form for this
+    format and column count; None otherwise (the caller takes the XLA form).
+    Only a 2-D weight (stacked experts keep their ragged dots) outside a
+    mesh of several devices (the engine's abstract mesh, as ``moe`` reads it:
+    a custom call does not split over a mesh, XLA would gather its operands)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if q.ndim != 2 or x_DT.ndim != 2 or not (mesh.empty or mesh.size == 1):
+        return None
+    if fmt.bits == 8 and fmt.group_size is None:
+        kind = "w8a8" if fmt.act_int8 else "int8"
+    elif fmt.act_int8:
+        return None
+    elif fmt.bits == 8:
+        kind = "q8g"
+    elif fmt.bits == 4 and zero is not None:
+        kind = "q4g"
+    else:
+        return None
+    F, D = scale.shape[0], x_DT.shape[0]
+    if not (quant_matmul_cpu.use_kernel(kind, F, D, x_DT.shape[1])
+            and quant_matmul_cpu.available()):
+        return None
+    if kind == "w8a8":
+        xq, sx = _quantize_act(x_DT)
+        return quant_matmul_cpu.w8a8_matmul(q, scale, xq, sx)
+    if kind == "int8":
+        return quant_matmul_cpu.int8_matmul(q, scale, x_DT)
+    if kind == "q8g":
+        return quant_matmul_cpu.q8g_matmul(q, scale, x_DT)
+    return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT)
+
+
 def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "auto"):
     """``W x`` for a quantized weight W [F, D] and feature-major x [D, T];
     f32 [F, T] (the caller casts).
 
-    ``lowering``: ``"auto"`` (the fastest form measured for the backend; see
-    the module docstring), ``"exact"`` (dequantize, then one dot in f32) or
-    ``"cpu"`` (the CPU forms on any backend, for tests).
+    ``lowering``: ``"auto"`` (the fastest form measured for the backend,
+    on CPU the C++ kernel where it wins; see the module docstring),
+    ``"exact"`` (dequantize, then one dot in f32) or
+    ``"cpu"`` (the XLA:CPU forms on any backend, for tests; never the kernel).
     """
     backend = "cpu" if lowering == "cpu" else jax.default_backend()
+    if lowering == "auto" and backend == "cpu":
+        y = _cpu_kernel(fmt, q, scale, zero, x_DT)
+        if y is not None:
+            return y
     if fmt.act_int8:  # w8a8: the definition quantizes x; one int8 dot everywhere
         xq, sx = _quantize_act(x_DT)
         if fmt.group_size is None:

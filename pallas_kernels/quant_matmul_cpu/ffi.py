@@ -1,0 +1,95 @@
+"""Loads ``_quant_matmul_cpu*.so`` (built by setup.py next to this file),
+registers its four XLA:CPU FFI targets and wraps them as jittable functions.
+
+``available()`` is False (and every caller takes the XLA path) when
+``JAXSERVE_CPU_KERNELS=0``, when the library is missing (no compiler at
+install time) or fails to load; the reason is logged once at INFO.
+
+All functions take a weight as ``quant.py`` stores it and feature-major
+activations ``x_DM`` f32 [D, M], and return f32 [F, M]. ``isa``: -1 the best
+this CPU runs, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin a level); ``threads``:
+0 XLA's intra-op pool size, n at most n threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_log = logging.getLogger(__name__)
+_TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "JaxserveQmmQ4g",
+            "w8a8": "JaxserveQmmW8a8"}
+
+
+def library_path() -> str | None:
+    """The built shared library next to this file, or None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_quant_matmul_cpu*.so")))
+    return found[0] if found else None
+
+
+@functools.cache
+def _load() -> bool:
+    path = library_path()
+    if path is None:
+        _log.info("quant_matmul_cpu: no built library next to %s (no compiler at install "
+                  "time?); quantized matmuls take the XLA path", __file__)
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+        for name, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(f"jaxserve_qmm_{name}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, AttributeError, RuntimeError, ValueError) as e:
+        _log.info("quant_matmul_cpu: %s failed to load (%s); quantized matmuls take the XLA "
+                  "path", path, e)
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when the kernels may run: ``JAXSERVE_CPU_KERNELS`` is not ``0`` and
+    the library loaded and registered (checked once per process)."""
+    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0":
+        return False
+    return _load()
+
+
+def _call(name, F, M, *args, isa=-1, threads=0):
+    if not _load():
+        raise RuntimeError("quant_matmul_cpu: the kernel library is not available")
+    return jax.ffi.ffi_call(f"jaxserve_qmm_{name}", jax.ShapeDtypeStruct((F, M), jnp.float32))(
+        *args, isa=np.int32(isa), threads=np.int32(threads))
+
+
+def int8_matmul(q_FD, scale_F1, x_DM, isa: int = -1, threads: int = 0):
+    """Per-channel int8 weight-only: ``scale * (q @ x)``; q i8[F, D], scale f32[F, 1]."""
+    return _call("int8", q_FD.shape[0], x_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
+                 x_DM.astype(jnp.float32), isa=isa, threads=threads)
+
+
+def q8g_matmul(q_FD, scale_FG, x_DM, isa: int = -1, threads: int = 0):
+    """Grouped int8 (Q8_0): ``w = scale[f, d // gs] q``; q i8[F, D], scale f16[F, G]."""
+    return _call("q8g", q_FD.shape[0], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
+                 x_DM.astype(jnp.float32), isa=isa, threads=threads)
+
+
+def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, isa: int = -1, threads: int = 0):
+    """Grouped uint4 (int4, Q4_0/1): ``w = scale q + zero``; p u8[F, D/2] packed
+    (input 2j low nibble, 2j + 1 high), scale and zero f16[F, G]."""
+    return _call("q4g", p_FD2.shape[0], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
+                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), isa=isa, threads=threads)
+
+
+def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, isa: int = -1, threads: int = 0):
+    """int8 x int8 with int32 accumulation: ``float(q @ xq) * sx * scale``; q i8[F, D],
+    scale f32[F, 1], xq i8[D, M], sx f32[1, M] (bit-equal to quant.py's XLA form)."""
+    return _call("w8a8", q_FD.shape[0], xq_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
+                 xq_DM, sx_1M.astype(jnp.float32), isa=isa, threads=threads)

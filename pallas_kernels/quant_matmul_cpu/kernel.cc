@@ -1,0 +1,401 @@
+// XLA:CPU FFI handlers: quantized weight [F, D] x f32 activations [D, M] -> f32 [F, M],
+// reading the weights as quant.py stores them (see this folder's __init__.py for the
+// design and the measured tables).
+//
+// Targets (registered by ffi.py, all platform "cpu"; attributes isa: -1 the best this
+// CPU runs, 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW/VL/VNNI; threads: 0 XLA's
+// intra-op pool size, n at most n threads):
+//   jaxserve_qmm_int8  (q s8[F, D], scale f32[F, 1], x f32[D, M])
+//   jaxserve_qmm_q8g   (q s8[F, D], scale f16[F, G], x f32[D, M])         gs = D / G
+//   jaxserve_qmm_q4g   (q u8[F, D/2], scale f16[F, G], zero f16[F, G], x f32[D, M])
+//   jaxserve_qmm_w8a8  (q s8[F, D], scale f32[F, 1], xq s8[D, M], sx f32[1, M])
+//
+// The vector bodies live in kernel_body.inc, compiled three times under
+// `#pragma GCC target` regions (the region form of __attribute__((target)): it
+// reaches the templates and lambdas too); the level runs by __builtin_cpu_supports.
+// Built with -O3 -std=c++17 -fPIC, never -march=native.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxserve_qmm {
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 1024));
+      bits = sign | uint32_t(127 - 15 - e) << 23 | (man & 1023) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+namespace scalar {
+struct V {
+  using F = float;
+  using A = int8_t;
+  static constexpr int W = 1;
+  static constexpr int kCols = 4;
+  static F zero() { return 0.f; }
+  static F set1(float v) { return v; }
+  static F load(const float* p) { return *p; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return a * b + c; }
+  static float reduce(F a) { return a; }
+  static F cvt_i8(const int8_t* p) { return float(*p); }
+  static void unpack4(const uint8_t* p, F& lo, F& hi) { lo = float(*p & 15); hi = float(*p >> 4); }
+  static float h2f(uint16_t h) { return half_to_float(h); }
+  static void prepare_act(const int8_t* xq, int64_t D, int64_t M, A* xqt) {
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t m = 0; m < M; ++m) xqt[m * D + d] = xq[d * M + m];
+  }
+  template <int C>
+  static void dot_i8(const int8_t* q, const A* xqt, int64_t D, int32_t* acc) {
+    for (int c = 0; c < C; ++c) {
+      int32_t s = 0;
+      for (int64_t d = 0; d < D; ++d) s += int32_t(q[d]) * int32_t(xqt[c * D + d]);
+      acc[c] = s;
+    }
+  }
+};
+#include "kernel_body.inc"
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+struct V {
+  using F = __m256;
+  using A = int8_t;
+  static constexpr int W = 8;
+  static constexpr int kCols = 4;  // 2 rows x 4 columns of 16 ymm
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce(F a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static F cvt_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
+  static void unpack4(const uint8_t* p, F& lo, F& hi) {
+    __m128i b = _mm_loadl_epi64((const __m128i*)p), m = _mm_set1_epi8(15);
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, m)));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
+  }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static void prepare_act(const int8_t* xq, int64_t D, int64_t M, A* xqt) {
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t m = 0; m < M; ++m) xqt[m * D + d] = xq[d * M + m];
+  }
+  template <int C>
+  static void dot_i8(const int8_t* q, const A* xqt, int64_t D, int32_t* acc) {
+    __m256i a[C];
+    for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_si256();
+    const int64_t Dv = D / 16 * 16;
+    for (int64_t d = 0; d < Dv; d += 16) {
+      __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + d)));
+      for (int c = 0; c < C; ++c) {
+        __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(xqt + c * D + d)));
+        a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(w, x));
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      int32_t s = hsum_i32(a[c]);
+      for (int64_t d = Dv; d < D; ++d) s += int32_t(q[d]) * int32_t(xqt[c * D + d]);
+      acc[c] = s;
+    }
+  }
+};
+#include "kernel_body.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace avx512 {
+struct V {
+  using F = __m512;
+  using A = uint8_t;  // xq + 128: vpdpbusd multiplies unsigned by signed bytes
+  static constexpr int W = 16;
+  static constexpr int kCols = 8;  // 2 rows x 8 columns of 32 zmm
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce(F a) { return _mm512_reduce_add_ps(a); }
+  static F cvt_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
+  static void unpack4(const uint8_t* p, F& lo, F& hi) {
+    __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(15);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
+  }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static void prepare_act(const int8_t* xq, int64_t D, int64_t M, A* xqt) {
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t m = 0; m < M; ++m) xqt[m * D + d] = uint8_t(int(xq[d * M + m]) + 128);
+  }
+  // sum_d q (x + 128) - 128 sum_d q; the ragged tail by masked (zeroed) loads.
+  template <int C>
+  static void dot_i8(const int8_t* q, const A* xqt, int64_t D, int32_t* acc) {
+    __m512i a[C], qsum = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_si512();
+    for (int64_t d = 0; d < D; d += 64) {
+      __mmask64 k = D - d >= 64 ? ~__mmask64(0) : (__mmask64(1) << (D - d)) - 1;
+      __m512i w = _mm512_maskz_loadu_epi8(k, q + d);
+      qsum = _mm512_dpbusd_epi32(qsum, ones, w);
+      for (int c = 0; c < C; ++c)
+        a[c] = _mm512_dpbusd_epi32(a[c], _mm512_maskz_loadu_epi8(k, xqt + c * D + d), w);
+    }
+    int32_t corr = 128 * _mm512_reduce_add_epi32(qsum);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_reduce_add_epi32(a[c]) - corr;
+  }
+};
+#include "kernel_body.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+int best_isa() {
+  static const int level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return 1;
+    return 0;
+  }();
+  return level;
+}
+
+int pick_isa(int32_t requested) {
+  return requested < 0 ? best_isa() : std::min<int>(requested, best_isa());
+}
+
+// Rows [0, F) in chunks over up to `threads` threads: the caller and tasks on
+// XLA's intra-op pool take chunks from one counter, so no chunk waits on a
+// task that has not started (a busy or absent pool only costs parallelism).
+// Below kMinWork multiply-adds one thread does it all.
+constexpr int64_t kMinWork = 1 << 18;
+
+template <class Fn>
+void parallel_rows(ffi::ThreadPool& pool, int32_t threads, int64_t F, int64_t work, Fn fn) {
+  int64_t n = pool.num_threads();
+  if (threads > 0) n = std::min<int64_t>(n, threads);
+  if (n <= 1 || work < kMinWork || F < 32) {
+    fn(0, F);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t chunks, rows;
+    Fn fn;
+    State(int64_t c, int64_t r, Fn f) : chunks(c), rows(r), fn(f) {}
+    void run(int64_t F) {
+      for (int64_t i; (i = next.fetch_add(1)) < chunks;) {
+        fn(i * rows, std::min(F, (i + 1) * rows));
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  const int64_t rows = std::max<int64_t>(16, (F / (4 * n) + 15) / 16 * 16);
+  auto st = std::make_shared<State>((F + rows - 1) / rows, rows, fn);
+  for (int64_t t = 1; t < n; ++t) pool.Schedule([st, F] { st->run(F); });
+  st->run(F);
+  while (st->done.load(std::memory_order_acquire) < st->chunks) std::this_thread::yield();
+}
+
+ffi::Error check_x(int64_t D, ffi::Span<const int64_t> xdims) {
+  if (xdims.size() != 2 || xdims[0] != D)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: x must be [D, M] with D of the weight");
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
+                    int32_t threads) {
+  auto qd = q.dimensions();
+  if (qd.size() != 2 || scale.element_count() != qd[0])
+    return ffi::Error::InvalidArgument("jaxserve_qmm_int8: q [F, D], scale [F, 1]");
+  const int64_t F = qd[0], D = qd[1], M = x.dimensions().back();
+  if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
+  const int8_t* qp = q.typed_data();
+  const float* sp = scale.typed_data();
+  float* o = out->typed_data();
+  std::vector<float> xt(D * M);
+  const float* xp = xt.data();
+  const int level = pick_isa(isa);
+  auto fn = [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::int8_rows(qp, sp, xp, D, M, f0, f1, o);
+    else if (level == 1) avx2::int8_rows(qp, sp, xp, D, M, f0, f1, o);
+    else scalar::int8_rows(qp, sp, xp, D, M, f0, f1, o);
+  };
+  scalar::prepare_x(x.typed_data(), D, M, xt.data());
+  parallel_rows(pool, threads, F, F * D * M, fn);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F16> scale,
+                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
+                   int32_t threads) {
+  auto qd = q.dimensions(), sd = scale.dimensions();
+  if (qd.size() != 2 || sd.size() != 2 || sd[0] != qd[0] || sd[1] < 1 || qd[1] % sd[1])
+    return ffi::Error::InvalidArgument("jaxserve_qmm_q8g: q [F, D], scale [F, G], G | D");
+  const int64_t F = qd[0], D = qd[1], G = sd[1], M = x.dimensions().back(), gs = D / G;
+  if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
+  int level = pick_isa(isa);
+  if (level == 2 && gs % 16) level = 1;
+  if (level == 1 && gs % 8) level = 0;
+  std::vector<float> xt(D * M);
+  const float* xp = xt.data();
+  scalar::prepare_x(x.typed_data(), D, M, xt.data());
+  const int8_t* qp = q.typed_data();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  float* o = out->typed_data();
+  auto fn = [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
+    else if (level == 1) avx2::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
+    else scalar::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
+  };
+  parallel_rows(pool, threads, F, F * D * M, fn);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F16> scale,
+                   ffi::Buffer<ffi::F16> zero, ffi::Buffer<ffi::F32> x,
+                   ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+  auto qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
+  const int64_t D = x.dimensions().front();
+  if (qd.size() != 2 || sd.size() != 2 || sd[0] != qd[0] || zd.size() != 2 || zd[0] != sd[0] ||
+      zd[1] != sd[1] || D != 2 * qd[1] || sd[1] < 1 || D % sd[1] || (D / sd[1]) % 2)
+    return ffi::Error::InvalidArgument(
+        "jaxserve_qmm_q4g: q [F, D/2], scale and zero [F, G], x [D, M], even D / G");
+  const int64_t F = qd[0], G = sd[1], M = x.dimensions().back(), gs = D / G;
+  int level = pick_isa(isa);
+  if (level == 2 && gs % 32) level = 1;
+  if (level == 1 && gs % 16) level = 0;
+  std::vector<float> xt(D * M);
+  float* xp = xt.data();
+  if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
+  else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
+  else scalar::prepare_x4(x.typed_data(), D, M, xp);
+  const uint8_t* qp = q.typed_data();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data());
+  float* o = out->typed_data();
+  auto fn = [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
+    else if (level == 1) avx2::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
+    else scalar::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
+  };
+  parallel_rows(pool, threads, F, F * D * M, fn);
+  return ffi::Error::Success();
+}
+
+ffi::Error W8a8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> sx,
+                    ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+  auto qd = q.dimensions();
+  if (qd.size() != 2 || scale.element_count() != qd[0])
+    return ffi::Error::InvalidArgument("jaxserve_qmm_w8a8: q [F, D], scale [F, 1]");
+  const int64_t F = qd[0], D = qd[1], M = xq.dimensions().back();
+  if (auto e = check_x(D, xq.dimensions()); e.failure()) return e;
+  if (sx.element_count() != M)
+    return ffi::Error::InvalidArgument("jaxserve_qmm_w8a8: sx must be [1, M]");
+  const int level = pick_isa(isa);
+  const int8_t *qp = q.typed_data(), *xqp = xq.typed_data();
+  const float *sp = scale.typed_data(), *sxp = sx.typed_data();
+  float* o = out->typed_data();
+  std::vector<int8_t> xqt8;
+  std::vector<uint8_t> xqtu;
+  if (level == 2) {
+    xqtu.resize(D * M);
+    avx512::V::prepare_act(xqp, D, M, xqtu.data());
+  } else {
+    xqt8.resize(D * M);
+    scalar::V::prepare_act(xqp, D, M, xqt8.data());
+  }
+  auto fn = [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::w8a8_rows(qp, sp, xqtu.data(), sxp, D, M, f0, f1, o);
+    else if (level == 1) avx2::w8a8_rows(qp, sp, xqt8.data(), sxp, D, M, f0, f1, o);
+    else scalar::w8a8_rows(qp, sp, xqt8.data(), sxp, D, M, f0, f1, o);
+  };
+  parallel_rows(pool, threads, F, F * D * M / 4, fn);
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxserve_qmm
+
+#define JS_ATTRS .Attr<int32_t>("isa").Attr<int32_t>("threads")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmInt8, jaxserve_qmm::Int8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ8g, jaxserve_qmm::Q8gImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4g, jaxserve_qmm::Q4gImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);

@@ -1,0 +1,159 @@
+"""The CPU quantized-matmul kernels (``pallas_kernels/quant_matmul_cpu``):
+each handler at each instruction-set level against the numpy reference
+(f32 rounding; w8a8's int32 sums exactly), ``quantized_matmul`` with the
+kernel against its XLA fallback, and a tiny engine whose greedy tokens are
+the same either way. The kernel tests skip where the library was not built
+(no compiler); the fallback tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve.models import quant
+from jaxserve.models.llama import LlamaForCausalLM, hf_params
+from pallas_kernels import quant_matmul_cpu as qmm
+from pallas_kernels.quant_matmul_cpu import ffi, reference
+from tests.test_quant import TINY, _greedy, _llm
+
+needs_kernel = pytest.mark.skipif(not qmm.available(), reason="quant_matmul_cpu not built")
+ISAS = [0, 1, 2]  # scalar, AVX2, AVX-512 (a level above the CPU's runs the CPU's best)
+
+
+def _case(F, D, M, fmt, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((F, D)).astype(np.float32)
+    return quant.quantize_np(w, fmt), rng.standard_normal((D, M)).astype(np.float32)
+
+
+def _tol(ref, D):
+    return 4 * D * np.finfo(np.float32).eps * (np.abs(ref).max() + 1)
+
+
+# F not a multiple of 16 throughout; M in {1, 2, 3, 17}; per-channel formats
+# take a ragged D (83: no vector width divides it).
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("F,D,M", [(37, 96, 1), (21, 83, 17)])
+def test_int8_against_reference(isa, F, D, M):
+    qt, x = _case(F, D, M, quant.INT8)
+    got = np.asarray(qmm.int8_matmul(qt.q, qt.scale, x, isa=isa))
+    ref = reference.int8_matmul(qt.q, qt.scale, x)
+    assert np.abs(got - ref).max() <= _tol(ref, D)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("F,D,M,gs", [(37, 96, 2, 32), (21, 160, 3, 8)])  # 8: scalar groups
+def test_q8g_against_reference(isa, F, D, M, gs):
+    qt, x = _case(F, D, M, quant.TensorFormat(8, gs))
+    got = np.asarray(qmm.q8g_matmul(qt.q, qt.scale, x, isa=isa))
+    ref = reference.q8g_matmul(qt.q, qt.scale, x)
+    assert np.abs(got - ref).max() <= _tol(ref, D)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("F,D,M,gs", [(37, 96, 3, 32), (21, 160, 17, 16)])  # 16: AVX2 width
+def test_q4g_against_reference(isa, F, D, M, gs):
+    qt, x = _case(F, D, M, quant.TensorFormat(4, gs, zero_point=True))
+    got = np.asarray(qmm.q4g_matmul(qt.q, qt.scale, qt.zero, x, isa=isa))
+    ref = reference.q4g_matmul(qt.q, qt.scale, qt.zero, x)
+    assert np.abs(got - ref).max() <= _tol(ref, D)
+    assert np.allclose(ref, quant.reference_linear(qt, x), rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("F,D,M", [(37, 200, 1), (19, 83, 17)])  # ragged D: masked tail
+def test_w8a8_int32_exact(isa, F, D, M):
+    rng = np.random.default_rng(1)
+    q = rng.integers(-127, 128, (F, D), dtype=np.int8)
+    q[0] = 127  # extreme products, summed exactly
+    xq = rng.integers(-127, 128, (D, M), dtype=np.int8)
+    xq[:, 0] = -127
+    one_F1, one_1M = np.ones((F, 1), np.float32), np.ones((1, M), np.float32)
+    got = np.asarray(qmm.w8a8_matmul(q, one_F1, xq, one_1M, isa=isa))
+    np.testing.assert_array_equal(got, reference.int32_matmul(q, xq))  # |acc| < 2^24: exact
+    qt, x = _case(F, D, M, quant.W8A8)
+    xq, sx = quant.quantize_act_np(x)
+    got = np.asarray(qmm.w8a8_matmul(qt.q, qt.scale, xq, sx[None], isa=isa))
+    ref = reference.w8a8_matmul(qt.q, qt.scale, xq, sx[None])
+    assert np.abs(got - ref).max() <= 4 * np.finfo(np.float32).eps * np.abs(ref).max()
+
+
+@needs_kernel
+def test_inside_jit_and_scan_and_threads():
+    """Stacked layers under lax.scan, and the XLA thread pool split (a weight
+    large enough to use it) equal one-thread results."""
+    rng = np.random.default_rng(2)
+    qts = [quant.quantize_np(rng.standard_normal((512, 64)).astype(np.float32), quant.Q4)
+           for _ in range(3)]
+    p, s, z = (jnp.stack([getattr(qt, a) for qt in qts]) for a in ("q", "scale", "zero"))
+    x = jnp.asarray(rng.standard_normal((64, 16)).astype(np.float32))
+
+    def body(c, layer):
+        y = qmm.q4g_matmul(*layer, x)
+        return c + y, y
+    total, ys = jax.jit(lambda *a: jax.lax.scan(body, jnp.zeros((512, 16)), a))(p, s, z)
+    for i, qt in enumerate(qts):
+        ref = reference.q4g_matmul(qt.q, qt.scale, qt.zero, np.asarray(x))
+        assert np.abs(np.asarray(ys[i]) - ref).max() <= _tol(ref, 64)
+        one = np.asarray(qmm.q4g_matmul(qt.q, qt.scale, qt.zero, x, threads=1))
+        np.testing.assert_array_equal(np.asarray(ys[i]), one)
+
+
+def test_env_switch_forces_the_fallback(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "0")
+    assert not qmm.available()
+
+
+@pytest.mark.parametrize("fmt", [quant.INT8, quant.W8A8, quant.Q8_0, quant.Q4])
+def test_quantized_matmul_kernel_equals_fallback(monkeypatch, fmt):
+    """``quantized_matmul`` (``lowering="auto"``) with the kernel forced on and
+    with it off: the same values within the fallback's own rounding (int8's
+    two-term activations: ~2^-16 of amax)."""
+    qt, x = _case(40, 128, 3, fmt)
+    args = [None if a is None else jnp.asarray(a) for a in (qt.q, qt.scale, qt.zero)]
+    run = jax.jit(lambda q, s, z, x: quant.quantized_matmul(fmt, q, s, z, x))
+    monkeypatch.setattr(ffi, "available", lambda: False)
+    monkeypatch.setattr(qmm, "available", lambda: False)
+    off = np.asarray(run(*args, jnp.asarray(x)))
+    ref = quant.reference_linear(qt, x)
+    assert np.abs(off - ref).max() <= 1e-3 * np.abs(ref).max()
+    if not ffi._load():
+        pytest.skip("quant_matmul_cpu not built")
+    monkeypatch.setattr(qmm, "available", lambda: True)
+    monkeypatch.setattr(qmm, "use_kernel", lambda kind, F, D, M: True)
+    run = jax.jit(lambda q, s, z, x: quant.quantized_matmul(fmt, q, s, z, x))
+    on = np.asarray(run(*args, jnp.asarray(x)))
+    assert "jaxserve_qmm" in run.lower(*args, jnp.asarray(x)).as_text()
+    assert np.abs(on - off).max() <= 1e-3 * np.abs(ref).max()
+    assert np.abs(on - ref).max() <= _tol(ref, 128) * (30 if fmt.act_int8 else 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    model = LlamaForCausalLM(TINY, rngs=nnx.Rngs(0))
+    return {n: np.asarray(p[...]) * 3 for n, (p, _) in hf_params(model).items()}
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_params, method):
+    traced = []  # (kind, M) of every kernel call traced into the steps
+
+    def use_kernel(kind, F, D, M):
+        traced.append((kind, M))
+        return True
+    monkeypatch.setattr(qmm, "use_kernel", use_kernel)
+    with_kernel = _greedy(_llm(tiny_params, quantization=method))
+    assert {k for k, _ in traced} == {"int8" if method == "int8" else "q4g"}
+    assert 1 in {m for _, m in traced} and max(m for _, m in traced) > 1  # decode and prefill
+    monkeypatch.setattr(qmm, "available", lambda: False)
+    fallback = _greedy(_llm(tiny_params, quantization=method))
+    assert with_kernel == fallback
