@@ -344,15 +344,23 @@ def dequantize(fmt: TensorFormat, q, scale, zero, dtype=jnp.float32):
     return w.reshape(*lead, F, D).astype(dtype)
 
 
-def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT):
-    """``W x`` by ``pallas_kernels.quant_matmul_cpu`` where it is built, allowed
-    (``JAXSERVE_CPU_KERNELS``) and measured faster than the XLA form for this
-    format and column count; None otherwise (the caller takes the XLA form).
-    Only a 2-D weight (stacked experts keep their ragged dots) outside a
+def _kernel_allowed(x_DT) -> bool:
+    """The CPU kernel may run here: CPU backend, 2-D activations, outside a
     mesh of several devices (the engine's abstract mesh, as ``moe`` reads it:
     a custom call does not split over a mesh, XLA would gather its operands)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if q.ndim != 2 or x_DT.ndim != 2 or not (mesh.empty or mesh.size == 1):
+    return (jax.default_backend() == "cpu" and x_DT.ndim == 2
+            and (mesh.empty or mesh.size == 1))
+
+
+def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT, layer=None):
+    """``W x`` by ``pallas_kernels.quant_matmul_cpu`` where it is built, allowed
+    (``JAXSERVE_CPU_KERNELS``) and measured faster than the XLA form for this
+    format and column count; None otherwise (the caller takes the XLA form).
+    Only a 2-D weight (stacked experts keep their ragged dots), or with
+    ``layer`` (an i32 scalar) parts stacked over a scanned run of layers
+    (``StackedRead``: the kernel reads that layer's part in place)."""
+    if q.ndim != (2 if layer is None else 3) or not _kernel_allowed(x_DT):
         return None
     if fmt.bits == 8 and fmt.group_size is None:
         kind = "w8a8" if fmt.act_int8 else "int8"
@@ -364,18 +372,28 @@ def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT):
         kind = "q4g"
     else:
         return None
-    F, D = scale.shape[0], x_DT.shape[0]
+    F, D = scale.shape[-2], x_DT.shape[0]
     if not (quant_matmul_cpu.use_kernel(kind, F, D, x_DT.shape[1])
             and quant_matmul_cpu.available()):
         return None
     if kind == "w8a8":
         xq, sx = _quantize_act(x_DT)
-        return quant_matmul_cpu.w8a8_matmul(q, scale, xq, sx)
+        return quant_matmul_cpu.w8a8_matmul(q, scale, xq, sx, layer=layer)
     if kind == "int8":
-        return quant_matmul_cpu.int8_matmul(q, scale, x_DT)
+        return quant_matmul_cpu.int8_matmul(q, scale, x_DT, layer=layer)
     if kind == "q8g":
-        return quant_matmul_cpu.q8g_matmul(q, scale, x_DT)
-    return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT)
+        return quant_matmul_cpu.q8g_matmul(q, scale, x_DT, layer=layer)
+    return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT, layer=layer)
+
+
+def _dense_kernel(w: StackedRead, x_DT):
+    """A scanned layer's dense f32 projection ``W x`` read in place by the CPU
+    kernel at decode widths; None where it does not apply (XLA slices)."""
+    if (w.dtype != jnp.float32 or not _kernel_allowed(x_DT)
+            or not quant_matmul_cpu.use_kernel("f32", *w.shape, x_DT.shape[1])
+            or not quant_matmul_cpu.available()):
+        return None
+    return quant_matmul_cpu.f32_matmul(w.stacked, x_DT, layer=w.index)
 
 
 def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "auto"):
@@ -548,7 +566,15 @@ class QuantizedWeight(nnx.Module):
                      for p in (self.q, self.scale, self.zero))
 
     def matmul(self, x_DT):
-        """``W x``: [F, D] @ [D, T] -> f32 [F, T] (2-D weights only)."""
+        """``W x``: [F, D] @ [D, T] -> f32 [F, T] (2-D weights only; inside a
+        scanned layer the CPU kernel reads the stacked parts in place)."""
+        q = self.q.value
+        if isinstance(q, StackedRead) and self.lowering == "auto":
+            stacked = [None if p is None else p.value.stacked
+                       for p in (self.q, self.scale, self.zero)]
+            y = _cpu_kernel(self.fmt, *stacked, x_DT, layer=q.index)
+            if y is not None:
+                return y
         q, scale, zero = self.parts()
         return quantized_matmul(self.fmt, q, scale, zero, x_DT, self.lowering)
 
@@ -597,10 +623,13 @@ def linear(w, x_DT, b_F=None):
     [F, T] in x's dtype; ``w`` an ``nnx.Param`` or a ``QuantizedWeight``,
     either holding its arrays or ``StackedRead``s of them (inside a scanned
     layer)."""
+    v = None if isinstance(w, QuantizedWeight) else w.value
     if isinstance(w, QuantizedWeight):
         y_FT = w.matmul(x_DT).astype(x_DT.dtype)
+    elif isinstance(v, StackedRead) and (y := _dense_kernel(v, x_DT)) is not None:
+        y_FT = y.astype(x_DT.dtype)
     else:
-        y_FT = jnp.einsum("fd,dt->ft", layer_slice(w.value), x_DT)
+        y_FT = jnp.einsum("fd,dt->ft", layer_slice(v), x_DT)
     return y_FT if b_F is None else y_FT + b_F[:, None]
 
 

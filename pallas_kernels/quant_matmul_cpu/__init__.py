@@ -77,12 +77,12 @@ oneDNN (AMX), which f32 FMAs cannot match, and for the grouped formats the
 f32 GEMM's blocking beats this kernel's row tiles at M = 128.
 """
 
-from pallas_kernels.quant_matmul_cpu.ffi import (available, int8_matmul, library_path,
+from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, int8_matmul, library_path,
                                                  q4g_matmul, q8g_matmul, w8a8_matmul)
 
 # The largest column count M at which the kernel measured faster than the XLA
 # form, per kind (the table above: Q8_0 won at 1 and 2 and was mixed at 8).
-_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 4, "q4g": 32}
+_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 4, "q4g": 32, "f32": 8}
 
 
 def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
@@ -91,5 +91,5 @@ def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     return M <= _MAX_COLUMNS[kind]
 
 
-__all__ = ["available", "int8_matmul", "library_path", "q4g_matmul", "q8g_matmul",
+__all__ = ["available", "f32_matmul", "int8_matmul", "library_path", "q4g_matmul", "q8g_matmul",
            "use_kernel", "w8a8_matmul"]

@@ -1,5 +1,5 @@
 """Loads ``_quant_matmul_cpu*.so`` (built by setup.py next to this file),
-registers its four XLA:CPU FFI targets and wraps them as jittable functions.
+registers its five XLA:CPU FFI targets and wraps them as jittable functions.
 
 ``available()`` is False (and every caller takes the XLA path) when
 ``JAXSERVE_CPU_KERNELS=0``, when the library is missing (no compiler at
@@ -8,7 +8,10 @@ install time) or fails to load; the reason is logged once at INFO.
 All functions take a weight as ``quant.py`` stores it and feature-major
 activations ``x_DM`` f32 [D, M], and return f32 [F, M]. ``isa``: -1 the best
 this CPU runs, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin a level); ``threads``:
-0 XLA's intra-op pool size, n at most n threads.
+0 XLA's intra-op pool size, n at most n threads; ``layer``: None for a 2-D
+weight, or an i32 scalar when the weight's parts are stacked over a scanned
+run of layers (``[L, F, D]``, scales ``[L, F, G]``): the kernel reads that
+layer's part in place (``quant.StackedRead``), with no copy of the slice.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 
 _log = logging.getLogger(__name__)
 _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "JaxserveQmmQ4g",
-            "w8a8": "JaxserveQmmW8a8"}
+            "w8a8": "JaxserveQmmW8a8", "f32": "JaxserveQmmF32"}
 
 
 def library_path() -> str | None:
@@ -62,34 +65,42 @@ def available() -> bool:
     return _load()
 
 
-def _call(name, F, M, *args, isa=-1, threads=0):
+def _call(name, F, M, *args, layer=None, isa=-1, threads=0):
     if not _load():
         raise RuntimeError("quant_matmul_cpu: the kernel library is not available")
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     return jax.ffi.ffi_call(f"jaxserve_qmm_{name}", jax.ShapeDtypeStruct((F, M), jnp.float32))(
-        *args, isa=np.int32(isa), threads=np.int32(threads))
+        *args, layer.reshape(()), isa=np.int32(isa), threads=np.int32(threads))
 
 
-def int8_matmul(q_FD, scale_F1, x_DM, isa: int = -1, threads: int = 0):
+def int8_matmul(q_FD, scale_F1, x_DM, layer=None, isa: int = -1, threads: int = 0):
     """Per-channel int8 weight-only: ``scale * (q @ x)``; q i8[F, D], scale f32[F, 1]."""
-    return _call("int8", q_FD.shape[0], x_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
-                 x_DM.astype(jnp.float32), isa=isa, threads=threads)
+    return _call("int8", q_FD.shape[-2], x_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
+                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
 
 
-def q8g_matmul(q_FD, scale_FG, x_DM, isa: int = -1, threads: int = 0):
+def q8g_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
     """Grouped int8 (Q8_0): ``w = scale[f, d // gs] q``; q i8[F, D], scale f16[F, G]."""
-    return _call("q8g", q_FD.shape[0], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
-                 x_DM.astype(jnp.float32), isa=isa, threads=threads)
+    return _call("q8g", q_FD.shape[-2], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
+                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
 
 
-def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, isa: int = -1, threads: int = 0):
+def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
     """Grouped uint4 (int4, Q4_0/1): ``w = scale q + zero``; p u8[F, D/2] packed
     (input 2j low nibble, 2j + 1 high), scale and zero f16[F, G]."""
-    return _call("q4g", p_FD2.shape[0], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
-                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), isa=isa, threads=threads)
+    return _call("q4g", p_FD2.shape[-2], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
+                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
 
 
-def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, isa: int = -1, threads: int = 0):
+def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, layer=None, isa: int = -1, threads: int = 0):
     """int8 x int8 with int32 accumulation: ``float(q @ xq) * sx * scale``; q i8[F, D],
     scale f32[F, 1], xq i8[D, M], sx f32[1, M] (bit-equal to quant.py's XLA form)."""
-    return _call("w8a8", q_FD.shape[0], xq_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
-                 xq_DM, sx_1M.astype(jnp.float32), isa=isa, threads=threads)
+    return _call("w8a8", q_FD.shape[-2], xq_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
+                 xq_DM, sx_1M.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
+
+
+def f32_matmul(w_FD, x_DM, layer=None, isa: int = -1, threads: int = 0):
+    """Dense f32 ``w @ x``; w f32[F, D] (or [L, F, D] with ``layer``). Its use is
+    a scanned layer's f32 projections read in place at decode widths."""
+    return _call("f32", w_FD.shape[-2], x_DM.shape[1], w_FD, x_DM.astype(jnp.float32),
+                 layer=layer, isa=isa, threads=threads)

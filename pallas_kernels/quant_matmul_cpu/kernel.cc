@@ -9,6 +9,11 @@
 //   jaxserve_qmm_q8g   (q s8[F, D], scale f16[F, G], x f32[D, M])         gs = D / G
 //   jaxserve_qmm_q4g   (q u8[F, D/2], scale f16[F, G], zero f16[F, G], x f32[D, M])
 //   jaxserve_qmm_w8a8  (q s8[F, D], scale f32[F, 1], xq s8[D, M], sx f32[1, M])
+//   jaxserve_qmm_f32   (w f32[F, D], x f32[D, M])
+// Every target takes one more operand last, layer s32[]: the weight parts may also be
+// stacked over a scanned run of layers ([L, F, D], scales [L, F, G]), and the handler
+// reads layer `layer`'s part in place (a scan's slice would be a copy of the layer's
+// weights on XLA:CPU); for 2-D parts it must be 0.
 //
 // The vector bodies live in kernel_body.inc, compiled three times under
 // `#pragma GCC target` regions (the region form of __attribute__((target)): it
@@ -249,16 +254,68 @@ ffi::Error check_x(int64_t D, ffi::Span<const int64_t> xdims) {
   return ffi::Error::Success();
 }
 
-ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                    ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
-                    int32_t threads) {
-  auto qd = q.dimensions();
-  if (qd.size() != 2 || scale.element_count() != qd[0])
-    return ffi::Error::InvalidArgument("jaxserve_qmm_int8: q [F, D], scale [F, 1]");
-  const int64_t F = qd[0], D = qd[1], M = x.dimensions().back();
+// The last two dims of a weight part of rank 2 ([F, C]) or 3 ([L, F, C], stacked
+// over layers) as a rank-2 span, and L (1 for rank 2); L = 0 for another rank.
+struct Part {
+  int64_t L = 0;
+  std::vector<int64_t> dims;
+};
+Part part(ffi::Span<const int64_t> d) {
+  Part p;
+  if (d.size() == 2 || d.size() == 3) {
+    p.L = d.size() == 3 ? d[0] : 1;
+    p.dims = {d[d.size() - 2], d[d.size() - 1]};
+  }
+  return p;
+}
+
+// The layer to read: layer[0] when 0 <= it < L, else -1.
+int64_t layer_index(ffi::Buffer<ffi::S32>& layer, int64_t L) {
+  if (layer.element_count() != 1) return -1;
+  const int64_t i = layer.typed_data()[0];
+  return i >= 0 && i < L ? i : -1;
+}
+
+#define JS_LAYER(NAME, L)                                                              \
+  const int64_t li = layer_index(layer, L);                                            \
+  if (li < 0)                                                                          \
+    return ffi::Error::InvalidArgument(NAME ": layer must be a scalar in [0, L) of a " \
+                                       "stacked weight (0 for a 2-D one)");
+
+ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
+                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
+                   int32_t threads) {
+  Part wp = part(w.dimensions());
+  if (!wp.L) return ffi::Error::InvalidArgument("jaxserve_qmm_f32: w [F, D] or [L, F, D]");
+  const int64_t F = wp.dims[0], D = wp.dims[1], M = x.dimensions().back();
   if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
-  const int8_t* qp = q.typed_data();
-  const float* sp = scale.typed_data();
+  JS_LAYER("jaxserve_qmm_f32", wp.L)
+  const float* wq = w.typed_data() + li * F * D;
+  float* o = out->typed_data();
+  std::vector<float> xt(D * M);
+  const float* xp = xt.data();
+  const int level = pick_isa(isa);
+  auto fn = [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::f32_rows(wq, xp, D, M, f0, f1, o);
+    else if (level == 1) avx2::f32_rows(wq, xp, D, M, f0, f1, o);
+    else scalar::f32_rows(wq, xp, D, M, f0, f1, o);
+  };
+  scalar::prepare_x(x.typed_data(), D, M, xt.data());
+  parallel_rows(pool, threads, F, F * D * M, fn);
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+  Part qp_ = part(q.dimensions());
+  if (!qp_.L || scale.element_count() != qp_.L * qp_.dims[0])
+    return ffi::Error::InvalidArgument("jaxserve_qmm_int8: q [(L,) F, D], scale [(L,) F, 1]");
+  const int64_t F = qp_.dims[0], D = qp_.dims[1], M = x.dimensions().back();
+  if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
+  JS_LAYER("jaxserve_qmm_int8", qp_.L)
+  const int8_t* qp = q.typed_data() + li * F * D;
+  const float* sp = scale.typed_data() + li * F;
   float* o = out->typed_data();
   std::vector<float> xt(D * M);
   const float* xp = xt.data();
@@ -274,21 +331,25 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
 }
 
 ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F16> scale,
-                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
-                   int32_t threads) {
-  auto qd = q.dimensions(), sd = scale.dimensions();
-  if (qd.size() != 2 || sd.size() != 2 || sd[0] != qd[0] || sd[1] < 1 || qd[1] % sd[1])
-    return ffi::Error::InvalidArgument("jaxserve_qmm_q8g: q [F, D], scale [F, G], G | D");
-  const int64_t F = qd[0], D = qd[1], G = sd[1], M = x.dimensions().back(), gs = D / G;
+                   ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                   ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+  Part qp_ = part(q.dimensions()), sp_ = part(scale.dimensions());
+  if (!qp_.L || sp_.L != qp_.L || sp_.dims[0] != qp_.dims[0] || sp_.dims[1] < 1 ||
+      qp_.dims[1] % sp_.dims[1])
+    return ffi::Error::InvalidArgument(
+        "jaxserve_qmm_q8g: q [(L,) F, D], scale [(L,) F, G], G | D");
+  const int64_t F = qp_.dims[0], D = qp_.dims[1], G = sp_.dims[1], M = x.dimensions().back(),
+                gs = D / G;
   if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
+  JS_LAYER("jaxserve_qmm_q8g", qp_.L)
   int level = pick_isa(isa);
   if (level == 2 && gs % 16) level = 1;
   if (level == 1 && gs % 8) level = 0;
   std::vector<float> xt(D * M);
   const float* xp = xt.data();
   scalar::prepare_x(x.typed_data(), D, M, xt.data());
-  const int8_t* qp = q.typed_data();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  const int8_t* qp = q.typed_data() + li * F * D;
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
   float* o = out->typed_data();
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
@@ -301,14 +362,17 @@ ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi
 
 ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F16> scale,
                    ffi::Buffer<ffi::F16> zero, ffi::Buffer<ffi::F32> x,
-                   ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
-  auto qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
+                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
+                   int32_t threads) {
+  Part qp_ = part(q.dimensions()), sp_ = part(scale.dimensions()), zp_ = part(zero.dimensions());
   const int64_t D = x.dimensions().front();
-  if (qd.size() != 2 || sd.size() != 2 || sd[0] != qd[0] || zd.size() != 2 || zd[0] != sd[0] ||
-      zd[1] != sd[1] || D != 2 * qd[1] || sd[1] < 1 || D % sd[1] || (D / sd[1]) % 2)
+  if (!qp_.L || sp_.L != qp_.L || zp_.L != qp_.L || sp_.dims != zp_.dims ||
+      sp_.dims[0] != qp_.dims[0] || D != 2 * qp_.dims[1] || sp_.dims[1] < 1 || D % sp_.dims[1] ||
+      (D / sp_.dims[1]) % 2)
     return ffi::Error::InvalidArgument(
-        "jaxserve_qmm_q4g: q [F, D/2], scale and zero [F, G], x [D, M], even D / G");
-  const int64_t F = qd[0], G = sd[1], M = x.dimensions().back(), gs = D / G;
+        "jaxserve_qmm_q4g: q [(L,) F, D/2], scale and zero [(L,) F, G], x [D, M], even D / G");
+  const int64_t F = qp_.dims[0], G = sp_.dims[1], M = x.dimensions().back(), gs = D / G;
+  JS_LAYER("jaxserve_qmm_q4g", qp_.L)
   int level = pick_isa(isa);
   if (level == 2 && gs % 32) level = 1;
   if (level == 1 && gs % 16) level = 0;
@@ -317,9 +381,9 @@ ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
   if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
   else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
   else scalar::prepare_x4(x.typed_data(), D, M, xp);
-  const uint8_t* qp = q.typed_data();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
-  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data());
+  const uint8_t* qp = q.typed_data() + li * F * (D / 2);
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
+  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G;
   float* o = out->typed_data();
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
@@ -332,17 +396,19 @@ ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
 
 ffi::Error W8a8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> sx,
-                    ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
-  auto qd = q.dimensions();
-  if (qd.size() != 2 || scale.element_count() != qd[0])
-    return ffi::Error::InvalidArgument("jaxserve_qmm_w8a8: q [F, D], scale [F, 1]");
-  const int64_t F = qd[0], D = qd[1], M = xq.dimensions().back();
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
+                    int32_t threads) {
+  Part qp_ = part(q.dimensions());
+  if (!qp_.L || scale.element_count() != qp_.L * qp_.dims[0])
+    return ffi::Error::InvalidArgument("jaxserve_qmm_w8a8: q [(L,) F, D], scale [(L,) F, 1]");
+  const int64_t F = qp_.dims[0], D = qp_.dims[1], M = xq.dimensions().back();
+  JS_LAYER("jaxserve_qmm_w8a8", qp_.L)
   if (auto e = check_x(D, xq.dimensions()); e.failure()) return e;
   if (sx.element_count() != M)
     return ffi::Error::InvalidArgument("jaxserve_qmm_w8a8: sx must be [1, M]");
   const int level = pick_isa(isa);
-  const int8_t *qp = q.typed_data(), *xqp = xq.typed_data();
-  const float *sp = scale.typed_data(), *sxp = sx.typed_data();
+  const int8_t *qp = q.typed_data() + li * F * D, *xqp = xq.typed_data();
+  const float *sp = scale.typed_data() + li * F, *sxp = sx.typed_data();
   float* o = out->typed_data();
   std::vector<int8_t> xqt8;
   std::vector<uint8_t> xqtu;
@@ -372,6 +438,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmInt8, jaxserve_qmm::Int8Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ8g, jaxserve_qmm::Q8gImpl,
@@ -380,6 +447,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ8g, jaxserve_qmm::Q8gImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4g, jaxserve_qmm::Q4gImpl,
@@ -389,6 +457,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4g, jaxserve_qmm::Q4gImpl,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
@@ -398,4 +467,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmF32, jaxserve_qmm::F32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
