@@ -287,6 +287,9 @@ def test_tensor_parallel_quantized_matches_one_device(tiny_params, method):
     shard = attn.q_proj.q[...].addressable_shards[0].data
     packed = 2 if method == "int4" else 1  # two uint4 per byte
     assert shard.shape == (TINY.num_heads * TINY.head_dim // 2, TINY.hidden_size // packed)
+    head = nnx.merge(tp.engine.runner.graphdef, tp.engine.runner.state).lm_head
+    assert isinstance(head, quant.QuantizedWeight)  # the tied head, quantized
+    assert spec(head.q) == ("tp", None) and spec(head.scale) == ("tp", None)  # vocab rows split
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
