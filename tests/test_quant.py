@@ -325,3 +325,42 @@ def test_int8_kv_cache_on_tp2_matches_one_device(tiny_params):
     k0 = tp.engine.runner.k_cache[0]
     assert k0.pages_PLKH.dtype == jnp.int8
     assert tuple(k0.scales_PLK.sharding.spec)[:3] == (None, None, "tp")
+
+
+TINY_GEMMA3 = ModelConfig(architecture="gemma3", vocab_size=128, hidden_size=32,
+                          intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, qk_norm=True, tie_word_embeddings=True,
+                          hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8.0)
+
+
+@pytest.mark.parametrize("cfg", [TINY_GEMMA3, TINY_MOE,
+                                 dataclasses.replace(TINY_MOE, tie_word_embeddings=False)],
+                         ids=["gemma3", "moe-tied", "moe-untied"])
+def test_other_families_quantize_the_head(cfg):
+    """Gemma 3 and the MoE models load a quantized head from their params
+    (tied: from the embedding, which stays exact; untied: ``lm_head.weight``),
+    its logits the numpy reference's; ``quantize_lm_head=False``: no quantized head."""
+    from jaxserve import models
+    from jaxserve.engine.build import MODEL_CLASSES
+    cls = MODEL_CLASSES[cfg.architecture]
+    src = cls(cfg, rngs=nnx.Rngs(0))
+    family = models.family(src)
+    params = {n: np.asarray(p[...]) if e is None else np.asarray(p[...])[e]
+              for n, (p, e) in family.hf_params(src).items()}
+    model = cls(cfg, quantization="w8a8")
+    family.load_params(model, params)
+    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    qt = quant.quantize_np(head, quant.W8A8)
+    assert all(np.array_equal(a, b) for a, b in zip(_parts(_head_tensor(model.lm_head)),
+                                                    _parts(qt)))
+    assert np.array_equal(np.asarray(model.embed_tokens[...]), params["model.embed_tokens.weight"])
+    x = np.random.default_rng(0).standard_normal((cfg.hidden_size, 3)).astype(np.float32)
+    xn = np.asarray(model.norm(jnp.asarray(x)))
+    ref = quant.reference_linear(qt, xn).T
+    got = np.asarray(model.logits_of(jnp.asarray(x)))
+    cap = cfg.final_logit_softcapping
+    ref = ref if cap is None else cap * np.tanh(ref / cap)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    dense = cls(cfg, quantization="w8a8", quantize_lm_head=False)
+    family.load_params(dense, params)
+    assert not isinstance(dense.lm_head, quant.QuantizedWeight)
