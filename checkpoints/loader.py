@@ -169,7 +169,8 @@ def load_checkpoint(model: str | os.PathLike, dtype: Any = np.float32,
 def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
                      dtype: Any = np.float32, show_progress: bool = True,
                      quantization: str = "none", group_size: int = 32,
-                     lora_modules: Sequence[tuple[str, str]] = ()) -> list[pathlib.Path]:
+                     lora_modules: Sequence[tuple[str, str]] = (),
+                     quantize_lm_head: bool = True) -> list[pathlib.Path]:
     """Load ``model`` (anything ``load_checkpoint`` takes) and write it as an
     Orbax checkpoint folder (``orbax_ckpt.save_orbax``) in ``output_dir``.
 
@@ -181,9 +182,14 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
         ``quantization_group_size``: every projection (``quant.is_projection``)
         is stored as ``quant.quantize_np(w, quant.method_format(quantization,
         group_size))`` of its f32 weight; ``"gguf"`` keeps a GGUF file's own
-        Q8_0 / Q4_0 / Q4_1 blocks (other types: dense f32). Embeddings, norms,
-        routers and the LM head stay ``dtype``; ``"none"`` stores everything
-        in ``dtype`` (a quantized source is dequantized).
+        Q8_0 / Q4_0 / Q4_1 blocks (other types: dense f32). Embeddings, norms
+        and routers stay ``dtype``; ``"none"`` stores everything in ``dtype``
+        (a quantized source is dequantized).
+      quantize_lm_head: an untied ``lm_head.weight`` is stored like a
+        projection (``EngineConfig.quantize_lm_head``); False: in ``dtype``.
+        A tied head has no tensor of its own: the engine quantizes it from
+        the stored embedding on load (``llama.load_tied_head``; for
+        ``"gguf"`` the embedding is stored f32, so that head loads dense).
       lora_modules: (name, PEFT adapter folder) pairs shipped in the
         checkpoint (``checkpoints.orbax_lora``), each checked against the
         model before any weights load.
@@ -218,7 +224,8 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
                            show_progress=show_progress, keep_blocks=quantization == "gguf")
     params = {}
     for name, w in ckpt.params.items():
-        if fmt is None or not quant.is_projection(name):
+        quantized = quant.is_projection(name) or quantize_lm_head and name == "lm_head.weight"
+        if fmt is None or not quantized:
             params[name] = np.asarray(w.dequantize() if isinstance(w, quant.QuantizedTensor)
                                       else w, dtype)
         elif isinstance(w, quant.QuantizedTensor):  # GGUF blocks, or a quantized Orbax folder

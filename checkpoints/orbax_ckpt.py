@@ -25,7 +25,8 @@ non-negative ints over paths inside ``params/``), and ``load_orbax`` checks
 the tensor shapes in Orbax's metadata against ``model_config.json``.
 
 Quantized checkpoints (``convert_to_orbax(..., quantization="int8")``): each
-projection (``quant.is_projection``) is stored as its parts, ``<HF name>:q``
+projection (``quant.is_projection``), and an untied ``lm_head.weight`` unless
+converted with ``quantize_lm_head=False``, is stored as its parts, ``<HF name>:q``
 (int8 ``[..., F, D]``, or uint8 ``[..., F, D/2]`` of packed int4), ``:scale``
 (f32 ``[..., F, G]``) and ``:zero`` (f32 ``[..., F, G]``, only when the
 format has one); ``jaxserve_orbax.json`` records under ``quantization`` the
@@ -259,7 +260,9 @@ def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[
     as the saved format would be (an abstract ``QuantizedWeight`` of that
     format, ``nnx.eval_shape``; nothing is allocated); its ``load`` then
     adopts the format. A ``QuantizedWeight`` over an unquantized tensor gets
-    the float tensor in its ``q``'s layout (``load`` quantizes it).
+    the float tensor in its ``q``'s layout (``load`` quantizes it); a plain
+    variable over a quantized tensor (a quantized LM head restored with
+    ``quantize_lm_head=False``) gets its parts, dequantized on load.
 
     Args:
       named_params: HF name -> (variable or ``QuantizedWeight``, expert index
@@ -274,6 +277,7 @@ def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[
     from flax import nnx
 
     from jaxserve.models import quant
+    from sharding.rules import _logical_axes as logical_axes
     from sharding.rules import hf_shardings
 
     saved = saved_quantization(path)
@@ -281,6 +285,13 @@ def restore_for_model(path: str | os.PathLike, named_params: Mapping[str, tuple[
     named = dict(named_params)
     for name, (var, expert) in named_params.items():
         fmt = formats.get(name)
+        if not isinstance(var, quant.QuantizedWeight) and fmt is not None:
+            # stored quantized, held dense (an LM head with quantize_lm_head=False):
+            # its parts restore as that format's would; ``put_param`` dequantizes them.
+            names = logical_axes(var)
+            named[name] = (nnx.eval_shape(lambda v=var, f=fmt, n=names: quant.QuantizedWeight(
+                v.value.shape, n, f)), expert)
+            continue
         if isinstance(var, quant.QuantizedWeight) and fmt is None:
             named[name] = (var.q, expert)
         if not isinstance(var, quant.QuantizedWeight) or fmt is None or fmt == var.fmt:

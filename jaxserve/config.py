@@ -491,9 +491,16 @@ class EngineConfig:
         ``"gguf"`` (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, kept as they
         are), or ``"auto"`` (the engine picks: on CPU the fastest of the formats
         that keep the checkpoint's numerics, measured once per machine; see
-        ``jaxserve.engine.format_choice``). Embeddings, norms, the MoE router,
-        the LM head and attention stay precise. See ``jaxserve.models.quant``.
+        ``jaxserve.engine.format_choice``); the LM head too unless
+        ``quantize_lm_head`` is False. Embeddings, norms, the MoE router and
+        attention stay precise. See ``jaxserve.models.quant``.
       quantization_group_size: input elements per scale of ``"int4"``.
+      quantize_lm_head: under a ``quantization`` other than ``"none"``, the
+        LM head [V, D] is a weight of that format too (int8/w8a8 per output
+        channel, int4 its groups, gguf the file's blocks of ``output.weight``,
+        or of ``token_embd.weight`` when tied); a tied head is then a second,
+        quantized copy beside the exact f32 embedding. False keeps the head
+        in ``dtype`` (read from the embedding when tied).
       speculative: speculative decoding (``SpeculativeConfig``); off by default.
       lora: multi-LoRA slots (``LoRAConfig``); None: LoRA off (no adapter
         parameters, no per-token slot input).
@@ -512,6 +519,7 @@ class EngineConfig:
     async_scheduling: bool = True
     quantization: str = "none"
     quantization_group_size: int = 32
+    quantize_lm_head: bool = True
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     lora: LoRAConfig | None = None
 

@@ -50,9 +50,12 @@ flags.DEFINE_string("quantization", "auto", "Weight format of the linear project
                     "numerics, measured once per machine and cached; none elsewhere), none, "
                     "int8 (weight-only, per channel), w8a8 (int8 weights x int8 activations), "
                     "int4 (groups along the input dim, scale + zero point) or gguf (the "
-                    "file's own Q8_0/Q4_0/Q4_1 blocks). Embeddings, norms, router, LM head "
-                    "and attention stay precise.")
+                    "file's own Q8_0/Q4_0/Q4_1 blocks), and the LM head unless "
+                    "--noquantize_lm_head. Embeddings, norms, router and attention stay precise.")
 flags.DEFINE_integer("quantization_group_size", 32, "int4: input elements per scale.")
+flags.DEFINE_bool("quantize_lm_head", True, "Under --quantization, hold the LM head in the "
+                  "weight format too (a tied head: a quantized copy beside the exact embedding); "
+                  "--noquantize_lm_head keeps it in --dtype.")
 flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache dtype: auto (the parameter dtype), "
                     "float32, bfloat16, float16, int8 (one scale per token per kv head) or "
                     "fp8_e4m3.")
@@ -308,6 +311,7 @@ def engine_config(speculative: SpeculativeConfig | None = None) -> EngineConfig:
         compilation_cache_dir=compile_cache.resolve_dir(FLAGS.compilation_cache_dir),
         scan_layers=FLAGS.scan_layers, async_scheduling=FLAGS.async_scheduling,
         quantization=FLAGS.quantization, quantization_group_size=FLAGS.quantization_group_size,
+        quantize_lm_head=FLAGS.quantize_lm_head,
         speculative=speculative if speculative is not None else speculative_config(),
         lora=lora_config())
 

@@ -250,7 +250,8 @@ def _convert() -> None:
     written = convert_to_orbax(FLAGS.model, FLAGS.output, dtype=np.dtype(jnp.dtype(FLAGS.dtype)),
                                quantization=method,
                                group_size=FLAGS.quantization_group_size,
-                               lora_modules=cli.lora_modules())
+                               lora_modules=cli.lora_modules(),
+                               quantize_lm_head=FLAGS.quantize_lm_head)
     quantized = "" if method == "none" else f", projections {method}"
     print(f"converted {FLAGS.model} ({FLAGS.dtype}{quantized}) to an Orbax checkpoint:")
     for path in written:

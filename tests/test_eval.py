@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -109,6 +110,9 @@ def test_result_fields_and_json(engines):
     assert {"mean", "max", "p99", "p99_9", "median", "min"} <= set(r["kld"])
     assert {"mean", "rms"} <= set(r["delta_p"])
     assert r["candidate"]["quantization"] == "none"
+    assert r["candidate"]["quantize_lm_head"] is True  # the EngineConfig default
+    assert r["candidate"]["weight_bytes"] == sum(  # every array of the state, as stored
+        x.nbytes for x in jax.tree.leaves(a.weights))
     json.dumps(r)
     assert "Same top p" in ev.format_summary(r)
 

@@ -8,6 +8,8 @@ any weight loads.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import quant
 from jaxserve.models.llama import LlamaForCausalLM, hf_params
+from jaxserve.models.llama import load_params as llama_load
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16)
@@ -144,21 +147,113 @@ def _greedy(llm, n=10, prompts=PROMPTS):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("head", [True, False])
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
-def test_engine_logits_equal_the_dequantized_model(tiny_params, method):
+def test_engine_logits_equal_the_dequantized_model(tiny_params, method, head):
     """A quantized engine computes what an f32 engine computes with the
-    dequantized weights (w8a8 also rounds its activations: compared loosely)."""
+    dequantized weights (w8a8 also rounds its activations: compared loosely):
+    the projections, and the tied LM head unless ``quantize_lm_head=False``
+    (the reference: an untied f32 model whose head is the dequantized
+    embedding, its lookup the exact one)."""
     fmt = quant.method_format(method)
     deq = {n: quant.quantize_np(a, fmt).dequantize() if "_proj" in n else a
            for n, a in tiny_params.items()}
-    ref = _llm(deq).engine.last_token_logits(PROMPTS)
-    llm = _llm(tiny_params, quantization=method)
+    deq["lm_head.weight"] = quant.quantize_np(tiny_params["model.embed_tokens.weight"],
+                                              fmt).dequantize() if head \
+        else tiny_params["model.embed_tokens.weight"]
+    ref = _llm(deq, cfg=dataclasses.replace(TINY, tie_word_embeddings=False)
+               ).engine.last_token_logits(PROMPTS)
+    llm = _llm(tiny_params, quantization=method, quantize_lm_head=head)
     got = llm.engine.last_token_logits(PROMPTS)
     tol = {"int4": 1e-4, "int8": 2e-3, "w8a8": 0.1}[method] * np.abs(ref).max()
     assert np.abs(got - ref).max() <= tol
     model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
     assert isinstance(model.layers[0].mlp.up_proj, quant.QuantizedWeight)
     assert isinstance(model.embed_tokens, nnx.Param)  # kept precise
+    assert np.array_equal(model.embed_tokens[...], tiny_params["model.embed_tokens.weight"])
+    assert isinstance(model.lm_head, quant.QuantizedWeight) if head else model.lm_head is None
+
+
+# ---- the LM head ----------------------------------------------------------------
+
+
+def _head_tensor(head: quant.QuantizedWeight) -> quant.QuantizedTensor:
+    return quant.QuantizedTensor(head.fmt, head.shape, *[
+        None if a is None else np.asarray(a) for a in head.parts()])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
+def test_quantized_head_logits_equal_the_numpy_reference(method, tied):
+    """``logits_of`` with a quantized head: the format's numpy reference
+    (``reference_linear``) of the final-normed x, within f32 rounding (plus
+    the CPU int8 lowering's split bound); a tied head holds the embedding's
+    values quantized, beside the exact embedding; the head keeps the logical
+    axes ("vocab", "embed")."""
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(1), quantization=method)
+    head = model.lm_head
+    fmt = quant.method_format(method)
+    assert isinstance(head, quant.QuantizedWeight) and head.fmt == fmt
+    assert head.names == ("vocab", "embed") and head.shape == (cfg.vocab_size, cfg.hidden_size)
+    qt = _head_tensor(head)
+    embed = np.asarray(model.embed_tokens[...])
+    if tied:  # the same values, quantized; the lookup table untouched (f32)
+        want = quant.quantize_np(embed, fmt)
+        assert all(np.array_equal(a, b) for a, b in zip(_parts(qt), _parts(want)))
+    names = {n for n, _ in hf_params(model).items()}
+    assert ("lm_head.weight" in names) != tied
+    x = np.random.default_rng(2).standard_normal((cfg.hidden_size, 5)).astype(np.float32) * 3
+    got = np.asarray(model.logits_of(jnp.asarray(x)))
+    xn = np.asarray(model.norm(jnp.asarray(x)))
+    ref = quant.reference_linear(qt, xn).T
+    xr = xn if not fmt.act_int8 else (lambda q, s: q * s)(*quant.quantize_act_np(xn))
+    bound = 4e-7 * np.sqrt(cfg.hidden_size) * (
+        np.abs(qt.dequantize()).astype(np.float64) @ np.abs(xr).astype(np.float64)).T + 1e-30
+    if fmt == quant.INT8 and jax.default_backend() == "cpu":
+        bound = bound + _split_bound(qt, xn).T
+    assert got.shape == (5, cfg.vocab_size) and got.dtype == np.float32
+    assert np.all(np.abs(got - ref) <= bound), np.abs(got - ref).max()
+
+
+def test_dense_head_is_todays_head(tiny_params):
+    """``quantize_lm_head=False``: no head weight of its own (tied), and the
+    logits are exactly the f32 einsum over the embedding, as before the
+    quantized head existed; the engine's logits equal an f32 model's with
+    the same projections bit for bit."""
+    model = LlamaForCausalLM(TINY, quantization="int8", quantize_lm_head=False)
+    llama_load(model, tiny_params)
+    assert model.lm_head is None
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((TINY.hidden_size, 3)), jnp.float32)
+    want = jnp.einsum("vd,dr->rv", model.embed_tokens[...], model.norm(x),
+                      preferred_element_type=jnp.float32)
+    assert np.array_equal(np.asarray(model.logits_of(x)), np.asarray(want))
+    dense = _llm(tiny_params, quantization="int8", quantize_lm_head=False)
+    deq = {n: quant.quantize_np(a, quant.INT8).dequantize() if "_proj" in n else a
+           for n, a in tiny_params.items()}
+    ref = _llm(deq).engine.last_token_logits(PROMPTS)
+    got = dense.engine.last_token_logits(PROMPTS)
+    assert np.abs(got - ref).max() <= 2e-3 * np.abs(ref).max()
+
+
+def test_gguf_head_is_the_files_blocks(tiny_gguf):
+    """``gguf``, tied (the tiny file's ``token_embd`` is Q8_0): the head is
+    a ``QuantizedWeight`` of the file's own blocks, the lookup the file's
+    dequantized embedding (exact); greedy tokens as the dense-head engine's."""
+    from checkpoints.gguf_loader import load_gguf
+    blocks = load_gguf(tiny_gguf, show_progress=False, keep_blocks=True).params
+    embed = blocks["model.embed_tokens.weight"]
+    assert isinstance(embed, quant.QuantizedTensor) and embed.fmt == quant.Q8_0
+    kw = dict(num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, quantization="gguf")
+    llm = LLM(tiny_gguf, **kw)
+    model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
+    assert isinstance(model.lm_head, quant.QuantizedWeight) and model.lm_head.fmt == quant.Q8_0
+    assert all(np.array_equal(a, b) for a, b in zip(_parts(_head_tensor(model.lm_head)),
+                                                    _parts(embed)))
+    assert np.array_equal(np.asarray(model.embed_tokens[...]), embed.dequantize())
+    dense = LLM(tiny_gguf, quantize_lm_head=False, **kw)
+    prompts = [[5, 17, 99, 3, 250, 7], [200, 1, 9]]
+    assert _greedy(llm, 8, prompts) == _greedy(dense, 8, prompts)
 
 
 def test_weight_bytes(tiny_params):
@@ -192,6 +287,9 @@ def test_tensor_parallel_quantized_matches_one_device(tiny_params, method):
     shard = attn.q_proj.q[...].addressable_shards[0].data
     packed = 2 if method == "int4" else 1  # two uint4 per byte
     assert shard.shape == (TINY.num_heads * TINY.head_dim // 2, TINY.hidden_size // packed)
+    head = nnx.merge(tp.engine.runner.graphdef, tp.engine.runner.state).lm_head
+    assert isinstance(head, quant.QuantizedWeight)  # the tied head, quantized
+    assert spec(head.q) == ("tp", None) and spec(head.scale) == ("tp", None)  # vocab rows split
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -227,3 +325,42 @@ def test_int8_kv_cache_on_tp2_matches_one_device(tiny_params):
     k0 = tp.engine.runner.k_cache[0]
     assert k0.pages_PLKH.dtype == jnp.int8
     assert tuple(k0.scales_PLK.sharding.spec)[:3] == (None, None, "tp")
+
+
+TINY_GEMMA3 = ModelConfig(architecture="gemma3", vocab_size=128, hidden_size=32,
+                          intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, qk_norm=True, tie_word_embeddings=True,
+                          hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8.0)
+
+
+@pytest.mark.parametrize("cfg", [TINY_GEMMA3, TINY_MOE,
+                                 dataclasses.replace(TINY_MOE, tie_word_embeddings=False)],
+                         ids=["gemma3", "moe-tied", "moe-untied"])
+def test_other_families_quantize_the_head(cfg):
+    """Gemma 3 and the MoE models load a quantized head from their params
+    (tied: from the embedding, which stays exact; untied: ``lm_head.weight``),
+    its logits the numpy reference's; ``quantize_lm_head=False``: no quantized head."""
+    from jaxserve import models
+    from jaxserve.engine.build import MODEL_CLASSES
+    cls = MODEL_CLASSES[cfg.architecture]
+    src = cls(cfg, rngs=nnx.Rngs(0))
+    family = models.family(src)
+    params = {n: np.asarray(p[...]) if e is None else np.asarray(p[...])[e]
+              for n, (p, e) in family.hf_params(src).items()}
+    model = cls(cfg, quantization="w8a8")
+    family.load_params(model, params)
+    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    qt = quant.quantize_np(head, quant.W8A8)
+    assert all(np.array_equal(a, b) for a, b in zip(_parts(_head_tensor(model.lm_head)),
+                                                    _parts(qt)))
+    assert np.array_equal(np.asarray(model.embed_tokens[...]), params["model.embed_tokens.weight"])
+    x = np.random.default_rng(0).standard_normal((cfg.hidden_size, 3)).astype(np.float32)
+    xn = np.asarray(model.norm(jnp.asarray(x)))
+    ref = quant.reference_linear(qt, xn).T
+    got = np.asarray(model.logits_of(jnp.asarray(x)))
+    cap = cfg.final_logit_softcapping
+    ref = ref if cap is None else cap * np.tanh(ref / cap)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    dense = cls(cfg, quantization="w8a8", quantize_lm_head=False)
+    family.load_params(dense, params)
+    assert not isinstance(dense.lm_head, quant.QuantizedWeight)

@@ -75,8 +75,8 @@ def test_layout_and_exact_restore(source, converted, method):
     src = load_checkpoint(source, show_progress=False).params
     saved = json.loads((folder / "jaxserve_orbax.json").read_text())["quantization"]
     assert saved["method"] == method and saved["group_size"] == 32
-    projections = [n for n in src if quant.is_projection(n)]
-    assert sorted(saved["formats"]) == sorted(projections) and len(projections) == 14
+    projections = [n for n in src if quant.is_projection(n) or n == "lm_head.weight"]
+    assert sorted(saved["formats"]) == sorted(projections) and len(projections) == 15
     fmt = quant.method_format(method) if method != "gguf" else quant.Q8_0  # a Q8_0 file
     for name in src:
         if name not in projections:
@@ -130,6 +130,28 @@ def test_engine_tokens_match_direct_quantization(source, converted, restored, me
     q_state = llm.engine.runner.layer_params(0)["self_attn"]["q_proj"]["q"].value
     assert q_state.dtype == qt.q.dtype
     assert greedy(make_llm(converted[method], quantization=method)) == want  # equal is fine
+
+
+@pytest.mark.parametrize("method", ["int8", "gguf"])
+def test_quantized_head_round_trip(source, converted, method):
+    """The untied head restores as the stored format (gguf: the file's Q8_0
+    blocks of ``output.weight``), the engine's tokens those of one built
+    from the GGUF; ``quantize_lm_head=False`` on the same folder holds it
+    dense (the stored values, dequantized) and gives the same tokens."""
+    from flax import nnx
+    want = greedy(make_llm(source, quantization=method))
+    llm = make_llm(converted[method])
+    model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
+    fmt = quant.INT8 if method == "int8" else quant.Q8_0
+    assert isinstance(model.lm_head, quant.QuantizedWeight) and model.lm_head.fmt == fmt
+    stored = load_checkpoint(converted[method], show_progress=False).params["lm_head.weight"]
+    assert np.array_equal(np.asarray(model.lm_head.q[...]), stored.q)
+    assert greedy(llm) == want
+    dense = make_llm(converted[method], quantize_lm_head=False)
+    head = nnx.merge(dense.engine.runner.graphdef, dense.engine.runner.state).lm_head
+    assert isinstance(head, nnx.Param) and np.array_equal(np.asarray(head[...]),
+                                                          stored.dequantize())
+    assert greedy(dense) == want
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -1,8 +1,8 @@
 """Quantized SmolLM2-135M (its Q4_1 GGUF) against the f32 run of the same file.
 
-``--quantization gguf`` keeps the file's Q4_1 / Q8_0 blocks as they are, so
-its weights are exactly the f32 run's (only the order of the f32 sums in the
-matmul differs): greedy tokens must equal the f32 run's on at least 5 of the
+``--quantization gguf`` keeps the file's Q4_1 / Q8_0 blocks as they are (the
+tied LM head: the Q8_0 blocks of ``token_embd``), so its weights are exactly
+the f32 run's (only the order of the f32 sums in the matmul differs): greedy tokens must equal the f32 run's on at least 5 of the
 6 prompts of ``test_real_model``'s HF parity test. ``int8`` re-quantizes the
 (dequantized) weights per channel: its greedy tokens must agree with the f32
 run's at >= 90% of positions, counted teacher-forced (each position's argmax
@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import XLA_CACHE
+from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import quant
@@ -62,7 +63,10 @@ def _agreement(llm, prompts, ref_tokens):
 def test_gguf_blocks_give_the_f32_tokens(f32_run, smollm2_llm):
     prompts, ref = f32_run
     llm = LLM("smollm2-135m", quantization="gguf", compilation_cache_dir=XLA_CACHE)
-    # The blocks are the file's (Q4_1 projections; the Q8_0 embedding stays dense f32).
+    # The blocks are the file's (Q4_1 projections; the Q8_0 embedding stays dense
+    # f32 for the lookup, the tied LM head holds its Q8_0 blocks).
+    head = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state).lm_head
+    assert isinstance(head, quant.QuantizedWeight) and head.fmt == quant.Q8_0
     q = llm.engine.runner.layer_params(0)["self_attn"]["q_proj"]
     assert q["q"][...].dtype == np.uint8 and q["zero"] is not None
     w = quant.dequantize(quant.Q4, q["q"][...], q["scale"][...], q["zero"][...])

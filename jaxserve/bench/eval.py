@@ -199,11 +199,14 @@ def summarize(per: dict[str, np.ndarray]) -> dict:
 
 
 def engine_config(engine) -> dict:
-    """The numerics-relevant settings of an engine, for the JSON."""
+    """The numerics-relevant settings of an engine, for the JSON, and its
+    ``weight_bytes`` (every array of the model state, as stored)."""
+    from jaxserve.bench import formats
     c = engine.config
     return dict(dtype=c.dtype, quantization=c.quantization,
                 quantization_group_size=c.quantization_group_size,
-                kv_cache_dtype=c.cache.dtype or "auto")
+                quantize_lm_head=c.quantize_lm_head, kv_cache_dtype=c.cache.dtype or "auto",
+                weight_bytes=formats.weight_bytes(engine)["total"])
 
 
 def reference_args(engine_args: dict) -> dict:
@@ -281,6 +284,8 @@ def text_info(text: str, path: str, num_tokens: int) -> dict:
 def _cfg(c: dict) -> str:
     q = c["quantization"] + (f"/g{c['quantization_group_size']}"
                              if c["quantization"] == "int4" else "")
+    if c["quantization"] != "none" and not c.get("quantize_lm_head", True):
+        q += ", LM head dense"
     return f"{c['dtype']}, weights {q}, KV cache {c['kv_cache_dtype']}"
 
 

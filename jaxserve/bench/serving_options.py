@@ -167,7 +167,7 @@ class BenchOptions:
 # and the speculation flags it gets when --speculative_method is not none.
 SERVER_FLAGS = ("dtype", "page_size", "kv_cache_mib", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "enable_chunked_prefill", "quantization",
-                "quantization_group_size", "kv_cache_dtype")
+                "quantization_group_size", "quantize_lm_head", "kv_cache_dtype")
 SPEC_FLAGS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min",
               "prompt_lookup_max", "draft_quantization", "speculative_adaptive")
 OPTIONAL_FLAGS = ("num_pages", "max_model_len", "mesh", "num_devices", "seed", "draft_model")

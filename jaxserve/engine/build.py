@@ -259,7 +259,8 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
         rngs=nnx.Rngs(config.seed) if random_init else None,
         attention_impl=attention_impl, interpret=config.attention_interpret,
         quantization=config.quantization,
-        quantization_group_size=config.quantization_group_size, lora=config.lora)
+        quantization_group_size=config.quantization_group_size, lora=config.lora,
+        quantize_lm_head=config.quantize_lm_head)
     family = models.family(model)
     if orbax_dir is not None:  # each tensor (or quantized part) into its sharding
         params = restore_for_model(orbax_dir, family.hf_params(model), mesh,

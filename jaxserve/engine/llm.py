@@ -66,6 +66,8 @@ class LLM:
         (``sharding.mesh.parse_mesh_spec``); None means one device.
       quantization, quantization_group_size: the weight format
         (``EngineConfig.quantization``): none, int8, w8a8, int4 or gguf.
+      quantize_lm_head: the LM head in that format too
+        (``EngineConfig.quantize_lm_head``); False keeps it in ``dtype``.
       kv_cache_dtype: ``"auto"`` (the parameter dtype), ``"float32"``,
         ``"bfloat16"``, ``"float16"``, ``"int8"`` or ``"fp8_e4m3"``.
       speculative_config: vLLM's dict: ``{"method": "ngram" | "draft",
@@ -93,7 +95,8 @@ class LLM:
                  attention_impl: str = "auto", scan_layers: bool = True,
                  attention_interpret: bool = False, async_scheduling: bool = True,
                  mesh: str | None = None, quantization: str = "none",
-                 quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 quantization_group_size: int = 32, quantize_lm_head: bool = True,
+                 kv_cache_dtype: str = "auto",
                  speculative_config: dict | None = None, max_forced_drafts: int = 8,
                  enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
                  **parts):
@@ -115,6 +118,7 @@ class LLM:
             attention_interpret=attention_interpret, async_scheduling=async_scheduling,
             parallel=parallel, quantization=quantization,
             quantization_group_size=quantization_group_size,
+            quantize_lm_head=quantize_lm_head,
             speculative=speculative_config_from_dict(speculative_config),
             lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None)
         self.engine = Engine(config, **parts)

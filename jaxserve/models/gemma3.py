@@ -49,7 +49,8 @@ from flax import nnx
 from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
-                                   _param, attention_hf_params, layer_rope_tables, put_param)
+                                   _param, attention_hf_params, layer_rope_tables, lm_head,
+                                   load_tied_head, put_param)
 
 # Gemma's RMSNorm multiplies by (1 + w).
 NORM_OFFSET = 1.0
@@ -95,7 +96,8 @@ class Gemma3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", interpret=False, quantization: str = "none",
-                 quantization_group_size: int = 32, lora: LoRAConfig | None = None):
+                 quantization_group_size: int = 32, lora: LoRAConfig | None = None,
+                 quantize_lm_head: bool = True):
         if cfg.architecture != "gemma3" or not cfg.qk_norm or not cfg.tie_word_embeddings:
             raise ValueError(f"Gemma3ForCausalLM needs architecture 'gemma3' with qk_norm and "
                              f"tied embeddings, got {cfg.architecture!r} (qk_norm="
@@ -112,7 +114,8 @@ class Gemma3ForCausalLM(nnx.Module):
         self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.layer_segments = None  # set by stack.stack_layers
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype, offset=NORM_OFFSET)
-        self.lm_head = None
+        self.lm_head = lm_head(cfg, self.embed_tokens, dtype, rngs,
+                               qfmt if quantize_lm_head else None, adopt)
 
     def __call__(self, k_cache, v_cache, md: AttentionMetadata, return_hidden: bool = False):
         """Forward one step (arguments and results as ``LlamaForCausalLM.__call__``)."""
@@ -154,3 +157,4 @@ def load_params(model: Gemma3ForCausalLM, params: dict) -> None:
     """
     for name, (p, _) in hf_params(model).items():
         put_param(p, name, params)
+    load_tied_head(model, params)

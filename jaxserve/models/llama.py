@@ -381,6 +381,41 @@ def decoder_layer(layer: DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2,
             v_cache, None)
 
 
+def lm_head(cfg: ModelConfig, embed_tokens: nnx.Param, dtype, rngs,
+            qfmt: quant.TensorFormat | None, adopt: bool = False):
+    """The LM head [V, D] of a model (shared by every family).
+
+    * ``qfmt`` None (``quantization="none"``, or ``quantize_lm_head=False``):
+      None for a tied head (``logits_of`` reads ``embed_tokens``), else an
+      ``nnx.Param`` in ``dtype``.
+    * else a ``quant.QuantizedWeight`` in ``qfmt`` (``adopt``: the GGUF
+      tensor's own type). A tied head is then a second weight beside the
+      embedding, built from the same values (``load_params`` fills it from
+      ``model.embed_tokens.weight``: a GGUF's blocks as they are, a float
+      array quantized), so the lookup stays exact and the model holds both;
+      random init quantizes ``embed_tokens``' values.
+
+    Logical axes ("vocab", "embed") in every form (``QuantizedWeight``: its
+    scales ("vocab", None) per channel, ("vocab", "embed") grouped).
+    """
+    V, D = cfg.vocab_size, cfg.hidden_size
+    if qfmt is None:
+        return None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
+    if not cfg.tie_word_embeddings:
+        return quant.weight((V, D), ("vocab", "embed"), dtype, rngs, qfmt, adopt)
+    head = quant.QuantizedWeight((V, D), ("vocab", "embed"), qfmt, adopt=adopt)
+    if rngs is not None and qfmt.bits != 0:
+        head.load(np.asarray(embed_tokens.value, np.float32), "lm_head (tied, random init)")
+    return head
+
+
+def load_tied_head(model, params: dict) -> None:
+    """Fill a quantized tied head (``lm_head``) from ``params``'
+    ``model.embed_tokens.weight``; nothing for any other head."""
+    if model.cfg.tie_word_embeddings and isinstance(model.lm_head, quant.QuantizedWeight):
+        put_param(model.lm_head, "model.embed_tokens.weight", params)
+
+
 class LlamaForCausalLM(nnx.Module):
     """Llama decoder with an LM head.
 
@@ -389,8 +424,9 @@ class LlamaForCausalLM(nnx.Module):
     of the rows in ``md.logits_indices`` plus the updated caches.
 
     ``quantization`` (``EngineConfig.quantization``) makes every q/k/v/o and
-    gate/up/down weight a ``quant.QuantizedWeight`` of that method's format;
-    the embedding, norms and LM head stay ``dtype``.
+    gate/up/down weight a ``quant.QuantizedWeight`` of that method's format,
+    and the LM head too unless ``quantize_lm_head`` is False (``lm_head``);
+    the embedding and norms stay ``dtype``.
 
     ``lora`` (``EngineConfig.lora``): adapter slots beside every q/k/v/o and
     gate/up/down weight, in ``dtype`` (``jaxserve.models.lora``); None: none.
@@ -401,7 +437,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", interpret=False, quantization: str = "none",
-                 quantization_group_size: int = 32, lora: LoRAConfig | None = None):
+                 quantization_group_size: int = 32, lora: LoRAConfig | None = None,
+                 quantize_lm_head: bool = True):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
         qfmt = quant.method_format(quantization, quantization_group_size)
@@ -414,7 +451,8 @@ class LlamaForCausalLM(nnx.Module):
         self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.layer_segments = None  # set by stack.stack_layers: the scanned runs
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
+        self.lm_head = lm_head(cfg, self.embed_tokens, dtype, rngs, qfmt if quantize_lm_head
+                               else None, adopt)
 
     def __call__(self, k_cache, v_cache, md: AttentionMetadata, return_hidden: bool = False):
         """Forward one step.
@@ -441,9 +479,12 @@ class LlamaForCausalLM(nnx.Module):
     def logits_of(self, x_DR):
         """Next-token logits f32 [R, V] of last-layer outputs x [D, R] (final
         norm, then the LM head, then ``final_logit_softcapping`` if set)."""
-        head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
-        logits_RV = jnp.einsum("vd,dr->rv", head_VD, self.norm(x_DR),
-                               preferred_element_type=jnp.float32)
+        x_DR = self.norm(x_DR)
+        if isinstance(self.lm_head, quant.QuantizedWeight):
+            logits_RV = self.lm_head.matmul(x_DR).T
+        else:
+            head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
+            logits_RV = jnp.einsum("vd,dr->rv", head_VD, x_DR, preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcapping
         return logits_RV if cap is None else cap * jnp.tanh(logits_RV / cap)
 
@@ -470,9 +511,11 @@ def hf_params(model: LlamaForCausalLM) -> dict[str, tuple[nnx.Param, int | None]
 
     The None is the expert index of ``moe.hf_params`` (dense models have none);
     ``sharding.rules.hf_shardings`` turns this into one sharding per HF name.
+    A tied head has no name of its own (``load_params`` fills a quantized
+    one from the embedding: ``load_tied_head``).
     """
     out = {"model.embed_tokens.weight": model.embed_tokens, "model.norm.weight": model.norm.weight}
-    if model.lm_head is not None:
+    if not model.cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
@@ -496,6 +539,7 @@ def load_params(model: LlamaForCausalLM, params: dict) -> None:
     """
     for name, (p, _) in hf_params(model).items():
         put_param(p, name, params)
+    load_tied_head(model, params)
 
 
 def put_param(p, name: str, params: dict, arr=None) -> None:

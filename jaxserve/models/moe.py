@@ -70,7 +70,8 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
-                                   _param, attention_hf_params, layer_rope_tables, put_param)
+                                   _param, attention_hf_params, layer_rope_tables, lm_head,
+                                   load_tied_head, put_param)
 from sharding.rules import ShardingRules
 from sharding.rules import _logical_axes as logical_axes
 
@@ -301,7 +302,8 @@ class MoEForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", interpret=False, quantization: str = "none",
-                 quantization_group_size: int = 32, lora: LoRAConfig | None = None):
+                 quantization_group_size: int = 32, lora: LoRAConfig | None = None,
+                 quantize_lm_head: bool = True):
         if cfg.num_experts < 1:
             raise ValueError(f"architecture {cfg.architecture!r} needs num_experts >= 1, "
                              f"got {cfg.num_experts}")
@@ -318,8 +320,8 @@ class MoEForCausalLM(nnx.Module):
         self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.layer_segments = None  # set by stack.stack_layers
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"),
-                                                                   dtype, rngs)
+        self.lm_head = lm_head(cfg, self.embed_tokens, dtype, rngs,
+                               qfmt if quantize_lm_head else None, adopt)
 
     def __call__(self, k_cache, v_cache, md: AttentionMetadata, return_hidden: bool = False):
         """Forward one step (arguments as ``LlamaForCausalLM.__call__``).
@@ -362,7 +364,7 @@ def hf_params(model: MoEForCausalLM) -> dict[str, tuple[nnx.Param, int | None]]:
                          f"known: {sorted(HF_MOE_NAMES)}")
     out = {"model.embed_tokens.weight": (model.embed_tokens, None),
            "model.norm.weight": (model.norm.weight, None)}
-    if model.lm_head is not None:
+    if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (model.lm_head, None)
     router_name, *expert_names = HF_MOE_NAMES[cfg.architecture]
     for i, layer in enumerate(model.layers):
@@ -398,6 +400,7 @@ def load_params(model: MoEForCausalLM, params: dict) -> None:
         stacks.setdefault(id(p), (p, name, []))[2].append(params[name])
     for p, name, arrs in stacks.values():
         put_param(p, f"{name} (stacked over experts)", params, _stack(arrs))
+    load_tied_head(model, params)
 
 
 def _stack(arrs):

@@ -84,6 +84,10 @@ fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
 Grouped scales and zero points are stored in f16, as ggml stores them
 (exact for its blocks; int4 is then 4 + 32/32 = 5 bits per weight).
 
+The LM head [V, D] takes the method's format too (``llama.lm_head``;
+``EngineConfig.quantize_lm_head``), read like any projection; ``is_projection``
+leaves it out because a tied head has no tensor name of its own.
+
 Sharding: ``q`` carries the weight's logical axis names; ``scale`` and
 ``zero`` carry the output axis and, when grouped, the input axis (their G
 dim splits like D, so ``tp`` must divide G); per-channel scales have one
