@@ -143,7 +143,7 @@ def tiny_params():
 
 
 @needs_kernel
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["none", "int8", "int4"])
 def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_params, method):
     traced = []  # (kind, M) of every kernel call traced into the steps
 
@@ -152,8 +152,43 @@ def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_pa
         return True
     monkeypatch.setattr(qmm, "use_kernel", use_kernel)
     with_kernel = _greedy(_llm(tiny_params, quantization=method))
-    assert {k for k, _ in traced} == {"int8" if method == "int8" else "q4g"}
+    # f32: the scanned layer's projections read in place by the dense target.
+    assert {k for k, _ in traced} == {{"none": "f32", "int8": "int8", "int4": "q4g"}[method]}
     assert 1 in {m for _, m in traced} and max(m for _, m in traced) > 1  # decode and prefill
     monkeypatch.setattr(qmm, "available", lambda: False)
     fallback = _greedy(_llm(tiny_params, quantization=method))
     assert with_kernel == fallback
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [None, quant.INT8, quant.W8A8, quant.Q8_0, quant.Q4])
+def test_stacked_parts_are_read_at_the_layer(fmt):
+    """A weight stacked over 3 layers with a layer index gives exactly the
+    2-D call on that layer's slice (the kernel offsets its pointers), inside
+    a scan as ``stack.run_layers`` runs it; an index outside [0, L) is an error."""
+    rng = np.random.default_rng(3)
+    L, F, D, M = 3, 37, 96, 2
+    ws = rng.standard_normal((L, F, D)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((D, M)).astype(np.float32))
+    if fmt is None:
+        parts = [jnp.asarray(ws)]
+        call = lambda *a, layer=None: qmm.f32_matmul(*a, layer=layer)  # noqa: E731
+    else:
+        qts = [quant.quantize_np(w, fmt) for w in ws]
+        parts = [jnp.asarray(np.stack([getattr(t, n) for t in qts]))
+                 for n in ("q", "scale", "zero") if getattr(qts[0], n) is not None]
+        if fmt.act_int8:
+            xq, sx = quant._quantize_act(x)
+            call = lambda q, s, x_, layer=None: qmm.w8a8_matmul(q, s, xq, sx, layer=layer)  # noqa: E731
+        else:
+            call = {8: qmm.int8_matmul if fmt.group_size is None else qmm.q8g_matmul,
+                    4: qmm.q4g_matmul}[fmt.bits]
+
+    def body(c, i):
+        return c, call(*parts, x, layer=i)
+    _, stacked_LFM = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(L, dtype=jnp.int32)))()
+    for i in range(L):
+        alone = call(*[p[i] for p in parts], x)
+        np.testing.assert_array_equal(np.asarray(stacked_LFM[i]), np.asarray(alone))
+    with pytest.raises(Exception, match="layer must be a scalar in"):
+        np.asarray(call(*parts, x, layer=jnp.int32(L)))

@@ -9,7 +9,9 @@ find it: on the dev machine (2-core AVX-512/AMX Xeon) 2.7 s of tracing and
 argument/result pytree structures) under a key computed without tracing:
 
 * a **fingerprint** of everything that shapes the programs: the source of
-  ``jaxserve``, ``pallas_kernels`` and ``sharding``; jax and jaxlib versions,
+  ``jaxserve``, ``pallas_kernels`` and ``sharding``; whether the CPU kernel
+  library is in use and its bytes (``kernel_digest``: its programs call it,
+  and ``JAXSERVE_CPU_KERNELS=0`` builds others); jax and jaxlib versions,
   ``XLA_FLAGS`` and the x64 / matmul-precision settings; the backend, its
   devices and the mesh; and what the caller adds (the runner's model
   graph, parameter and cache shapes, dtypes and shardings, limits);
@@ -69,13 +71,29 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=2)
+def _file_digest(path: str, mtime_ns: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def kernel_digest() -> str:
+    """``"xla"`` when the CPU kernel library is not in use (not built, not
+    loadable, or ``JAXSERVE_CPU_KERNELS=0``), else a digest of its bytes."""
+    from pallas_kernels import quant_matmul_cpu
+    path = quant_matmul_cpu.library_path()
+    if path is None or not quant_matmul_cpu.available():
+        return "xla"
+    return _file_digest(path, os.stat(path).st_mtime_ns)
+
+
 def fingerprint(*parts) -> str:
     """A hex digest of ``parts`` (their ``repr``) and of the process's
     program-shaping state (``source_digest``, versions, flags, devices)."""
     import jax
     import jaxlib
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
-    env = (source_digest(), jax.__version__, jaxlib.__version__,
+    env = (source_digest(), kernel_digest(), jax.__version__, jaxlib.__version__,
            os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64,
            str(jax.config.jax_default_matmul_precision), jax.default_backend(), devices)
     return hashlib.sha256(repr((env, parts)).encode()).hexdigest()[:32]
