@@ -83,22 +83,6 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _online_update(carry, s_XKGC, mask_XC, v_XCKH):
-    """One online-softmax step of decode rows over a block of C keys.
-
-    carry: (m [X, K, G], l [X, K, G], acc [X, K, G, H]) f32, X rows;
-    s: [X, K, G, C] scaled (and capped) scores; mask: [X, C] visible keys;
-    v: [X, C, K, H] each row's values, zero where the row may not see them."""
-    m_old, l_old, acc_old = carry
-    s_XKGC = jnp.where(mask_XC[:, None, None, :], s_XKGC, _MASK_VALUE)
-    m_new = jnp.maximum(m_old, s_XKGC.max(axis=-1))
-    p_XKGC = jnp.where(mask_XC[:, None, None, :], jnp.exp(s_XKGC - m_new[..., None]), 0.0)
-    alpha = jnp.exp(m_old - m_new)
-    l_new = alpha * l_old + p_XKGC.sum(axis=-1)
-    acc_new = alpha[..., None] * acc_old + jnp.einsum("xkgc,xckh->xkgh", p_XKGC, v_XCKH)
-    return m_new, l_new, acc_new
-
-
 def _online_update_kmajor(carry, s_KXC, mask_XC, v_KCH):
     """``_online_update`` for a prefill tile in kv-head-major layout: X = Q * G
     query rows per kv head; carry (m [K, X], l [K, X], acc [K, X, H]); s
@@ -125,23 +109,35 @@ def _gather_block(pages_PLKH, page_ids_XB, scales_PLK=None):
     """[X, B] page ids -> [X, B * L, K, H] f32 (one block of pages per row),
     dequantized by ``scales_PLK`` f32[P, L, K] when given."""
     X, B = page_ids_XB.shape
-    _, L, K, H = pages_PLKH.shape
-    scales = None if scales_PLK is None else scales_PLK[page_ids_XB]
-    return dequantize(pages_PLKH[page_ids_XB], scales).reshape(X, B * L, K, H)
+    P, L, K, H = pages_PLKH.shape
+    # Whole pages as rows of a 2-D [P, L * K * H] array: XLA:CPU copies each
+    # page as one contiguous run, twice as fast as the 4-D gather (measured).
+    scales = None if scales_PLK is None else \
+        scales_PLK.reshape(P, L * K)[page_ids_XB].reshape(X, B, L, K)
+    pages_XBLKH = pages_PLKH.reshape(P, L * K * H)[page_ids_XB].reshape(X, B, L, K, H)
+    return dequantize(pages_XBLKH, scales).reshape(X, B * L, K, H)
 
 
 def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
-                 kv_lens_S, page_indices_SP, num_decode, *, sm_scale, sliding_window, soft_cap, pages_per_block,
-                 rows_per_block):
-    """Attend rows 0 .. num_decode - 1 (one query token each) into ``out``."""
+                 kv_lens_S, page_indices_SP, num_decode, *, sm_scale, sliding_window, soft_cap,
+                 pages_per_block, rows_per_block):
+    """Attend rows 0 .. num_decode - 1 (one query token each) into ``out``.
+
+    Each row's page block is one [C, K * H] matrix (D = K * H), used as
+    gathered: scores are ``k_RCD @ qbd_RDX`` against block-diagonal queries
+    [D, X = K * G] (query head (k, g) has row k's H entries, zeros elsewhere),
+    and values ``p_RCX^T @ v_RCD`` -> [X, D], whose diagonal blocks are the
+    output. K times the flops of per-head products, but plain batched
+    matmuls over the pages as laid out, no transpose or M = G batched dots."""
     T, K, G, H = q_TKGH.shape
     S, maxp = page_indices_SP.shape
     L = k_pages_PLKH.shape[1]
     R = min(rows_per_block, S, T)
     ppb = min(pages_per_block, maxp)
-    C = ppb * L
+    C, D, X = ppb * L, K * H, K * G
     pad = _cdiv(maxp, ppb) * ppb - maxp  # so every block's slice stays in range
     page_indices_SP = jnp.pad(page_indices_SP, ((0, 0), (0, pad)))
+    eye_KK = jnp.eye(K, dtype=jnp.float32)
 
     def row_block(c, out_TKGH):
         start = jnp.minimum(c * R, min(S, T) - R)
@@ -150,6 +146,7 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
         kv_len_R = jnp.where(own_R, jax.lax.dynamic_slice(kv_lens_S, (start,), (R,)), 0)
         q_RKGH = jax.lax.dynamic_slice(q_TKGH, (start, 0, 0, 0), (R, K, G, H)).astype(
             jnp.float32) * sm_scale
+        qbd_RDX = jnp.einsum("rkgh,kj->rkhjg", q_RKGH, eye_KK).reshape(R, D, X)
         pages_RP = jax.lax.dynamic_slice(page_indices_SP, (start, 0), (R, page_indices_SP.shape[1]))
         q_pos_R = kv_len_R - 1
         lo_R = jnp.zeros_like(kv_len_R) if sliding_window is None else \
@@ -159,21 +156,29 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
         first_blk, last_blk = lo // C, _cdiv(hi, C)
 
         def kv_block(state):
-            b, carry = state
+            b, (m_RX, l_RX, acc_RXD) = state
             ids_RB = jax.lax.dynamic_slice(pages_RP, (0, b * ppb), (R, ppb))
             kv_pos_C = b * C + jnp.arange(C)
-            mask_RC = (kv_pos_C[None, :] < kv_len_R[:, None]) & (kv_pos_C[None, :] >= lo_R[:, None])
-            k_RCKH = _gather_block(k_pages_PLKH, ids_RB, k_scales_PLK)
-            v_RCKH = jnp.where(mask_RC[:, :, None, None],
-                               _gather_block(v_pages_PLKH, ids_RB, v_scales_PLK), 0.0)
-            s_RKGC = _cap(jnp.einsum("rkgh,rckh->rkgc", q_RKGH, k_RCKH), soft_cap)
-            return b + 1, _online_update(carry, s_RKGC, mask_RC, v_RCKH)
+            mask_RC1 = ((kv_pos_C[None, :] < kv_len_R[:, None])
+                        & (kv_pos_C[None, :] >= lo_R[:, None]))[:, :, None]
+            k_RCD = _gather_block(k_pages_PLKH, ids_RB, k_scales_PLK).reshape(R, C, D)
+            v_RCD = jnp.where(mask_RC1, _gather_block(v_pages_PLKH, ids_RB, v_scales_PLK)
+                              .reshape(R, C, D), 0.0)
+            s_RCX = jax.lax.dot_general(k_RCD, qbd_RDX, (((2,), (1,)), ((0,), (0,))))
+            s_RCX = jnp.where(mask_RC1, _cap(s_RCX, soft_cap), _MASK_VALUE)
+            m_new = jnp.maximum(m_RX, s_RCX.max(axis=1))
+            p_RCX = jnp.where(mask_RC1, jnp.exp(s_RCX - m_new[:, None, :]), 0.0)
+            alpha = jnp.exp(m_RX - m_new)
+            pv_RXD = jax.lax.dot_general(p_RCX, v_RCD, (((1,), (1,)), ((0,), (0,))))
+            return b + 1, (m_new, alpha * l_RX + p_RCX.sum(axis=1),
+                           alpha[..., None] * acc_RXD + pv_RXD)
 
-        init = (jnp.full((R, K, G), _MASK_VALUE, jnp.float32), jnp.zeros((R, K, G), jnp.float32),
-                jnp.zeros((R, K, G, H), jnp.float32))
-        _, (_, l_RKG, acc_RKGH) = jax.lax.while_loop(
+        init = (jnp.full((R, X), _MASK_VALUE, jnp.float32), jnp.zeros((R, X), jnp.float32),
+                jnp.zeros((R, X, D), jnp.float32))
+        _, (_, l_RX, acc_RXD) = jax.lax.while_loop(
             lambda st: st[0] < last_blk, kv_block, (first_blk, init))
-        o_RKGH = _finish(l_RKG, acc_RKGH)
+        acc_RKGH = jnp.einsum("rkgjh,kj->rkgh", acc_RXD.reshape(R, K, G, K, H), eye_KK)
+        o_RKGH = _finish(l_RX.reshape(R, K, G), acc_RKGH)
         old_RKGH = jax.lax.dynamic_slice(out_TKGH, (start, 0, 0, 0), (R, K, G, H))
         new_RKGH = jnp.where(own_R[:, None, None, None], o_RKGH, old_RKGH)
         return jax.lax.dynamic_update_slice(out_TKGH, new_RKGH, (start, 0, 0, 0))
@@ -187,8 +192,8 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
 
 
 def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
-                  kv_lens_S, page_indices_SP, cu_q_lens_S1, first_seq, num_seqs, *, sm_scale, sliding_window, soft_cap,
-                  pages_per_block, q_block):
+                  kv_lens_S, page_indices_SP, cu_q_lens_S1, first_seq, num_seqs, *, sm_scale,
+                  sliding_window, soft_cap, pages_per_block, q_block):
     """Attend sequences first_seq .. num_seqs - 1 (ragged query lengths) into ``out``."""
     T, K, G, H = q_TKGH.shape
     S, maxp = page_indices_SP.shape
