@@ -20,12 +20,17 @@ rows and kv lengths, not the padded shape:
 * **decode rows** go in blocks of ``R = min(8, S, T)`` rows, a
   ``while_loop`` over ``ceil(num_decode / R)`` blocks; each block loops over
   page blocks from the first one any of its rows can see (sliding window)
-  to the last one any of them holds, gathering ``[R, C, K, H]`` K and V per
+  to the last one any of them holds, gathering ``[R, C, K * H]`` K and V per
   iteration and merging it into a running max / sum / accumulator (the
   online softmax of Milakov & Gimelshein 2018, as flash-decoding splits the
   keys: Dao et al. 2023). Rows past ``num_decode`` and pages past a block's
   longest row are never read; nothing of size rows x pages x page size
-  exists. Rows of one block whose kv lengths differ are masked.
+  exists. Rows of one block whose kv lengths differ are masked. The block is
+  used as gathered, one [C, K * H] matrix per row: scores against
+  block-diagonal queries [K * H, K * G] (zeros outside each query head's own
+  kv head) and values as ``p^T @ v`` -> [K * G, K * H], whose diagonal
+  blocks are the output: K times the flops of per-head products, but two
+  plain batched matmuls with no transpose of the block (measured below).
 * **prefill sequences** go one at a time (a ``while_loop`` over the real
   ones); each in query blocks of ``Q`` tokens (``q_block``, clamped to T),
   and each query block over the page blocks its queries can see: causal
@@ -48,22 +53,50 @@ Prefill tiles are computed kv-head-major, ``[K, Q * G, H]`` queries against
 XLA:CPU as the token-major einsum (measured below).
 
 Block sizes are static: ``pages_per_block`` (default 16: 256 kv positions at
-L = 16) and ``q_block`` (default 256, clamped to T). Measured on the 2-core
-AMD EPYC dev machine (AVX-512 F/BW/VL/VNNI/BF16) with SmolLM2's heads (N 9,
-K 3, H 64, L 16), one layer, jax 0.10.2:
+L = 16), ``q_block`` (default 256, clamped to T) and ``rows_per_block``
+(default 8). Pages are gathered as rows of a 2-D [P, L * K * H] view of the
+cache: XLA:CPU copies each page as one run, ~2x the 4-D gather's rate
+(8-11 against 4-5 GB/s of gathered bytes on the Xeon below).
 
-* prefill of one 940-token sequence (T 1024): 14.8 ms with (Q 256, 16 pages),
-  15.6 (128, 16), 19.4 (128, 8), 22.0 (256, 32); the token-major einsum
-  tiles took 26.5 ms at best and the dense gather-everything XLA path before
-  this one ~20 ms.
-* decode: the dense path gathered every row's pages, padding rows included,
-  into a [B, S] copy (33 ms at B 32 x 1,024 context, 62 ms at B 64); this
-  one reads only real rows and pages (15 ms and 19 ms). Each decode block
-  still makes about five passes over its K/V at ~5-10 GB/s (two gathers,
-  two batched dots with M = G = 3, the masked V), which no einsum order,
-  ``dot_general`` layout or XLA:CPU flag tried (xnnpack, 512-bit vectors,
-  fast math) improved by more than noise: decode attention costs ~5x its
-  bytes at the machine's matvec bandwidth.
+Prefill, measured on the 2-core AMD EPYC dev machine (AVX-512 F/BW/VL/VNNI/
+BF16) with SmolLM2's heads (N 9, K 3, H 64, L 16), one layer, jax 0.10.2:
+one 940-token sequence (T 1024) took 14.8 ms with (Q 256, 16 pages), 15.6
+(128, 16), 19.4 (128, 8), 22.0 (256, 32); the token-major einsum tiles took
+26.5 ms at best and the dense gather-everything XLA path before this one
+~20 ms. (The 2-D gather left it unchanged within noise on the Xeon: 41.9 ms
+before, 42.1 after, medians of 10 alternated pairs on the loaded box.)
+
+Decode (``python -m pallas_kernels.bench --decode-cpu``, old and new
+alternated in one process, 3 x median of 5 calls each): an Intel Xeon (AVX-512
+F/BW/VL/VNNI/BF16/FP16, AMX), 2 cores, loaded by other jobs (load average
+~10), where a large f32 matvec ([8192, 8192] @ [8192]) read 6-14 GB/s in the
+same processes. GB/s of K/V bytes read (int8 counts its f32 scales), per-head
+batched dots (before) -> block-diagonal matmuls and the 2-D gather (after),
+two runs:
+
+  ====  =====  =====  ==================  ==================
+  KV    rows   ctx    run 1 before/after  run 2 before/after
+  ====  =====  =====  ==================  ==================
+  f32   1      256    2.3 / 2.9           2.8 / 3.5
+  f32   1      4096   3.6 / 4.9           1.3 / 3.1
+  f32   8      1024   1.6 / 3.6           4.8 / 5.1
+  f32   8      4096   1.2 / 1.7           2.2 / 4.1
+  f32   32     1024   2.4 / 2.1           1.2 / 1.8
+  f32   32     4096   1.6 / 1.8           1.3 / 2.2
+  int8  1      4096   1.1 / 1.9           0.6 / 1.2
+  int8  8      4096   1.0 / 1.2           0.5 / 0.7
+  int8  32     4096   0.8 / 0.6           0.5 / 0.5
+  ====  =====  =====  ==================  ==================
+
+1.03-3.0x faster in 34 of the 36 alternated pairs, but still 2-10x below the
+matvec: each page block is gathered (written) and then read by the matmuls,
+and XLA:CPU leaves the values product a plain dot while the scores run as an
+XNNPACK (``ynn``) fusion. Tried and not kept (no gain beyond noise on the loaded box): 64- or
+256-page decode blocks, one row per block, K-head-major [R * K, G, H] x
+[R * K, H, C] batched dots with the block transposed in the gather, scores
+computed [X, C] so that the values product is a plain NN matmul, and
+split-K (the page range's two halves as independent loops, merged: no core
+was free for the second).
 """
 
 from __future__ import annotations
