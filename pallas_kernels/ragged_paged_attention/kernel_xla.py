@@ -89,12 +89,17 @@ two runs:
   ====  =====  =====  ==================  ==================
 
 1.03-3.0x faster in 34 of the 36 alternated pairs, but still 2-10x below the
-matvec: each page block is gathered (written) and then read by the matmuls,
-and XLA:CPU leaves the values product a plain dot while the scores run as an
-XNNPACK (``ynn``) fusion. Tried and not kept (no gain beyond noise on the loaded box): 64- or
-256-page decode blocks, one row per block, K-head-major [R * K, G, H] x
-[R * K, H, C] batched dots with the block transposed in the gather, scores
-computed [X, C] so that the values product is a plain NN matmul, and
+matvec. Counted in process CPU time (steadier than wall time on the loaded
+box) every block size tried (4-64 pages x 1-8 rows) reads ~3 GB/s per CPU
+second, against ~14 for the matvec, and the parts add up to that: out of
+cache the 2-D page gather copies ~5.5 GB/s, the [C, K * H] x [K * H, K * G]
+scores read 7.2 GB/s and the ``p^T @ v`` product 10.9 GB/s, where a plain
+sum reads 20: the floor of a gather-then-matmul on XLA:CPU, short of a
+kernel that reads pages in place. Tried and not kept (no gain beyond noise
+on the loaded box): 64- or 256-page decode blocks, one row per block,
+K-head-major [R * K, G, H] x [R * K, H, C] batched dots with the block
+transposed in the gather, scores computed [X, C] so that the values product
+is an NN matmul (both dots then XNNPACK fusions; 3-11% more CPU time), and
 split-K (the page range's two halves as independent loops, merged: no core
 was free for the second).
 """
