@@ -99,8 +99,10 @@ kernel that reads pages in place. Tried and not kept (no gain beyond noise
 on the loaded box): 64- or 256-page decode blocks, one row per block,
 K-head-major [R * K, G, H] x [R * K, H, C] batched dots with the block
 transposed in the gather, scores computed [X, C] so that the values product
-is an NN matmul (both dots then XNNPACK fusions; 3-11% more CPU time), and
-split-K (the page range's two halves as independent loops, merged: no core
+is an NN matmul (both dots then XNNPACK fusions; 3-11% more CPU time),
+int8 pages left int8 in the gather with their scales applied to the scores
+and probabilities instead (the same CPU time: XLA fuses the convert into the
+gather either way), and split-K (the page range's two halves as independent loops, merged: no core
 was free for the second).
 """
 
