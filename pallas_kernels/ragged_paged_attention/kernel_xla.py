@@ -96,14 +96,15 @@ cache the 2-D page gather copies ~5.5 GB/s, the [C, K * H] x [K * H, K * G]
 scores read 7.2 GB/s and the ``p^T @ v`` product 10.9 GB/s, where a plain
 sum reads 20: the floor of a gather-then-matmul on XLA:CPU, short of a
 kernel that reads pages in place. Tried and not kept (no gain beyond noise
-on the loaded box): 64- or 256-page decode blocks, one row per block,
-K-head-major [R * K, G, H] x [R * K, H, C] batched dots with the block
-transposed in the gather, scores computed [X, C] so that the values product
-is an NN matmul (both dots then XNNPACK fusions; 3-11% more CPU time),
-int8 pages left int8 in the gather with their scales applied to the scores
-and probabilities instead (the same CPU time: XLA fuses the convert into the
-gather either way), and split-K (the page range's two halves as independent loops, merged: no core
-was free for the second).
+on the loaded box, or a loss): 64- or 256-page decode blocks, one row per
+block, K-head-major [R * K, G, H] x [R * K, H, C] batched dots with the
+block transposed in the gather (12-35% more CPU time than block-diagonal),
+scores computed [X, C] so that the values product is an NN matmul (both
+dots then XNNPACK fusions; 3-11% more CPU time), int8 pages left int8 in
+the gather with their scales applied to the scores and probabilities
+instead (the same CPU time: XLA fuses the convert into the gather either
+way), and split-K (the page range's two halves as independent loops,
+merged: no core was free for the second).
 """
 
 from __future__ import annotations
