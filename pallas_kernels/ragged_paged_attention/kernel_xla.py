@@ -66,32 +66,43 @@ one 940-token sequence (T 1024) took 14.8 ms with (Q 256, 16 pages), 15.6
 ~20 ms. (The 2-D gather left it unchanged within noise on the Xeon: 41.9 ms
 before, 42.1 after, medians of 10 alternated pairs on the loaded box.)
 
-Decode (``python -m pallas_kernels.bench --decode-cpu``, old and new
-alternated in one process, 3 x median of 5 calls each): an Intel Xeon (AVX-512
-F/BW/VL/VNNI/BF16/FP16, AMX), 2 cores, loaded by other jobs (load average
-~10), where a large f32 matvec ([8192, 8192] @ [8192]) read 6-14 GB/s in the
-same processes. GB/s of K/V bytes read (int8 counts its f32 scales), per-head
-batched dots (before) -> block-diagonal matmuls and the 2-D gather (after),
-two runs:
+Decode (``python -m pallas_kernels.bench --decode-cpu`` times the current
+code; before and after were alternated in one process, 15 pairs per case):
+an Intel Xeon (AVX-512 F/BW/VL/VNNI/BF16/FP16, AMX), 2 cores, loaded by
+other jobs (load average ~10), where a large f32 matvec ([8192, 8192] @
+[8192]) read 6.7-8.4 GB/s of wall time in the same process and ~14 GB/s per
+CPU second. GB/s of K/V bytes read (int8 counts its f32 scales) per wall
+second and per process CPU second (steadier on a loaded box), per-head
+batched dots (before) -> block-diagonal matmuls and the 2-D gather (after):
 
-  ====  =====  =====  ==================  ==================
-  KV    rows   ctx    run 1 before/after  run 2 before/after
-  ====  =====  =====  ==================  ==================
-  f32   1      256    2.3 / 2.9           2.8 / 3.5
-  f32   1      4096   3.6 / 4.9           1.3 / 3.1
-  f32   8      1024   1.6 / 3.6           4.8 / 5.1
-  f32   8      4096   1.2 / 1.7           2.2 / 4.1
-  f32   32     1024   2.4 / 2.1           1.2 / 1.8
-  f32   32     4096   1.6 / 1.8           1.3 / 2.2
-  int8  1      4096   1.1 / 1.9           0.6 / 1.2
-  int8  8      4096   1.0 / 1.2           0.5 / 0.7
-  int8  32     4096   0.8 / 0.6           0.5 / 0.5
-  ====  =====  =====  ==================  ==================
+  ====  ====  ====  ===============  ===============  ===========
+  KV    rows  ctx   wall before/aft  CPU before/after  CPU speedup
+  ====  ====  ====  ===============  ===============  ===========
+  f32   1     256   2.4 / 2.9        2.4 / 2.9        1.22
+  f32   1     1024  2.1 / 0.9        2.1 / 2.3        1.09
+  f32   1     4096  2.7 / 3.1        3.0 / 3.4        1.13
+  f32   8     256   2.4 / 3.3        2.1 / 2.5        1.20
+  f32   8     1024  1.5 / 2.0        2.8 / 3.9        1.41
+  f32   8     4096  1.4 / 2.1        2.2 / 3.2        1.46
+  f32   32    256   1.2 / 1.6        2.3 / 3.1        1.33
+  f32   32    1024  1.1 / 1.8        2.4 / 3.5        1.48
+  f32   32    4096  1.2 / 1.7        2.3 / 3.3        1.43
+  int8  1     256   0.6 / 0.6        0.5 / 0.4        0.80
+  int8  1     1024  0.9 / 1.1        0.8 / 0.9        1.16
+  int8  1     4096  1.2 / 1.2        1.1 / 1.0        0.92
+  int8  8     256   0.9 / 0.9        0.7 / 0.7        1.08
+  int8  8     1024  1.1 / 1.2        1.0 / 1.1        1.12
+  int8  8     4096  0.5 / 0.6        1.0 / 1.2        1.15
+  int8  32    256   1.0 / 1.1        0.9 / 1.0        1.14
+  int8  32    1024  0.5 / 0.6        1.0 / 1.1        1.16
+  int8  32    4096  0.6 / 0.7        1.0 / 1.1        1.10
+  ====  ====  ====  ===============  ===============  ===========
 
-1.03-3.0x faster in 34 of the 36 alternated pairs, but still 2-10x below the
-matvec. Counted in process CPU time (steadier than wall time on the loaded
-box) every block size tried (4-64 pages x 1-8 rows) reads ~3 GB/s per CPU
-second, against ~14 for the matvec, and the parts add up to that: out of
+f32 takes 1.1-1.5x less CPU time (two earlier wall-time runs: 1.03-3.0x in
+34 of 36 alternated pairs), int8 about 1.1x (0.8-0.9x at one row of 256 and
+4,096 positions), and both stay far below the matvec: in CPU time every f32
+block size tried (4-64 pages x 1-8 rows) reads ~3 GB/s per CPU second
+against the matvec's ~14, and the parts add up to that: out of
 cache the 2-D page gather copies ~5.5 GB/s, the [C, K * H] x [K * H, K * G]
 scores read 7.2 GB/s and the ``p^T @ v`` product 10.9 GB/s, where a plain
 sum reads 20: the floor of a gather-then-matmul on XLA:CPU, short of a
