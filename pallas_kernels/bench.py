@@ -26,7 +26,9 @@ int8 KV (int8 with f32 per-token scales, which it counts as bytes read), batch
 rows 1, 8, 32 x context 256, 1,024, 4,096: ms per layer call (median of
 ``--iters``), K/V bytes read, GB/s, and the same process's limit, the
 bandwidth of a large f32 matvec ([8192, 8192] @ [8192], 268 MB of matrix,
-timed before and after the cases; the table uses the better of the two).
+timed before and after the cases; the table uses the first), each also per
+process CPU second (all threads), which moves less than wall time when
+other jobs load the machine.
 Pages are drawn in random order, as a long-running cache holds them.
 """
 
@@ -72,26 +74,43 @@ def matmul_ceiling_tflops(n: int, iters: int) -> float:
     return 2 * n ** 3 / median_time(f, a, a, iters=iters) / 1e12
 
 
-def matvec_gbs(n: int, iters: int) -> float:
-    """Bandwidth of an f32 [n, n] @ [n] matvec (the matrix's bytes / time), GB/s."""
+def median_cpu_time(fn, *args, iters: int, **kwargs) -> float:
+    """Median process CPU time (all threads) of ``fn(*args, **kwargs)`` over
+    ``iters`` calls after one untimed one, in seconds: steadier than wall
+    time on a machine other jobs load."""
+    jax.block_until_ready(fn(*args, **kwargs))
+    times = []
+    for _ in range(iters):
+        t0 = time.process_time()
+        jax.block_until_ready(fn(*args, **kwargs))
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def matvec_gbs(n: int, iters: int) -> tuple[float, float]:
+    """Bandwidth of an f32 [n, n] @ [n] matvec (the matrix's bytes / time),
+    GB/s per wall second and per process CPU second."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
     x = jnp.ones((n,), jnp.float32)
-    return 4 * n * n / median_time(jax.jit(jnp.matmul), a, x, iters=iters) / 1e9
+    f = jax.jit(jnp.matmul)
+    return (4 * n * n / median_time(f, a, x, iters=iters) / 1e9,
+            4 * n * n / median_cpu_time(f, a, x, iters=iters) / 1e9)
 
 
 def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                dtypes=("f32", "int8")) -> list[dict]:
     """The ``--decode-cpu`` table (module docstring); returns its rows as dicts
-    (dtype, batch, ctx, ms, bytes, gbs) after printing them."""
+    (dtype, batch, ctx, ms, cpu_ms, bytes, gbs, cpu_gbs) after printing them."""
     from pallas_kernels.ragged_paged_attention import kernel_xla, quant
 
     N, K, H, L = 9, 3, 64, 16
     rng = np.random.default_rng(0)
-    limit = matvec_gbs(8192, iters)
+    limit, cpu_limit = matvec_gbs(8192, iters)
     print(f"device: {jax.devices()[0].device_kind}; f32 matvec [8192, 8192] @ [8192]: "
-          f"{limit:.1f} GB/s; heads {N}/{K}, head dim {H}, page {L}")
+          f"{limit:.1f} GB/s, {cpu_limit:.1f} GB/s per CPU second; heads {N}/{K}, head dim "
+          f"{H}, page {L}")
     print(f"{'kv':<5} {'batch':>5} {'ctx':>6} {'ms':>8} {'MB read':>8} {'GB/s':>6} "
-          f"{'of matvec':>9}")
+          f"{'of matvec':>9} {'CPU ms':>8} {'GB/s CPU':>8} {'of matvec':>9}")
     rows = []
     for dt in dtypes:
         for batch in batches:
@@ -109,13 +128,15 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                 f = jax.jit(lambda *a, **k: kernel_xla.ragged_paged_attention(
                     *a, sm_scale=H ** -0.5, decode_only=True, **k))
                 t = median_time(f, q, kp, vp, kv_lens, pi, cu, ns, ns, iters=iters, **kw)
-                gbs = nbytes / t / 1e9
-                rows.append(dict(dtype=dt, batch=batch, ctx=ctx, ms=t * 1e3, bytes=nbytes,
-                                 gbs=gbs))
+                c = median_cpu_time(f, q, kp, vp, kv_lens, pi, cu, ns, ns, iters=iters, **kw)
+                gbs, cpu_gbs = nbytes / t / 1e9, nbytes / c / 1e9
+                rows.append(dict(dtype=dt, batch=batch, ctx=ctx, ms=t * 1e3, cpu_ms=c * 1e3,
+                                 bytes=nbytes, gbs=gbs, cpu_gbs=cpu_gbs))
                 print(f"{dt:<5} {batch:>5} {ctx:>6} {t * 1e3:>8.3f} {nbytes / 1e6:>8.2f} "
-                      f"{gbs:>6.1f} {gbs / limit:>9.0%}", flush=True)
-    limit2 = matvec_gbs(8192, iters)
-    print(f"f32 matvec after the cases: {limit2:.1f} GB/s")
+                      f"{gbs:>6.1f} {gbs / limit:>9.0%} {c * 1e3:>8.3f} {cpu_gbs:>8.1f} "
+                      f"{cpu_gbs / cpu_limit:>9.0%}", flush=True)
+    limit2, cpu_limit2 = matvec_gbs(8192, iters)
+    print(f"f32 matvec after the cases: {limit2:.1f} GB/s, {cpu_limit2:.1f} GB/s per CPU second")
     return rows
 
 

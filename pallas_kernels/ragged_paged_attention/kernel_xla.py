@@ -98,6 +98,10 @@ batched dots (before) -> block-diagonal matmuls and the 2-D gather (after):
   int8  32    4096  0.6 / 0.7        1.0 / 1.1        1.10
   ====  ====  ====  ===============  ===============  ===========
 
+The bench's own runs: before, f32 2.2-3.1 GB/s and int8 0.7-1.4 with the
+matvec at 13.9 then 9.2 GB/s; after, on a quieter box (matvec 14.8), f32
+2.6-4.2 (17-29% of it) and int8 0.9-1.4 (6-10%).
+
 f32 takes 1.1-1.5x less CPU time (two earlier wall-time runs: 1.03-3.0x in
 34 of 36 alternated pairs), int8 about 1.1x (0.8-0.9x at one row of 256 and
 4,096 positions), and both stay far below the matvec: in CPU time every f32
