@@ -119,7 +119,8 @@ dots then XNNPACK fusions; 3-11% more CPU time), int8 pages left int8 in
 the gather with their scales applied to the scores and probabilities
 instead (the same CPU time: XLA fuses the convert into the gather either
 way), and split-K (the page range's two halves as independent loops,
-merged: no core was free for the second).
+merged: wall time equals CPU time, so XLA:CPU ran the halves one after the
+other, as it runs the matvec on one thread; no gain on a quiet box either).
 """
 
 from __future__ import annotations
