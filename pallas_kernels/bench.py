@@ -18,6 +18,18 @@ one H200.
 On CPU, ``--smoke`` runs tiny shapes with ``interpret=True`` (to check the
 script, not to measure anything); without it the script says there is no GPU
 and exits.
+
+``--decode-cpu`` (any backend, meant for XLA:CPU) times the XLA lowering
+(``kernel_xla``, ``decode_only``: the engine's ``decode_step`` program) on
+decode rows with SmolLM2-135M's heads (N 9, K 3, H 64, page size 16), f32 and
+int8 KV (int8 with f32 per-token scales, which it counts as bytes read), batch
+rows 1, 8, 32 x context 256, 1,024, 4,096: ms per layer call (median of
+``--iters``), K/V bytes read, GB/s, and the same process's limit, the
+bandwidth of a large f32 matvec ([8192, 8192] @ [8192], 268 MB of matrix,
+timed before and after the cases; the table uses the first), each also per
+process CPU second (all threads), which moves less than wall time when
+other jobs load the machine.
+Pages are drawn in random order, as a long-running cache holds them.
 """
 
 from __future__ import annotations
@@ -34,15 +46,16 @@ import numpy as np
 from pallas_kernels.ragged_paged_attention import kernel, reference
 
 
-def median_time(fn, *args, iters: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn(*args)`` over ``iters`` calls after ``warmup``
-    untimed ones, in seconds (each call waited for with ``block_until_ready``)."""
+def median_time(fn, *args, iters: int, warmup: int = 2, **kwargs) -> float:
+    """Median wall time of ``fn(*args, **kwargs)`` over ``iters`` calls after
+    ``warmup`` untimed ones, in seconds (each call waited for with
+    ``block_until_ready``)."""
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args, **kwargs))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args, **kwargs))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -59,6 +72,72 @@ def matmul_ceiling_tflops(n: int, iters: int) -> float:
     a = jnp.ones((n, n), jnp.bfloat16)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     return 2 * n ** 3 / median_time(f, a, a, iters=iters) / 1e12
+
+
+def median_cpu_time(fn, *args, iters: int, **kwargs) -> float:
+    """Median process CPU time (all threads) of ``fn(*args, **kwargs)`` over
+    ``iters`` calls after one untimed one, in seconds: steadier than wall
+    time on a machine other jobs load."""
+    jax.block_until_ready(fn(*args, **kwargs))
+    times = []
+    for _ in range(iters):
+        t0 = time.process_time()
+        jax.block_until_ready(fn(*args, **kwargs))
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def matvec_gbs(n: int, iters: int) -> tuple[float, float]:
+    """Bandwidth of an f32 [n, n] @ [n] matvec (the matrix's bytes / time),
+    GB/s per wall second and per process CPU second."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    return (4 * n * n / median_time(f, a, x, iters=iters) / 1e9,
+            4 * n * n / median_cpu_time(f, a, x, iters=iters) / 1e9)
+
+
+def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
+               dtypes=("f32", "int8")) -> list[dict]:
+    """The ``--decode-cpu`` table (module docstring); returns its rows as dicts
+    (dtype, batch, ctx, ms, cpu_ms, bytes, gbs, cpu_gbs) after printing them."""
+    from pallas_kernels.ragged_paged_attention import kernel_xla, quant
+
+    N, K, H, L = 9, 3, 64, 16
+    rng = np.random.default_rng(0)
+    limit, cpu_limit = matvec_gbs(8192, iters)
+    print(f"device: {jax.devices()[0].device_kind}; f32 matvec [8192, 8192] @ [8192]: "
+          f"{limit:.1f} GB/s, {cpu_limit:.1f} GB/s per CPU second; heads {N}/{K}, head dim "
+          f"{H}, page {L}")
+    print(f"{'kv':<5} {'batch':>5} {'ctx':>6} {'ms':>8} {'MB read':>8} {'GB/s':>6} "
+          f"{'of matvec':>9} {'CPU ms':>8} {'GB/s CPU':>8} {'of matvec':>9}")
+    rows = []
+    for dt in dtypes:
+        for batch in batches:
+            for ctx in contexts:
+                q, kp, vp, kv_lens, pi, cu, ns = _case(rng, batch, 1, ctx, N=N, K=K, H=H, L=L,
+                                                       dtype=jnp.float32)
+                kw, nbytes = {}, 2 * batch * ctx * K * H * 4
+                if dt == "int8":
+                    P = kp.shape[0]
+                    (kp, ks), (vp, vs) = (quant.quantize(x.reshape(P * L, K, H), jnp.int8)
+                                          for x in (kp, vp))
+                    kp, vp = kp.reshape(P, L, K, H), vp.reshape(P, L, K, H)
+                    kw = dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K))
+                    nbytes = 2 * batch * ctx * K * (H + 4)
+                f = jax.jit(lambda *a, **k: kernel_xla.ragged_paged_attention(
+                    *a, sm_scale=H ** -0.5, decode_only=True, **k))
+                t = median_time(f, q, kp, vp, kv_lens, pi, cu, ns, ns, iters=iters, **kw)
+                c = median_cpu_time(f, q, kp, vp, kv_lens, pi, cu, ns, ns, iters=iters, **kw)
+                gbs, cpu_gbs = nbytes / t / 1e9, nbytes / c / 1e9
+                rows.append(dict(dtype=dt, batch=batch, ctx=ctx, ms=t * 1e3, cpu_ms=c * 1e3,
+                                 bytes=nbytes, gbs=gbs, cpu_gbs=cpu_gbs))
+                print(f"{dt:<5} {batch:>5} {ctx:>6} {t * 1e3:>8.3f} {nbytes / 1e6:>8.2f} "
+                      f"{gbs:>6.1f} {gbs / limit:>9.0%} {c * 1e3:>8.3f} {cpu_gbs:>8.1f} "
+                      f"{cpu_gbs / cpu_limit:>9.0%}", flush=True)
+    limit2, cpu_limit2 = matvec_gbs(8192, iters)
+    print(f"f32 matvec after the cases: {limit2:.1f} GB/s, {cpu_limit2:.1f} GB/s per CPU second")
+    return rows
 
 
 def _case(rng, num_seqs, q_len, kv_len, *, N, K, H, L, dtype):
@@ -81,8 +160,13 @@ def _case(rng, num_seqs, q_len, kv_len, *, N, K, H, L, dtype):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--decode-cpu", action="store_true",
+                    help="time the XLA lowering's decode rows against a large matvec")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.decode_cpu:
+        decode_cpu(args.iters)
+        return 0
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.smoke:
         print(f"no GPU (backend {jax.default_backend()!r}); run on a GPU, or --smoke for a "

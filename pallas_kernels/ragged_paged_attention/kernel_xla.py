@@ -20,12 +20,17 @@ rows and kv lengths, not the padded shape:
 * **decode rows** go in blocks of ``R = min(8, S, T)`` rows, a
   ``while_loop`` over ``ceil(num_decode / R)`` blocks; each block loops over
   page blocks from the first one any of its rows can see (sliding window)
-  to the last one any of them holds, gathering ``[R, C, K, H]`` K and V per
+  to the last one any of them holds, gathering ``[R, C, K * H]`` K and V per
   iteration and merging it into a running max / sum / accumulator (the
   online softmax of Milakov & Gimelshein 2018, as flash-decoding splits the
   keys: Dao et al. 2023). Rows past ``num_decode`` and pages past a block's
   longest row are never read; nothing of size rows x pages x page size
-  exists. Rows of one block whose kv lengths differ are masked.
+  exists. Rows of one block whose kv lengths differ are masked. The block is
+  used as gathered, one [C, K * H] matrix per row: scores against
+  block-diagonal queries [K * H, K * G] (zeros outside each query head's own
+  kv head) and values as ``p^T @ v`` -> [K * G, K * H], whose diagonal
+  blocks are the output: K times the flops of per-head products, but two
+  plain batched matmuls with no transpose of the block (measured below).
 * **prefill sequences** go one at a time (a ``while_loop`` over the real
   ones); each in query blocks of ``Q`` tokens (``q_block``, clamped to T),
   and each query block over the page blocks its queries can see: causal
@@ -48,22 +53,74 @@ Prefill tiles are computed kv-head-major, ``[K, Q * G, H]`` queries against
 XLA:CPU as the token-major einsum (measured below).
 
 Block sizes are static: ``pages_per_block`` (default 16: 256 kv positions at
-L = 16) and ``q_block`` (default 256, clamped to T). Measured on the 2-core
-AMD EPYC dev machine (AVX-512 F/BW/VL/VNNI/BF16) with SmolLM2's heads (N 9,
-K 3, H 64, L 16), one layer, jax 0.10.2:
+L = 16), ``q_block`` (default 256, clamped to T) and ``rows_per_block``
+(default 8). Pages are gathered as rows of a 2-D [P, L * K * H] view of the
+cache: XLA:CPU copies each page as one run, ~2x the 4-D gather's rate
+(8-11 against 4-5 GB/s of gathered bytes on the Xeon below).
 
-* prefill of one 940-token sequence (T 1024): 14.8 ms with (Q 256, 16 pages),
-  15.6 (128, 16), 19.4 (128, 8), 22.0 (256, 32); the token-major einsum
-  tiles took 26.5 ms at best and the dense gather-everything XLA path before
-  this one ~20 ms.
-* decode: the dense path gathered every row's pages, padding rows included,
-  into a [B, S] copy (33 ms at B 32 x 1,024 context, 62 ms at B 64); this
-  one reads only real rows and pages (15 ms and 19 ms). Each decode block
-  still makes about five passes over its K/V at ~5-10 GB/s (two gathers,
-  two batched dots with M = G = 3, the masked V), which no einsum order,
-  ``dot_general`` layout or XLA:CPU flag tried (xnnpack, 512-bit vectors,
-  fast math) improved by more than noise: decode attention costs ~5x its
-  bytes at the machine's matvec bandwidth.
+Prefill, measured on the 2-core AMD EPYC dev machine (AVX-512 F/BW/VL/VNNI/
+BF16) with SmolLM2's heads (N 9, K 3, H 64, L 16), one layer, jax 0.10.2:
+one 940-token sequence (T 1024) took 14.8 ms with (Q 256, 16 pages), 15.6
+(128, 16), 19.4 (128, 8), 22.0 (256, 32); the token-major einsum tiles took
+26.5 ms at best and the dense gather-everything XLA path before this one
+~20 ms. (The 2-D gather left it unchanged within noise on the Xeon: 41.9 ms
+before, 42.1 after, medians of 10 alternated pairs on the loaded box.)
+
+Decode (``python -m pallas_kernels.bench --decode-cpu`` times the current
+code; before and after were alternated in one process, 15 pairs per case):
+an Intel Xeon (AVX-512 F/BW/VL/VNNI/BF16/FP16, AMX), 2 cores, loaded by
+other jobs (load average ~10), where a large f32 matvec ([8192, 8192] @
+[8192]) read 6.7-8.4 GB/s of wall time in the same process and ~14 GB/s per
+CPU second. GB/s of K/V bytes read (int8 counts its f32 scales) per wall
+second and per process CPU second (steadier on a loaded box), per-head
+batched dots (before) -> block-diagonal matmuls and the 2-D gather (after):
+
+  ====  ====  ====  ===============  ===============  ===========
+  KV    rows  ctx   wall before/aft  CPU before/after  CPU speedup
+  ====  ====  ====  ===============  ===============  ===========
+  f32   1     256   2.4 / 2.9        2.4 / 2.9        1.22
+  f32   1     1024  2.1 / 0.9        2.1 / 2.3        1.09
+  f32   1     4096  2.7 / 3.1        3.0 / 3.4        1.13
+  f32   8     256   2.4 / 3.3        2.1 / 2.5        1.20
+  f32   8     1024  1.5 / 2.0        2.8 / 3.9        1.41
+  f32   8     4096  1.4 / 2.1        2.2 / 3.2        1.46
+  f32   32    256   1.2 / 1.6        2.3 / 3.1        1.33
+  f32   32    1024  1.1 / 1.8        2.4 / 3.5        1.48
+  f32   32    4096  1.2 / 1.7        2.3 / 3.3        1.43
+  int8  1     256   0.6 / 0.6        0.5 / 0.4        0.80
+  int8  1     1024  0.9 / 1.1        0.8 / 0.9        1.16
+  int8  1     4096  1.2 / 1.2        1.1 / 1.0        0.92
+  int8  8     256   0.9 / 0.9        0.7 / 0.7        1.08
+  int8  8     1024  1.1 / 1.2        1.0 / 1.1        1.12
+  int8  8     4096  0.5 / 0.6        1.0 / 1.2        1.15
+  int8  32    256   1.0 / 1.1        0.9 / 1.0        1.14
+  int8  32    1024  0.5 / 0.6        1.0 / 1.1        1.16
+  int8  32    4096  0.6 / 0.7        1.0 / 1.1        1.10
+  ====  ====  ====  ===============  ===============  ===========
+
+The bench's own runs: before, f32 2.2-3.1 GB/s and int8 0.7-1.4 with the
+matvec at 13.9 then 9.2 GB/s; after, on a quieter box (matvec 14.8), f32
+2.6-4.2 (17-29% of it) and int8 0.9-1.4 (6-10%).
+
+f32 takes 1.1-1.5x less CPU time (two earlier wall-time runs: 1.03-3.0x in
+34 of 36 alternated pairs), int8 about 1.1x (0.8-0.9x at one row of 256 and
+4,096 positions), and both stay far below the matvec: in CPU time every f32
+block size tried (4-64 pages x 1-8 rows) reads ~3 GB/s per CPU second
+against the matvec's ~14, and the parts add up to that: out of
+cache the 2-D page gather copies ~5.5 GB/s, the [C, K * H] x [K * H, K * G]
+scores read 7.2 GB/s and the ``p^T @ v`` product 10.9 GB/s, where a plain
+sum reads 20: the floor of a gather-then-matmul on XLA:CPU, short of a
+kernel that reads pages in place. Tried and not kept (no gain beyond noise
+on the loaded box, or a loss): 64- or 256-page decode blocks, one row per
+block, K-head-major [R * K, G, H] x [R * K, H, C] batched dots with the
+block transposed in the gather (12-35% more CPU time than block-diagonal),
+scores computed [X, C] so that the values product is an NN matmul (both
+dots then XNNPACK fusions; 3-11% more CPU time), int8 pages left int8 in
+the gather with their scales applied to the scores and probabilities
+instead (the same CPU time: XLA fuses the convert into the gather either
+way), and split-K (the page range's two halves as independent loops,
+merged: wall time equals CPU time, so XLA:CPU ran the halves one after the
+other, as it runs the matvec on one thread; no gain on a quiet box either).
 """
 
 from __future__ import annotations
@@ -81,22 +138,6 @@ DECODE_ROWS_PER_BLOCK = 8
 
 def _cdiv(a, b):
     return (a + b - 1) // b
-
-
-def _online_update(carry, s_XKGC, mask_XC, v_XCKH):
-    """One online-softmax step of decode rows over a block of C keys.
-
-    carry: (m [X, K, G], l [X, K, G], acc [X, K, G, H]) f32, X rows;
-    s: [X, K, G, C] scaled (and capped) scores; mask: [X, C] visible keys;
-    v: [X, C, K, H] each row's values, zero where the row may not see them."""
-    m_old, l_old, acc_old = carry
-    s_XKGC = jnp.where(mask_XC[:, None, None, :], s_XKGC, _MASK_VALUE)
-    m_new = jnp.maximum(m_old, s_XKGC.max(axis=-1))
-    p_XKGC = jnp.where(mask_XC[:, None, None, :], jnp.exp(s_XKGC - m_new[..., None]), 0.0)
-    alpha = jnp.exp(m_old - m_new)
-    l_new = alpha * l_old + p_XKGC.sum(axis=-1)
-    acc_new = alpha[..., None] * acc_old + jnp.einsum("xkgc,xckh->xkgh", p_XKGC, v_XCKH)
-    return m_new, l_new, acc_new
 
 
 def _online_update_kmajor(carry, s_KXC, mask_XC, v_KCH):
@@ -125,23 +166,35 @@ def _gather_block(pages_PLKH, page_ids_XB, scales_PLK=None):
     """[X, B] page ids -> [X, B * L, K, H] f32 (one block of pages per row),
     dequantized by ``scales_PLK`` f32[P, L, K] when given."""
     X, B = page_ids_XB.shape
-    _, L, K, H = pages_PLKH.shape
-    scales = None if scales_PLK is None else scales_PLK[page_ids_XB]
-    return dequantize(pages_PLKH[page_ids_XB], scales).reshape(X, B * L, K, H)
+    P, L, K, H = pages_PLKH.shape
+    # Whole pages as rows of a 2-D [P, L * K * H] array: XLA:CPU copies each
+    # page as one contiguous run, twice as fast as the 4-D gather (measured).
+    scales = None if scales_PLK is None else \
+        scales_PLK.reshape(P, L * K)[page_ids_XB].reshape(X, B, L, K)
+    pages_XBLKH = pages_PLKH.reshape(P, L * K * H)[page_ids_XB].reshape(X, B, L, K, H)
+    return dequantize(pages_XBLKH, scales).reshape(X, B * L, K, H)
 
 
 def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
-                 kv_lens_S, page_indices_SP, num_decode, *, sm_scale, sliding_window, soft_cap, pages_per_block,
-                 rows_per_block):
-    """Attend rows 0 .. num_decode - 1 (one query token each) into ``out``."""
+                 kv_lens_S, page_indices_SP, num_decode, *, sm_scale, sliding_window, soft_cap,
+                 pages_per_block, rows_per_block):
+    """Attend rows 0 .. num_decode - 1 (one query token each) into ``out``.
+
+    Each row's page block is one [C, K * H] matrix (D = K * H), used as
+    gathered: scores are ``k_RCD @ qbd_RDX`` against block-diagonal queries
+    [D, X = K * G] (query head (k, g) has row k's H entries, zeros elsewhere),
+    and values ``p_RCX^T @ v_RCD`` -> [X, D], whose diagonal blocks are the
+    output. K times the flops of per-head products, but plain batched
+    matmuls over the pages as laid out, no transpose or M = G batched dots."""
     T, K, G, H = q_TKGH.shape
     S, maxp = page_indices_SP.shape
     L = k_pages_PLKH.shape[1]
     R = min(rows_per_block, S, T)
     ppb = min(pages_per_block, maxp)
-    C = ppb * L
+    C, D, X = ppb * L, K * H, K * G
     pad = _cdiv(maxp, ppb) * ppb - maxp  # so every block's slice stays in range
     page_indices_SP = jnp.pad(page_indices_SP, ((0, 0), (0, pad)))
+    eye_KK = jnp.eye(K, dtype=jnp.float32)
 
     def row_block(c, out_TKGH):
         start = jnp.minimum(c * R, min(S, T) - R)
@@ -150,6 +203,7 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
         kv_len_R = jnp.where(own_R, jax.lax.dynamic_slice(kv_lens_S, (start,), (R,)), 0)
         q_RKGH = jax.lax.dynamic_slice(q_TKGH, (start, 0, 0, 0), (R, K, G, H)).astype(
             jnp.float32) * sm_scale
+        qbd_RDX = jnp.einsum("rkgh,kj->rkhjg", q_RKGH, eye_KK).reshape(R, D, X)
         pages_RP = jax.lax.dynamic_slice(page_indices_SP, (start, 0), (R, page_indices_SP.shape[1]))
         q_pos_R = kv_len_R - 1
         lo_R = jnp.zeros_like(kv_len_R) if sliding_window is None else \
@@ -159,21 +213,29 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
         first_blk, last_blk = lo // C, _cdiv(hi, C)
 
         def kv_block(state):
-            b, carry = state
+            b, (m_RX, l_RX, acc_RXD) = state
             ids_RB = jax.lax.dynamic_slice(pages_RP, (0, b * ppb), (R, ppb))
             kv_pos_C = b * C + jnp.arange(C)
-            mask_RC = (kv_pos_C[None, :] < kv_len_R[:, None]) & (kv_pos_C[None, :] >= lo_R[:, None])
-            k_RCKH = _gather_block(k_pages_PLKH, ids_RB, k_scales_PLK)
-            v_RCKH = jnp.where(mask_RC[:, :, None, None],
-                               _gather_block(v_pages_PLKH, ids_RB, v_scales_PLK), 0.0)
-            s_RKGC = _cap(jnp.einsum("rkgh,rckh->rkgc", q_RKGH, k_RCKH), soft_cap)
-            return b + 1, _online_update(carry, s_RKGC, mask_RC, v_RCKH)
+            mask_RC1 = ((kv_pos_C[None, :] < kv_len_R[:, None])
+                        & (kv_pos_C[None, :] >= lo_R[:, None]))[:, :, None]
+            k_RCD = _gather_block(k_pages_PLKH, ids_RB, k_scales_PLK).reshape(R, C, D)
+            v_RCD = jnp.where(mask_RC1, _gather_block(v_pages_PLKH, ids_RB, v_scales_PLK)
+                              .reshape(R, C, D), 0.0)
+            s_RCX = jax.lax.dot_general(k_RCD, qbd_RDX, (((2,), (1,)), ((0,), (0,))))
+            s_RCX = jnp.where(mask_RC1, _cap(s_RCX, soft_cap), _MASK_VALUE)
+            m_new = jnp.maximum(m_RX, s_RCX.max(axis=1))
+            p_RCX = jnp.where(mask_RC1, jnp.exp(s_RCX - m_new[:, None, :]), 0.0)
+            alpha = jnp.exp(m_RX - m_new)
+            pv_RXD = jax.lax.dot_general(p_RCX, v_RCD, (((1,), (1,)), ((0,), (0,))))
+            return b + 1, (m_new, alpha * l_RX + p_RCX.sum(axis=1),
+                           alpha[..., None] * acc_RXD + pv_RXD)
 
-        init = (jnp.full((R, K, G), _MASK_VALUE, jnp.float32), jnp.zeros((R, K, G), jnp.float32),
-                jnp.zeros((R, K, G, H), jnp.float32))
-        _, (_, l_RKG, acc_RKGH) = jax.lax.while_loop(
+        init = (jnp.full((R, X), _MASK_VALUE, jnp.float32), jnp.zeros((R, X), jnp.float32),
+                jnp.zeros((R, X, D), jnp.float32))
+        _, (_, l_RX, acc_RXD) = jax.lax.while_loop(
             lambda st: st[0] < last_blk, kv_block, (first_blk, init))
-        o_RKGH = _finish(l_RKG, acc_RKGH)
+        acc_RKGH = jnp.einsum("rkgjh,kj->rkgh", acc_RXD.reshape(R, K, G, K, H), eye_KK)
+        o_RKGH = _finish(l_RX.reshape(R, K, G), acc_RKGH)
         old_RKGH = jax.lax.dynamic_slice(out_TKGH, (start, 0, 0, 0), (R, K, G, H))
         new_RKGH = jnp.where(own_R[:, None, None, None], o_RKGH, old_RKGH)
         return jax.lax.dynamic_update_slice(out_TKGH, new_RKGH, (start, 0, 0, 0))
@@ -187,8 +249,8 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
 
 
 def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
-                  kv_lens_S, page_indices_SP, cu_q_lens_S1, first_seq, num_seqs, *, sm_scale, sliding_window, soft_cap,
-                  pages_per_block, q_block):
+                  kv_lens_S, page_indices_SP, cu_q_lens_S1, first_seq, num_seqs, *, sm_scale,
+                  sliding_window, soft_cap, pages_per_block, q_block):
     """Attend sequences first_seq .. num_seqs - 1 (ragged query lengths) into ``out``."""
     T, K, G, H = q_TKGH.shape
     S, maxp = page_indices_SP.shape
