@@ -480,10 +480,19 @@ class LlamaForCausalLM(nnx.Module):
         """Next-token logits f32 [R, V] of last-layer outputs x [D, R] (final
         norm, then the LM head, then ``final_logit_softcapping`` if set)."""
         x_DR = self.norm(x_DR)
-        if isinstance(self.lm_head, quant.QuantizedWeight):
-            logits_RV = self.lm_head.matmul(x_DR).T
+        head = self.lm_head
+        # A tied head of a GGUF file's blocks holds exactly the f32 embedding's
+        # values: where the CPU kernel does not serve this many rows, the f32
+        # embedding is the faster form of the same numbers (XLA:CPU dequantizes
+        # grouped blocks inside the dot 2-7x slower than an f32 dot).
+        exact_dense = (isinstance(head, quant.QuantizedWeight) and head.adopt
+                       and self.cfg.tie_word_embeddings and jax.default_backend() == "cpu"
+                       and not quant.kernel_serves(head.fmt, head.shape[0], x_DR))
+        if isinstance(head, quant.QuantizedWeight) and not exact_dense:
+            logits_RV = head.matmul(x_DR).T
         else:
-            head_VD = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
+            head_VD = (self.embed_tokens.value if self.lm_head is None or exact_dense
+                       else self.lm_head.value)
             logits_RV = jnp.einsum("vd,dr->rv", head_VD, x_DR, preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcapping
         return logits_RV if cap is None else cap * jnp.tanh(logits_RV / cap)

@@ -357,6 +357,26 @@ def _kernel_allowed(x_DT) -> bool:
             and (mesh.empty or mesh.size == 1))
 
 
+def _kernel_kind(fmt: TensorFormat) -> str | None:
+    """The CPU kernel's target for a format (``quant_matmul_cpu.use_kernel``'s kind)."""
+    if fmt.bits == 8 and fmt.group_size is None:
+        return "w8a8" if fmt.act_int8 else "int8"
+    if fmt.act_int8:
+        return None
+    if fmt.bits == 8:
+        return "q8g"
+    return "q4g" if fmt.bits == 4 and fmt.zero_point else None
+
+
+def kernel_serves(fmt: TensorFormat, F: int, x_DT) -> bool:
+    """True when ``quantized_matmul`` (lowering ``"auto"``) would run a weight of
+    ``fmt`` with F rows on the CPU kernel for activations ``x_DT`` [D, M]."""
+    kind = _kernel_kind(fmt)
+    return (kind is not None and _kernel_allowed(x_DT)
+            and quant_matmul_cpu.use_kernel(kind, F, x_DT.shape[0], x_DT.shape[1])
+            and quant_matmul_cpu.available())
+
+
 def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT, layer=None):
     """``W x`` by ``pallas_kernels.quant_matmul_cpu`` where it is built, allowed
     (``JAXSERVE_CPU_KERNELS``) and measured faster than the XLA form for this
@@ -364,21 +384,10 @@ def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT, layer=None):
     Only a 2-D weight (stacked experts keep their ragged dots), or with
     ``layer`` (an i32 scalar) parts stacked over a scanned run of layers
     (``StackedRead``: the kernel reads that layer's part in place)."""
-    if q.ndim != (2 if layer is None else 3) or not _kernel_allowed(x_DT):
+    if q.ndim != (2 if layer is None else 3):
         return None
-    if fmt.bits == 8 and fmt.group_size is None:
-        kind = "w8a8" if fmt.act_int8 else "int8"
-    elif fmt.act_int8:
-        return None
-    elif fmt.bits == 8:
-        kind = "q8g"
-    elif fmt.bits == 4 and zero is not None:
-        kind = "q4g"
-    else:
-        return None
-    F, D = scale.shape[-2], x_DT.shape[0]
-    if not (quant_matmul_cpu.use_kernel(kind, F, D, x_DT.shape[1])
-            and quant_matmul_cpu.available()):
+    kind = _kernel_kind(fmt)
+    if kind is None or not kernel_serves(fmt, scale.shape[-2], x_DT):
         return None
     if kind == "w8a8":
         xq, sx = _quantize_act(x_DT)
