@@ -148,15 +148,16 @@ def _time_format(fmt, shapes, layers: int, head: tuple[int, int], reps: int = 3)
     head_w = stored(head, 0)
 
     def linear(w, x_DT):
-        if fmt is None:
-            return jnp.dot(w[0], x_DT, preferred_element_type=jnp.float32)
-        return quant.quantized_matmul(fmt, *w, x_DT)
+        return quant.matmul_parts(fmt, w if fmt is not None else w[:1], x_DT)
 
     @jax.jit
     def run(stack, head_w, xs):
-        def layer(acc, ws):  # every output summed into the carry: nothing is dead code
+        # As stack.run_layers runs a model: the stacked projections read at the
+        # layer's offset (quant.StackedRead), every output summed into the carry.
+        def layer(acc, i):
+            ws = [tuple(None if a is None else quant.StackedRead(a, i) for a in w) for w in stack]
             return acc + sum(linear(w, xs[s[-1]]).sum() for w, s in zip(ws, shapes)), None
-        acc, _ = jax.lax.scan(layer, jnp.zeros((), jnp.float32), stack)
+        acc, _ = jax.lax.scan(layer, jnp.zeros((), jnp.float32), jnp.arange(layers))
         return acc + linear(head_w, xs[head[1]]).sum()
 
     out = {}

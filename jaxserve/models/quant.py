@@ -399,6 +399,25 @@ def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT, layer=None):
     return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT, layer=layer)
 
 
+def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
+    """``W x`` for a weight given as its parts: ``(w,)`` dense (``fmt`` None;
+    [F, T] in x's dtype) or ``(q, scale, zero)`` (f32 [F, T]), each an array
+    or, inside a scanned layer, a ``StackedRead``: the CPU kernel reads those
+    in place where it serves the format and width, anything else slices them."""
+    if fmt is None:
+        (w,) = parts
+        if isinstance(w, StackedRead) and (y := _dense_kernel(w, x_DT)) is not None:
+            return y.astype(x_DT.dtype)
+        return jnp.einsum("fd,dt->ft", layer_slice(w), x_DT)
+    if isinstance(parts[0], StackedRead) and lowering == "auto":
+        stacked = [None if p is None else p.stacked for p in parts]
+        y = _cpu_kernel(fmt, *stacked, x_DT, layer=parts[0].index)
+        if y is not None:
+            return y
+    q, scale, zero = (None if p is None else layer_slice(p) for p in parts)
+    return quantized_matmul(fmt, q, scale, zero, x_DT, lowering)
+
+
 def _dense_kernel(w: StackedRead, x_DT):
     """A scanned layer's dense f32 projection ``W x`` read in place by the CPU
     kernel at decode widths; None where it does not apply (XLA slices)."""
@@ -581,15 +600,8 @@ class QuantizedWeight(nnx.Module):
     def matmul(self, x_DT):
         """``W x``: [F, D] @ [D, T] -> f32 [F, T] (2-D weights only; inside a
         scanned layer the CPU kernel reads the stacked parts in place)."""
-        q = self.q.value
-        if isinstance(q, StackedRead) and self.lowering == "auto":
-            stacked = [None if p is None else p.value.stacked
-                       for p in (self.q, self.scale, self.zero)]
-            y = _cpu_kernel(self.fmt, *stacked, x_DT, layer=q.index)
-            if y is not None:
-                return y
-        q, scale, zero = self.parts()
-        return quantized_matmul(self.fmt, q, scale, zero, x_DT, self.lowering)
+        parts = [None if p is None else p.value for p in (self.q, self.scale, self.zero)]
+        return matmul_parts(self.fmt, parts, x_DT, self.lowering)
 
     def dense(self, dtype=jnp.float32):
         """The dequantized ``[..., F, D]`` weight (for ops without a quantized
@@ -636,13 +648,10 @@ def linear(w, x_DT, b_F=None):
     [F, T] in x's dtype; ``w`` an ``nnx.Param`` or a ``QuantizedWeight``,
     either holding its arrays or ``StackedRead``s of them (inside a scanned
     layer)."""
-    v = None if isinstance(w, QuantizedWeight) else w.value
     if isinstance(w, QuantizedWeight):
         y_FT = w.matmul(x_DT).astype(x_DT.dtype)
-    elif isinstance(v, StackedRead) and (y := _dense_kernel(v, x_DT)) is not None:
-        y_FT = y.astype(x_DT.dtype)
     else:
-        y_FT = jnp.einsum("fd,dt->ft", layer_slice(v), x_DT)
+        y_FT = matmul_parts(None, (w.value,), x_DT)
     return y_FT if b_F is None else y_FT + b_F[:, None]
 
 
