@@ -228,11 +228,13 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
         if fmt is None or not quantized:
             params[name] = np.asarray(w.dequantize() if isinstance(w, quant.QuantizedTensor)
                                       else w, dtype)
-        elif isinstance(w, quant.QuantizedTensor):  # GGUF blocks, or a quantized Orbax folder
-            params[name] = w if quantization == "gguf" or w.fmt == fmt else \
-                quant.quantize_np(w.dequantize(), fmt)
         else:
-            params[name] = quant.quantize_np(w, quant.DENSE if quantization == "gguf" else fmt)
+            f = quant.head_format(fmt) if name == "lm_head.weight" else fmt
+            if isinstance(w, quant.QuantizedTensor):  # GGUF blocks, or a quantized Orbax folder
+                params[name] = w if quantization == "gguf" or w.fmt == f else \
+                    quant.quantize_np(w.dequantize(), f)
+            else:
+                params[name] = quant.quantize_np(w, quant.DENSE if quantization == "gguf" else f)
     return save_orbax(out, dataclasses.replace(ckpt, params=params), source=os.fspath(model),
                       quantization=quantization, group_size=group_size,
                       lora_adapters=adapters)

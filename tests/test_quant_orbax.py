@@ -78,15 +78,17 @@ def test_layout_and_exact_restore(source, converted, method):
     projections = [n for n in src if quant.is_projection(n) or n == "lm_head.weight"]
     assert sorted(saved["formats"]) == sorted(projections) and len(projections) == 15
     fmt = quant.method_format(method) if method != "gguf" else quant.Q8_0  # a Q8_0 file
+    head_fmt = quant.head_format(fmt) if method != "gguf" else fmt  # int4's: int8 per channel
     for name in src:
         if name not in projections:
             assert tree[name].dtype == np.float32, name
             continue
         assert name not in tree
-        assert tree[f"{name}:q"].dtype == (np.uint8 if fmt.bits == 4 else np.int8), name
-        assert tree[f"{name}:scale"].dtype == (np.float32 if fmt.group_size is None
+        fmt_ = head_fmt if name == "lm_head.weight" else fmt
+        assert tree[f"{name}:q"].dtype == (np.uint8 if fmt_.bits == 4 else np.int8), name
+        assert tree[f"{name}:scale"].dtype == (np.float32 if fmt_.group_size is None
                                                else np.float16), name  # grouped: f16
-        assert (f"{name}:zero" in tree) == fmt.zero_point, name
+        assert (f"{name}:zero" in tree) == fmt_.zero_point, name
     assert tree[f"{Q}:q"].shape == ((64, 32) if fmt.bits == 4 else (64, 64))
     ckpt = load_checkpoint(folder, show_progress=False)
     assert ckpt.quantization.method == method
@@ -95,11 +97,12 @@ def test_layout_and_exact_restore(source, converted, method):
         if name not in projections:
             assert isinstance(got, np.ndarray) and np.array_equal(got, w), name
             continue
-        assert isinstance(got, quant.QuantizedTensor) and got.fmt == fmt, name
+        assert isinstance(got, quant.QuantizedTensor) and got.fmt == (
+            head_fmt if name == "lm_head.weight" else fmt), name
         if method == "gguf":  # the file's own blocks
             assert np.array_equal(got.dequantize(), w), name
         else:
-            want = quant.quantize_np(w, fmt)
+            want = quant.quantize_np(w, head_fmt if name == "lm_head.weight" else fmt)
             for part in ("q", "scale", "zero"):
                 a, b = getattr(got, part), getattr(want, part)
                 assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), name
