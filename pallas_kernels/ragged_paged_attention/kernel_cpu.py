@@ -1,0 +1,109 @@
+"""Decode attention on XLA:CPU as a C++ FFI kernel that reads the paged KV
+cache in place (``kernel_cpu.cc``, built into ``quant_matmul_cpu``'s
+library by setup.py).
+
+``kernel_xla``'s decode rows gather each page block (a copy) and then run two
+small batched dots: ~3 GB/s of K/V read per CPU second on XLA:CPU (its module
+docstring). This handler does the decode rows (rows ``0 .. num_decode - 1``,
+one query token each, query token = row) directly from the pages:
+
+* One work unit is (row, kv head[, split]): one pass over the row's visible
+  positions ``[max(0, kv_len - window), kv_len)``, page by page, reading
+  ``K[page, slot, k, :]`` and ``V[...]`` where they lie. Per page: the G
+  query heads' scores (q pre-scaled by ``sm_scale``; ``soft_cap`` as
+  ``c * tanh(s / c)``), then an online softmax (Milakov & Gimelshein 2018):
+  running max and sum, the accumulator ``[G, H]`` rescaled once per page,
+  then ``acc += p_j v_j``. Vectorised over H (AVX-512 when H % 16 == 0,
+  AVX2 + FMA when H % 8 == 0, else scalar; picked at run time by
+  ``__builtin_cpu_supports``, ``#pragma GCC target`` regions, as
+  ``quant_matmul_cpu``).
+* Threads: units go to the caller and tasks on XLA's intra-op pool from one
+  atomic counter. With fewer (row, kv head) pairs than 4 per thread, the
+  positions are split too (page-aligned, at least 16 pages a split: flash-
+  decoding, Dao et al. 2023), each split's (max, sum, acc) merged at the end.
+* Page ids are taken as given (the model passes the flat ``[layers * P, L,
+  K, H]`` cache with ids shifted to the layer), clamped to ``[0, P)`` as
+  XLA's gather clamps them; positions past ``pages_per_seq * L`` are not
+  read. Rows past ``num_decode`` come out 0 (the prefill path fills them);
+  a row with no visible position gives 0.
+* f32 pages only: int8/fp8 and bf16 pages keep ``kernel_xla``'s decode path.
+
+``available()`` is ``quant_matmul_cpu.ffi.available()`` (``JAXSERVE_CPU_KERNELS=0``
+turns it off) and the library exporting this target (an older build may not).
+
+Measured: see the table below (``python -m pallas_kernels.bench --decode-cpu``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.quant_matmul_cpu import ffi as qmm_ffi
+
+_log = logging.getLogger(__name__)
+_TARGET = "jaxserve_rpa_decode_f32"
+NO_WINDOW = 1 << 30
+
+
+@functools.cache
+def _load() -> bool:
+    if not qmm_ffi._load():  # the library itself (not JAXSERVE_CPU_KERNELS: read per call)
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(qmm_ffi.library_path())
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxserveRpaDecodeF32),
+                                    platform="cpu")
+    except (OSError, AttributeError, RuntimeError, ValueError) as e:
+        _log.info("ragged_paged_attention.kernel_cpu: no decode target in %s (%s); decode "
+                  "attention takes the XLA path", qmm_ffi.library_path(), e)
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when the decode kernel may run: ``JAXSERVE_CPU_KERNELS`` is not
+    ``0`` and the library loaded with this target (checked once per process)."""
+    return qmm_ffi.available() and _load()
+
+
+def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, num_decode,
+                     *, sm_scale: float, sliding_window=None, soft_cap: float | None = None,
+                     isa: int = -1, threads: int = 0):
+    """Attention of decode rows ``0 .. num_decode - 1`` (query token = row).
+
+    Args:
+      q_TNH: [T, N, H] queries (cast to f32), N = K * G.
+      k_pages_PLKH, v_pages_PLKH: f32[P, L, K, H] (L <= 256, G <= 16).
+      kv_lens_S: i32[S]; page_indices_SP: i32[S, pages_per_seq].
+      num_decode: i32 scalar (or [1], or a Python int).
+      sm_scale: softmax scale; soft_cap: None or > 0.
+      sliding_window: None, an int >= 1, or an i32 scalar (a scanned layer's;
+        ``NO_WINDOW`` or more means none).
+      isa: -1 the best this CPU runs, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin
+        one); threads: 0 XLA's intra-op pool size, n at most n.
+
+    Returns:
+      f32[T, N, H]: decode rows' outputs, 0 in every other row.
+
+    Raises:
+      RuntimeError: the kernel library is not available.
+      ValueError: pages not f32.
+    """
+    if not _load():
+        raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
+    if k_pages_PLKH.dtype != jnp.float32 or v_pages_PLKH.dtype != jnp.float32:
+        raise ValueError(f"decode_attention: f32 pages only, got {k_pages_PLKH.dtype}")
+    window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
+    window = jnp.minimum(window.reshape(()), NO_WINDOW)
+    nd = jnp.asarray(num_decode, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
+        q_TNH.astype(jnp.float32), k_pages_PLKH, v_pages_PLKH,
+        jnp.asarray(kv_lens_S, jnp.int32), jnp.asarray(page_indices_SP, jnp.int32), nd, window,
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+        isa=np.int32(isa), threads=np.int32(threads))
