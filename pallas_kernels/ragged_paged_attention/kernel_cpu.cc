@@ -59,6 +59,11 @@ struct V {
   static F mul(F a, F b) { return a * b; }
   static F fma(F a, F b, F c) { return a * b + c; }
   static float reduce(F a) { return a; }
+  static float exp_sub(float* x, int64_t n, float m) {  // x = exp(x - m); returns the sum
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] - m));
+    return sum;
+  }
 };
 #include "kernel_cpu_body.inc"
 }  // namespace scalar
@@ -81,6 +86,9 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static float exp_sub(float* x, int64_t n, float m) {
+    return scalar::V::exp_sub(x, n, m);
+  }
 };
 #include "kernel_cpu_body.inc"
 }  // namespace avx2
@@ -99,6 +107,35 @@ struct V {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce(F a) { return _mm512_reduce_add_ps(a); }
+  // exp(x - m) for x <= m, 16 lanes: 2^n e^r with n = round((x - m) log2 e),
+  // r = (x - m) - n ln 2 (two-part ln 2), e^r by its degree-6 Taylor polynomial
+  // (|r| <= ln 2 / 2: relative error ~1e-7), 2^n by vscalefps (0 far below).
+  static F exp16(F x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const F n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    F p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+  }
+  static float exp_sub(float* x, int64_t n, float m) {
+    F sum = _mm512_setzero_ps();
+    const F mv = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const F e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), mv));
+      _mm512_mask_storeu_ps(x + j, k, e);
+      sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
 };
 #include "kernel_cpu_body.inc"
 }  // namespace avx512
