@@ -10,11 +10,12 @@
 // row of o is 0. Row r sees kv positions [max(0, kv_len - window), kv_len), clipped to
 // its PP pages; page ids are clamped to [0, P) as XLA's gather clamps them.
 //
-// One work unit is (row, kv head, split): one pass over its positions page by page,
-// the G query heads' scores per page, an online softmax (running max / sum, the
-// accumulator rescaled once per page), partial (m, l, acc[G, H]) merged at the end
-// (flash-decoding's split of the positions when there are fewer (row, kv head) pairs
-// than threads can share). Built in the quant_matmul_cpu extension (setup.py).
+// One work unit is (row, split): one pass over its positions page by page (a page's
+// slots are one contiguous run; the next page is prefetched), per kv head the G query
+// heads' scores, an online softmax (running max / sum, the accumulator rescaled once per
+// page), partial (m, l, acc[K, G, H]) merged at the end (flash-decoding's split of the
+// positions when there are fewer rows than threads can share). Built in the
+// quant_matmul_cpu extension (setup.py).
 
 #include <immintrin.h>
 
@@ -37,15 +38,15 @@ constexpr int kMaxG = 16;
 constexpr int kMaxL = 256;
 
 struct Unit {
-  const float* q;  // [G, H], scaled by sm_scale
+  const float* q;  // [K, G, H], scaled by sm_scale
   const float* kp;
   const float* vp;
   const int32_t* pages;  // the row's page table
-  int64_t P, L, K, H, G, k, lo, hi;
+  int64_t P, L, K, H, G, lo, hi;
   float cap;
-  float* m;    // [G]
-  float* l;    // [G]
-  float* acc;  // [G, H]
+  float* m;    // [K, G]
+  float* l;    // [K, G]
+  float* acc;  // [K, G, H]
 };
 
 namespace scalar {
@@ -219,8 +220,8 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // busy (4 units per thread), in page-aligned pieces of at least 16 pages.
   int64_t splits = 1;
   const int64_t pairs = R * K;
-  if (nthreads > 1 && pairs < 4 * nthreads) {
-    const int64_t want = (4 * nthreads + pairs - 1) / pairs;
+  if (nthreads > 1 && R < 4 * nthreads) {
+    const int64_t want = (4 * nthreads + R - 1) / R;
     const int64_t most = std::max<int64_t>(1, max_len / (16 * L));
     splits = std::min(want, most);
   }
@@ -228,8 +229,8 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (total < (1 << 16)) nthreads = 1;  // too little work to share
   std::vector<float> qs(R * N * H);
   for (int64_t i = 0; i < R * N * H; ++i) qs[i] = q.typed_data()[i] * sm_scale;
-  const int64_t nunits = pairs * splits;
-  std::vector<float> m(nunits * G), l(nunits * G), acc(nunits * G * H);
+  const int64_t nunits = R * splits;
+  std::vector<float> m(nunits * N), l(nunits * N), acc(nunits * N * H);
   int level = isa < 0 ? best_isa() : std::min(int(isa), best_isa());
   if (level == 2 && H % 16) level = 1;
   if (level == 1 && H % 8) level = 0;
@@ -237,26 +238,26 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* vp = vpages.typed_data();
   const int32_t* pages = page_indices.typed_data();
   auto fn = [&](int64_t u) {
-    const int64_t s = u % splits, pair = u / splits, r = pair / K, k = pair % K;
+    const int64_t s = u % splits, r = u / splits;
     const int64_t n = hi[r] - lo[r];
     // page-aligned split points
     const int64_t first_page = lo[r] / L, last_page = (hi[r] + L - 1) / L;
     const int64_t np = last_page - first_page, per = (np + splits - 1) / splits;
     const int64_t p0 = first_page + s * per, p1 = std::min(last_page, p0 + per);
     Unit un;
-    un.q = qs.data() + (r * N + k * G) * H;
+    un.q = qs.data() + r * N * H;
     un.kp = kp;
     un.vp = vp;
     un.pages = pages + r * PP;
-    un.P = P; un.L = L; un.K = K; un.H = H; un.G = G; un.k = k;
+    un.P = P; un.L = L; un.K = K; un.H = H; un.G = G;
     un.lo = std::max(lo[r], p0 * L);
     un.hi = std::min(hi[r], p1 * L);
     un.cap = soft_cap;
-    un.m = m.data() + u * G;
-    un.l = l.data() + u * G;
-    un.acc = acc.data() + u * G * H;
-    for (int64_t g = 0; g < G; ++g) { un.m[g] = -INFINITY; un.l[g] = 0.f; }
-    std::memset(un.acc, 0, sizeof(float) * G * H);
+    un.m = m.data() + u * N;
+    un.l = l.data() + u * N;
+    un.acc = acc.data() + u * N * H;
+    for (int64_t g = 0; g < N; ++g) { un.m[g] = -INFINITY; un.l[g] = 0.f; }
+    std::memset(un.acc, 0, sizeof(float) * N * H);
     if (n <= 0 || un.lo >= un.hi) return;
     if (level == 2) avx512::attend(un);
     else if (level == 1) avx2::attend(un);
@@ -268,16 +269,16 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t r = pair / K, k = pair % K;
     for (int64_t g = 0; g < G; ++g) {
       float mx = -INFINITY;
-      for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, m[(pair * splits + s) * G + g]);
+      for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, m[(r * splits + s) * N + k * G + g]);
       if (mx == -INFINITY) continue;  // no visible position: 0
       float* dst = o + (r * N + k * G + g) * H;
       float lsum = 0.f;
       for (int64_t s = 0; s < splits; ++s) {
-        const int64_t u = pair * splits + s;
-        if (l[u * G + g] == 0.f) continue;
-        const float a = std::exp(m[u * G + g] - mx);
-        lsum += a * l[u * G + g];
-        const float* src = acc.data() + (u * G + g) * H;
+        const int64_t i = (r * splits + s) * N + k * G + g;
+        if (l[i] == 0.f) continue;
+        const float a = std::exp(m[i] - mx);
+        lsum += a * l[i];
+        const float* src = acc.data() + i * H;
         for (int64_t h = 0; h < H; ++h) dst[h] += a * src[h];
       }
       const float inv = lsum > 0.f ? 1.f / lsum : 0.f;

@@ -7,19 +7,21 @@ small batched dots: ~3 GB/s of K/V read per CPU second on XLA:CPU (its module
 docstring). This handler does the decode rows (rows ``0 .. num_decode - 1``,
 one query token each, query token = row) directly from the pages:
 
-* One work unit is (row, kv head[, split]): one pass over the row's visible
+* One work unit is (row[, split]): one pass over the row's visible
   positions ``[max(0, kv_len - window), kv_len)``, page by page, reading
-  ``K[page, slot, k, :]`` and ``V[...]`` where they lie. Per page: the G
+  the page's K and V slots where they lie (one contiguous run each; the
+  next page of the table is prefetched: pages lie in random order and the
+  hardware prefetchers do not cross into it). Per page and kv head: the G
   query heads' scores (q pre-scaled by ``sm_scale``; ``soft_cap`` as
   ``c * tanh(s / c)``), then an online softmax (Milakov & Gimelshein 2018):
   running max and sum, the accumulator ``[G, H]`` rescaled once per page,
   then ``acc += p_j v_j``. Vectorised over H (AVX-512 when H % 16 == 0,
-  AVX2 + FMA when H % 8 == 0, else scalar; picked at run time by
-  ``__builtin_cpu_supports``, ``#pragma GCC target`` regions, as
-  ``quant_matmul_cpu``).
+  with a polynomial exp of the page's 16 scores; AVX2 + FMA when H % 8 ==
+  0; else scalar; picked at run time by ``__builtin_cpu_supports``,
+  ``#pragma GCC target`` regions, as ``quant_matmul_cpu``).
 * Threads: units go to the caller and tasks on XLA's intra-op pool from one
-  atomic counter. With fewer (row, kv head) pairs than 4 per thread, the
-  positions are split too (page-aligned, at least 16 pages a split: flash-
+  atomic counter. With fewer rows than 4 per thread, the positions are
+  split too (page-aligned, at least 16 pages a split: flash-
   decoding, Dao et al. 2023), each split's (max, sum, acc) merged at the end.
 * Page ids are taken as given (the model passes the flat ``[layers * P, L,
   K, H]`` cache with ids shifted to the layer), clamped to ``[0, P)`` as
