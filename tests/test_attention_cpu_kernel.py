@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla
+from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla, quant
 from pallas_kernels.ragged_paged_attention.reference import ref_ragged_paged_attention
 from tests.test_quant import _greedy, _llm
 
@@ -40,6 +40,18 @@ def _case(K, G, H, kv_lens, q_lens=None, L=4, pages_per_seq=9, seed=0):
     return q, k, v, np.asarray(kv_lens, np.int32), ids, cu
 
 
+def _int8(k, v):
+    """int8 pages and f32[P, L, K] scales (``quant``); NaN pages get NaN scales."""
+    out = []
+    for x in (k, v):
+        P, L, K, H = x.shape
+        qx, sx = quant.quantize(jnp.asarray(np.nan_to_num(x)).reshape(P * L, K, H), jnp.int8)
+        sx = np.array(sx).reshape(P, L, K)
+        sx[np.isnan(x).any(-1)] = np.nan
+        out += [np.asarray(qx).reshape(P, L, K, H), sx]
+    return out
+
+
 def _ref(q, k, v, kv, ids, cu, n, **kw):
     return np.array(ref_ragged_paged_attention(
         jnp.asarray(q), k, v, kv, ids, cu, jnp.int32(n), **kw))
@@ -55,15 +67,19 @@ CASES = [  # K, G, H, window, soft_cap
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
 @pytest.mark.parametrize("isa", [0, 1, 2])
 @pytest.mark.parametrize("K,G,H,window,cap", CASES)
-def test_decode_rows_match_reference(K, G, H, window, cap, isa):
+def test_decode_rows_match_reference(K, G, H, window, cap, isa, dtype):
     """Ragged kv lens incl. 0, exact page multiples (8, 36) and one past; rows
-    past num_decode are 0; NaN pages no row owns never leak."""
+    past num_decode are 0; NaN pages (int8: NaN scales) no row owns never leak."""
     kv_lens = [5, 0, 8, 36, 1, 17, 9]
     q, k, v, kv, ids, cu = _case(K, G, H, kv_lens)
     nd = 6
     kw = dict(sm_scale=H ** -0.5, sliding_window=window, soft_cap=cap)
+    if dtype == "int8":
+        k, ks, v, vs = _int8(k, v)
+        kw |= dict(k_scales_PLK=ks, v_scales_PLK=vs)
     got = np.asarray(kernel_cpu.decode_attention(q, k, v, kv, ids, nd, isa=isa, **kw))
     ref = _ref(q, k, v, kv, ids, cu, nd, **kw)
     ref[nd:] = 0
@@ -93,11 +109,16 @@ def _mixed():
 
 
 @needs_kernel
-def test_mixed_batch_in_jit_and_scan(monkeypatch):
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_mixed_batch_in_jit_and_scan(monkeypatch, dtype):
     """kernel_xla with the kernel: decode rows by it, prefill by XLA, under jit
     and scanned over two layers (a traced window each); equal to the
     reference, and to the XLA path with ``JAXSERVE_CPU_KERNELS=0``."""
     q, k, v, kv, ids, cu = _mixed()
+    scales = [None, None]
+    if dtype == "int8":
+        k, ks, v, vs = _int8(k, v)
+        scales = [np.stack([ks, ks[::-1]]), np.stack([vs, vs[::-1]])]
     k2, v2 = np.stack([k, k[::-1]]), np.stack([v, v[::-1]])
     ids2 = np.stack([ids, k.shape[0] - 1 - ids])
     windows = jnp.asarray([kernel_cpu.NO_WINDOW, 4], jnp.int32)
@@ -105,39 +126,42 @@ def test_mixed_batch_in_jit_and_scan(monkeypatch):
 
     def run():
         def layer(c, xs):
-            kl, vl, il, w = xs
+            kl, vl, il, w, ksl, vsl = xs
             return c, kernel_xla.ragged_paged_attention(
                 jnp.asarray(q), kl, vl, kv, il, cu, jnp.int32(5), jnp.int32(3),
-                sliding_window=w, **kw)
-        fn = jax.jit(lambda: jax.lax.scan(layer, 0, (k2, v2, ids2, windows))[1])
+                sliding_window=w, k_scales_PLK=ksl, v_scales_PLK=vsl, **kw)
+        fn = jax.jit(lambda: jax.lax.scan(layer, 0, (k2, v2, ids2, windows, *scales))[1])
         return np.asarray(fn()), fn.lower().as_text()
 
     on, text = run()
-    assert "jaxserve_rpa_decode_f32" in text
+    assert f"jaxserve_rpa_decode_{dtype}" in text
     for i, w in enumerate((None, 4)):
-        ref = _ref(q, k2[i], v2[i], kv, ids2[i], cu, 5, sliding_window=w, **kw)
+        sc = {} if dtype == "f32" else dict(k_scales_PLK=scales[0][i], v_scales_PLK=scales[1][i])
+        ref = _ref(q, k2[i], v2[i], kv, ids2[i], cu, 5, sliding_window=w, **kw, **sc)
         np.testing.assert_allclose(on[i], ref, atol=2e-6, rtol=1e-5)
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "0")
     off, text = run()
-    assert "jaxserve_rpa_decode_f32" not in text
+    assert "jaxserve_rpa_decode" not in text
     np.testing.assert_allclose(off, on, atol=2e-6, rtol=1e-5)
 
 
 @needs_kernel
-def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch):
-    """A tiny f32 engine (H 16, G 2): the same greedy tokens with the decode
-    kernel traced into its steps and with the XLA decode path."""
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, kv):
+    """A tiny engine (H 16, G 2; f32 or int8 KV cache): the same greedy tokens
+    with the decode kernel traced into its steps and with the XLA decode path."""
+    kw = {} if kv is None else dict(kv_cache_dtype=kv)
     calls = []
     real = kernel_cpu.decode_attention
 
     def traced(*a, **kw):
-        calls.append(a[0].shape)
+        calls.append(jnp.dtype(a[1].dtype).name)
         return real(*a, **kw)
     monkeypatch.setattr(kernel_cpu, "decode_attention", traced)
-    with_kernel = _greedy(_llm())
-    assert calls
+    with_kernel = _greedy(_llm(**kw))
+    assert set(calls) == {kv or "float32"}  # the cache's pages went to the kernel
     calls.clear()
     monkeypatch.setattr(kernel_cpu, "available", lambda: False)
-    fallback = _greedy(_llm())
+    fallback = _greedy(_llm(**kw))
     assert not calls
     assert with_kernel == fallback

@@ -1,8 +1,9 @@
 // XLA:CPU FFI handler: the decode rows of ragged paged attention, read from the
 // pages in place (see kernel_cpu.py beside this file for the design and the tables).
 //
-// Target jaxserve_rpa_decode_f32 (platform "cpu"; registered by kernel_cpu.py):
-//   q f32[T, N, H], k_pages f32[P, L, K, H], v_pages f32[P, L, K, H], kv_lens s32[S],
+// Targets jaxserve_rpa_decode_f32 and _int8 (platform "cpu"; registered by kernel_cpu.py):
+//   q f32[T, N, H], k_pages, v_pages f32 or s8[P, L, K, H], k_scales, v_scales f32[P, L, K]
+//   (int8: k = k_pages * k_scales; ignored for f32, pass [0]), kv_lens s32[S],
 //   page_indices s32[S, PP], num_decode s32[], window s32[] -> o f32[T, N, H]
 //   attributes sm_scale f32, soft_cap f32 (0: none), isa s32 (-1 best, 0 scalar,
 //   1 AVX2+FMA, 2 AVX-512F), threads s32 (0: XLA's intra-op pool size).
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -39,8 +41,10 @@ constexpr int kMaxL = 256;
 
 struct Unit {
   const float* q;  // [K, G, H], scaled by sm_scale
-  const float* kp;
-  const float* vp;
+  const void* kp;  // float or int8_t [P, L, K, H]
+  const void* vp;
+  const float* ks;  // int8 pages' scales [P, L, K], else null
+  const float* vs;
   const int32_t* pages;  // the row's page table
   int64_t P, L, K, H, G, lo, hi;
   float cap;
@@ -56,6 +60,7 @@ struct V {
   static F zero() { return 0.f; }
   static F set1(float v) { return v; }
   static F load(const float* p) { return *p; }
+  static F load(const int8_t* p) { return float(*p); }
   static void store(float* p, F a) { *p = a; }
   static F mul(F a, F b) { return a * b; }
   static F fma(F a, F b, F c) { return a * b + c; }
@@ -78,6 +83,9 @@ struct V {
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -104,6 +112,9 @@ struct V {
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -179,8 +190,10 @@ void parallel_units(ffi::ThreadPool& pool, int64_t nthreads, int64_t n, Fn fn) {
   while (st->done.load(std::memory_order_acquire) < st->n) std::this_thread::yield();
 }
 
-ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                         ffi::Buffer<ffi::F32> kpages, ffi::Buffer<ffi::F32> vpages,
+template <ffi::DataType DT>
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                         ffi::Buffer<DT> kpages, ffi::Buffer<DT> vpages,
+                         ffi::Buffer<ffi::F32> kscales, ffi::Buffer<ffi::F32> vscales,
                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                          ffi::Buffer<ffi::S32> num_decode, ffi::Buffer<ffi::S32> window,
                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
@@ -198,6 +211,9 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       return ffi::Error::InvalidArgument("jaxserve_rpa_decode_f32: k and v pages differ");
   const int64_t T = qd[0], N = qd[1], H = qd[2], P = pd[0], L = pd[1], K = pd[2], G = N / K;
   const int64_t S = id[0], PP = id[1];
+  constexpr bool i8 = DT == ffi::DataType::S8;
+  if (i8 && (kscales.element_count() != P * L * K || vscales.element_count() != P * L * K))
+    return ffi::Error::InvalidArgument("jaxserve_rpa_decode_int8: scales f32[P, L, K]");
   float* o = out->typed_data();
   std::memset(o, 0, sizeof(float) * T * N * H);
   const int64_t R = std::max<int64_t>(
@@ -234,8 +250,8 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   int level = isa < 0 ? best_isa() : std::min(int(isa), best_isa());
   if (level == 2 && H % 16) level = 1;
   if (level == 1 && H % 8) level = 0;
-  const float* kp = kpages.typed_data();
-  const float* vp = vpages.typed_data();
+  const void* kp = kpages.typed_data();
+  const void* vp = vpages.typed_data();
   const int32_t* pages = page_indices.typed_data();
   auto fn = [&](int64_t u) {
     const int64_t s = u % splits, r = u / splits;
@@ -248,6 +264,8 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     un.q = qs.data() + r * N * H;
     un.kp = kp;
     un.vp = vp;
+    un.ks = i8 ? kscales.typed_data() : nullptr;
+    un.vs = i8 ? vscales.typed_data() : nullptr;
     un.pages = pages + r * PP;
     un.P = P; un.L = L; un.K = K; un.H = H; un.G = G;
     un.lo = std::max(lo[r], p0 * L);
@@ -259,9 +277,10 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     for (int64_t g = 0; g < N; ++g) { un.m[g] = -INFINITY; un.l[g] = 0.f; }
     std::memset(un.acc, 0, sizeof(float) * N * H);
     if (n <= 0 || un.lo >= un.hi) return;
-    if (level == 2) avx512::attend(un);
-    else if (level == 1) avx2::attend(un);
-    else scalar::attend(un);
+    using T = std::conditional_t<i8, int8_t, float>;
+    if (level == 2) avx512::attend<T>(un);
+    else if (level == 1) avx2::attend<T>(un);
+    else scalar::attend<T>(un);
   };
   parallel_units(pool, nthreads, nunits, fn);
   // Merge the splits of each (row, kv head) and normalise.
@@ -290,18 +309,25 @@ ffi::Error DecodeF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace jaxserve_rpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeF32, jaxserve_rpa::DecodeF32Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("isa")
-                                  .Attr<int32_t>("threads"));
+#define JS_RPA_BIND(DT)                            \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<DT>>()                      \
+      .Arg<ffi::Buffer<DT>>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Attr<float>("sm_scale")                     \
+      .Attr<float>("soft_cap")                     \
+      .Attr<int32_t>("isa")                        \
+      .Attr<int32_t>("threads")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeF32, jaxserve_rpa::DecodeImpl<ffi::F32>,
+                              JS_RPA_BIND(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeInt8, jaxserve_rpa::DecodeImpl<ffi::S8>,
+                              JS_RPA_BIND(ffi::S8));

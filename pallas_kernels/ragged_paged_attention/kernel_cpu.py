@@ -28,7 +28,9 @@ one query token each, query token = row) directly from the pages:
   XLA's gather clamps them; positions past ``pages_per_seq * L`` are not
   read. Rows past ``num_decode`` come out 0 (the prefill path fills them);
   a row with no visible position gives 0.
-* f32 pages only: int8/fp8 and bf16 pages keep ``kernel_xla``'s decode path.
+* f32 pages, and int8 pages with f32 [P, L, K] scales (``quant``): int8
+  converted in registers, the K scale applied to the score and the V scale
+  to the probability; fp8 and bf16 pages keep ``kernel_xla``'s decode path.
 
 ``available()`` is ``quant_matmul_cpu.ffi.available()`` (``JAXSERVE_CPU_KERNELS=0``
 turns it off) and the library exporting this target (an older build may not).
@@ -49,7 +51,7 @@ import numpy as np
 from pallas_kernels.quant_matmul_cpu import ffi as qmm_ffi
 
 _log = logging.getLogger(__name__)
-_TARGET = "jaxserve_rpa_decode_f32"
+_TARGETS = {"f32": "JaxserveRpaDecodeF32", "int8": "JaxserveRpaDecodeInt8"}
 NO_WINDOW = 1 << 30
 
 
@@ -59,8 +61,9 @@ def _load() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(qmm_ffi.library_path())
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxserveRpaDecodeF32),
-                                    platform="cpu")
+        for name, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(f"jaxserve_rpa_decode_{name}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         _log.info("ragged_paged_attention.kernel_cpu: no decode target in %s (%s); decode "
                   "attention takes the XLA path", qmm_ffi.library_path(), e)
@@ -76,12 +79,14 @@ def available() -> bool:
 
 def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, num_decode,
                      *, sm_scale: float, sliding_window=None, soft_cap: float | None = None,
-                     isa: int = -1, threads: int = 0):
+                     k_scales_PLK=None, v_scales_PLK=None, isa: int = -1, threads: int = 0):
     """Attention of decode rows ``0 .. num_decode - 1`` (query token = row).
 
     Args:
       q_TNH: [T, N, H] queries (cast to f32), N = K * G.
-      k_pages_PLKH, v_pages_PLKH: f32[P, L, K, H] (L <= 256, G <= 16).
+      k_pages_PLKH, v_pages_PLKH: f32 or int8 [P, L, K, H] (L <= 256, G <= 16).
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8 pages (``quant``:
+        k = pages * scales), None for f32 pages.
       kv_lens_S: i32[S]; page_indices_SP: i32[S, pages_per_seq].
       num_decode: i32 scalar (or [1], or a Python int).
       sm_scale: softmax scale; soft_cap: None or > 0.
@@ -95,17 +100,25 @@ def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_
 
     Raises:
       RuntimeError: the kernel library is not available.
-      ValueError: pages not f32.
+      ValueError: pages neither f32 nor int8 with scales.
     """
     if not _load():
         raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
-    if k_pages_PLKH.dtype != jnp.float32 or v_pages_PLKH.dtype != jnp.float32:
-        raise ValueError(f"decode_attention: f32 pages only, got {k_pages_PLKH.dtype}")
+    kind = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int8): "int8"}.get(
+        jnp.dtype(k_pages_PLKH.dtype))
+    if (kind is None or v_pages_PLKH.dtype != k_pages_PLKH.dtype
+            or (kind == "int8") != (k_scales_PLK is not None and v_scales_PLK is not None)):
+        raise ValueError(f"decode_attention: f32 pages, or int8 pages with scales; got "
+                         f"{k_pages_PLKH.dtype} (scales given: {k_scales_PLK is not None})")
+    if kind == "f32":
+        k_scales_PLK = v_scales_PLK = jnp.zeros((0,), jnp.float32)
     window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     window = jnp.minimum(window.reshape(()), NO_WINDOW)
     nd = jnp.asarray(num_decode, jnp.int32).reshape(())
-    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
+    return jax.ffi.ffi_call(f"jaxserve_rpa_decode_{kind}",
+                            jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
         q_TNH.astype(jnp.float32), k_pages_PLKH, v_pages_PLKH,
+        k_scales_PLK.astype(jnp.float32), v_scales_PLK.astype(jnp.float32),
         jnp.asarray(kv_lens_S, jnp.int32), jnp.asarray(page_indices_SP, jnp.int32), nd, window,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         isa=np.int32(isa), threads=np.int32(threads))
