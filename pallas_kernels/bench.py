@@ -20,7 +20,7 @@ script, not to measure anything); without it the script says there is no GPU
 and exits.
 
 ``--decode-cpu`` (any backend, meant for XLA:CPU) times the XLA lowering
-(``kernel_xla``, ``decode_only``: the engine's ``decode_step`` program; f32
+(``kernel_xla``, ``decode_only``: the engine's ``decode_step`` program;
 pages both with its XLA decode path and with the C++ ``kernel_cpu``,
 alternated) on
 decode rows with SmolLM2-135M's heads (N 9, K 3, H 64, page size 16), f32 and
@@ -132,7 +132,7 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                dtypes=("f32", "int8")) -> list[dict]:
     """The ``--decode-cpu`` table (module docstring); returns its rows as dicts
     (dtype, path, batch, ctx, ms, cpu_ms, bytes, gbs, cpu_gbs) after printing
-    them. f32 pages are timed twice, alternated: the XLA decode path
+    them. Pages are timed twice, alternated: the XLA decode path
     (``JAXSERVE_CPU_KERNELS=0`` at trace time) and the C++ kernel
     (``kernel_cpu``, where it is built)."""
     from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla, quant
@@ -160,7 +160,7 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                     kw = dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K))
                     nbytes = 2 * batch * ctx * K * (H + 4)
                 args = (q, kp, vp, kv_lens, pi, cu, ns, ns)
-                paths = ["xla"] + (["kernel"] if dt == "f32" and kernel_cpu.available() else [])
+                paths = ["xla"] + (["kernel"] if kernel_cpu.available() else [])
                 fns = []
                 for path in paths:
                     f = jax.jit(lambda *a, **k: kernel_xla.ragged_paged_attention(

@@ -35,7 +35,48 @@ one query token each, query token = row) directly from the pages:
 ``available()`` is ``quant_matmul_cpu.ffi.available()`` (``JAXSERVE_CPU_KERNELS=0``
 turns it off) and the library exporting this target (an older build may not).
 
-Measured: see the table below (``python -m pallas_kernels.bench --decode-cpu``).
+Measured (``python -m pallas_kernels.bench --decode-cpu``, 15 alternated
+pairs per case, medians, one process): an Intel Xeon (AVX-512 F/BW/VL/VNNI/
+BF16/FP16, AMX), 2 cores, jax 0.10.2, loaded by two other jobs (load average
+3.4-3.9), where the large f32 matvec read 13.8-14.7 GB/s. SmolLM2's heads
+(N 9, K 3, H 64, page 16), pages in random order, one layer's decode rows
+(``kernel_xla.ragged_paged_attention(decode_only=True)``: the engine's
+``decode_step`` call), XLA decode path vs this kernel; GB/s of K/V bytes read
+(int8 counts its f32 scales) per wall second:
+
+  ====  ====  ====  ================  ==========  ========
+  KV    rows  ctx   ms XLA / kernel   GB/s XLA    kernel
+  ====  ====  ====  ================  ==========  ========
+  f32   1     256   0.129 / 0.046     3.0         8.5
+  f32   1     1024  0.680 / 0.282     2.3         5.6
+  f32   1     4096  1.464 / 0.798     4.3         7.9
+  f32   8     256   1.076 / 0.456     2.9         6.9
+  f32   8     1024  2.899 / 1.371     4.3         9.2
+  f32   8     4096  12.0 / 6.20       4.2         8.1
+  f32   32    256   3.690 / 1.404     3.4         9.0
+  f32   32    1024  13.0 / 7.13       3.9         7.1
+  f32   32    4096  61.8 / 32.4       3.3         6.2
+  int8  1     256   0.131 / 0.059     0.8         1.8
+  int8  1     1024  0.275 / 0.176     1.5         2.4
+  int8  1     4096  1.798 / 0.561     0.9         3.0
+  int8  8     256   1.014 / 0.347     0.8         2.4
+  int8  8     1024  2.741 / 0.968     1.2         3.5
+  int8  8     4096  11.0 / 4.03       1.2         3.3
+  int8  32    256   3.462 / 1.068     1.0         3.1
+  int8  32    1024  10.3 / 3.61       1.3         3.7
+  int8  32    4096  48.4 / 17.9       1.1         3.0
+  ====  ====  ====  ================  ==========  ========
+
+The kernel takes 1.8-2.8x less time with f32 pages and 1.6-3.4x less with
+int8; at SmolLM2's decode (1 row, 1,024 positions) 0.68 -> 0.28 ms a layer.
+On this loaded box wall time equalled CPU time in this run (the other core
+was busy: the pool's second thread rarely ran); with it free, 8 rows x 4,096
+took 3.2-3.6 ms on 2 threads against 5.4-6.7 on one (14-15 GB/s, the
+matvec's rate), and 1 row x 4,096 (3 splits) 0.54 against 0.77. Single-
+thread it is compute-bound, not at the matvec's bandwidth: int8 (4x fewer
+bytes) takes only ~1.7x less time. Before the per-row units, the next-page
+prefetch and the vector exp it took ~2x longer at 8 x 4,096 (12.8 ms: each
+(row, kv head) read 256 of every 768 bytes of a slot, pages uncached).
 """
 
 from __future__ import annotations
