@@ -92,22 +92,20 @@ import numpy as np
 from pallas_kernels.quant_matmul_cpu import ffi as qmm_ffi
 
 _log = logging.getLogger(__name__)
-_TARGETS = {"f32": "JaxserveRpaDecodeF32", "int8": "JaxserveRpaDecodeInt8"}
 NO_WINDOW = 1 << 30
 
 
 @functools.cache
 def _load() -> bool:
+    """The library loaded and exports this module's targets (``quant_matmul_cpu.ffi``
+    registers them with its own, so a stored program calling them runs untraced)."""
     if not qmm_ffi._load():  # the library itself (not JAXSERVE_CPU_KERNELS: read per call)
         return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(qmm_ffi.library_path())
-        for name, symbol in _TARGETS.items():
-            jax.ffi.register_ffi_target(f"jaxserve_rpa_decode_{name}",
-                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    except (OSError, AttributeError, RuntimeError, ValueError) as e:
-        _log.info("ragged_paged_attention.kernel_cpu: no decode target in %s (%s); decode "
-                  "attention takes the XLA path", qmm_ffi.library_path(), e)
+    lib = ctypes.cdll.LoadLibrary(qmm_ffi.library_path())
+    missing = [s for s in qmm_ffi.OTHER_TARGETS.values() if not hasattr(lib, s)]
+    if missing:
+        _log.info("ragged_paged_attention.kernel_cpu: %s lacks %s (built before them?); "
+                  "decode attention takes the XLA path", qmm_ffi.library_path(), missing)
         return False
     return True
 
