@@ -63,6 +63,7 @@ CASES = [  # K, G, H, window, soft_cap
     (1, 3, 128, None, 5.0),
     (2, 3, 128, 13, 2.0),
     (1, 2, 24, 5, None),  # H no vector width divides: scalar
+    (1, 9, 32, 6, None),  # G above the kernel's unrolled 1..8
 ]
 
 
