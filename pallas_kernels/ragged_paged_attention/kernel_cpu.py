@@ -37,46 +37,49 @@ turns it off) and the library exporting this target (an older build may not).
 
 Measured (``python -m pallas_kernels.bench --decode-cpu``, 15 alternated
 pairs per case, medians, one process): an Intel Xeon (AVX-512 F/BW/VL/VNNI/
-BF16/FP16, AMX), 2 cores, jax 0.10.2, loaded by two other jobs (load average
-3.4-3.9), where the large f32 matvec read 13.8-14.7 GB/s. SmolLM2's heads
-(N 9, K 3, H 64, page 16), pages in random order, one layer's decode rows
+BF16/FP16, AMX), 2 cores, jax 0.10.2, shared with other jobs (load average
+1.8-1.9 during this run), where the large f32 matvec read 26.7-28.0 GB/s of
+wall time and 14.8-15.2 per CPU second. SmolLM2's heads (N 9, K 3, H 64,
+page 16), pages in random order, one layer's decode rows
 (``kernel_xla.ragged_paged_attention(decode_only=True)``: the engine's
-``decode_step`` call), XLA decode path vs this kernel; GB/s of K/V bytes read
-(int8 counts its f32 scales) per wall second:
+``decode_step`` call), XLA decode path / this kernel; GB/s of K/V bytes read
+(int8 counts its f32 scales) per wall second and per process CPU second;
+ratio: XLA wall time / kernel wall time:
 
-  ====  ====  ====  ================  ==========  ========
-  KV    rows  ctx   ms XLA / kernel   GB/s XLA    kernel
-  ====  ====  ====  ================  ==========  ========
-  f32   1     256   0.129 / 0.046     3.0         8.5
-  f32   1     1024  0.680 / 0.282     2.3         5.6
-  f32   1     4096  1.464 / 0.798     4.3         7.9
-  f32   8     256   1.076 / 0.456     2.9         6.9
-  f32   8     1024  2.899 / 1.371     4.3         9.2
-  f32   8     4096  12.0 / 6.20       4.2         8.1
-  f32   32    256   3.690 / 1.404     3.4         9.0
-  f32   32    1024  13.0 / 7.13       3.9         7.1
-  f32   32    4096  61.8 / 32.4       3.3         6.2
-  int8  1     256   0.131 / 0.059     0.8         1.8
-  int8  1     1024  0.275 / 0.176     1.5         2.4
-  int8  1     4096  1.798 / 0.561     0.9         3.0
-  int8  8     256   1.014 / 0.347     0.8         2.4
-  int8  8     1024  2.741 / 0.968     1.2         3.5
-  int8  8     4096  11.0 / 4.03       1.2         3.3
-  int8  32    256   3.462 / 1.068     1.0         3.1
-  int8  32    1024  10.3 / 3.61       1.3         3.7
-  int8  32    4096  48.4 / 17.9       1.1         3.0
-  ====  ====  ====  ================  ==========  ========
+  ====  ====  ====  ================  ===========  ===========  =====
+  KV    rows  ctx   ms XLA / kernel   GB/s wall    GB/s CPU     ratio
+  ====  ====  ====  ================  ===========  ===========  =====
+  f32   1     256   0.194 / 0.062     2.0 / 6.4    1.9 / 6.4    3.1
+  f32   1     1024  0.637 / 0.171     2.5 / 9.2    2.4 / 5.1    3.7
+  f32   1     4096  1.734 / 0.479     3.6 / 13.1   2.7 / 8.0    3.6
+  f32   8     256   0.899 / 0.311     3.5 / 10.1   3.0 / 8.2    2.9
+  f32   8     1024  2.797 / 0.734     4.5 / 17.1   3.7 / 9.6    3.8
+  f32   8     4096  8.988 / 2.712     5.6 / 18.6   4.0 / 9.6    3.3
+  f32   32    256   3.254 / 1.134     3.9 / 11.1   3.0 / 9.7    2.9
+  f32   32    1024  9.822 / 2.836     5.1 / 17.7   4.0 / 9.6    3.5
+  f32   32    4096  38.6 / 14.7       5.2 / 13.7   3.3 / 7.1    2.6
+  int8  1     256   0.120 / 0.036     0.9 / 2.9    0.9 / 2.9    3.3
+  int8  1     1024  0.292 / 0.120     1.4 / 3.5    1.4 / 3.4    2.4
+  int8  1     4096  1.298 / 0.367     1.3 / 4.6    1.1 / 3.0    3.5
+  int8  8     256   1.033 / 0.261     0.8 / 3.2    0.7 / 2.5    4.0
+  int8  8     1024  2.889 / 0.597     1.2 / 5.6    1.1 / 3.3    4.8
+  int8  8     4096  10.2 / 1.877      1.3 / 7.1    1.1 / 3.8    5.5
+  int8  32    256   3.869 / 0.827     0.9 / 4.0    0.8 / 3.1    4.7
+  int8  32    1024  10.7 / 1.986      1.3 / 6.7    1.0 / 3.6    5.4
+  int8  32    4096  42.1 / 11.7       1.3 / 4.6    1.0 / 3.8    3.6
+  ====  ====  ====  ================  ===========  ===========  =====
 
-The kernel takes 1.8-2.8x less time with f32 pages and 1.6-3.4x less with
-int8; at SmolLM2's decode (1 row, 1,024 positions) 0.68 -> 0.28 ms a layer.
-On this loaded box wall time equalled CPU time in this run (the other core
-was busy: the pool's second thread rarely ran); with it free, 8 rows x 4,096
-took 3.2-3.6 ms on 2 threads against 5.4-6.7 on one (14-15 GB/s, the
-matvec's rate), and 1 row x 4,096 (3 splits) 0.54 against 0.77. Single-
-thread it is compute-bound, not at the matvec's bandwidth: int8 (4x fewer
-bytes) takes only ~1.7x less time. Before the per-row units, the next-page
-prefetch and the vector exp it took ~2x longer at 8 x 4,096 (12.8 ms: each
-(row, kv head) read 256 of every 768 bytes of a slot, pages uncached).
+The kernel takes 2.6-4.0x less wall time with f32 pages and 2.4-5.5x less
+with int8; at SmolLM2's decode (1 row, 1,024 positions) 0.64 -> 0.17 ms a
+layer. Per CPU second it reads 5-10 GB/s of f32 against the XLA path's 2-4
+(and the matvec's ~15): below the bandwidth, it is compute-bound per thread
+(int8, 4x fewer bytes, takes only 1.3-2x less time). An earlier run on a
+more loaded box (load 3.4-3.9, the second core mostly busy, before G was a
+compile-time constant) still gave 1.8-2.8x (f32) and 1.6-3.4x (int8) with
+wall time equal to CPU time. Steps of this kernel, single-thread at 8 rows
+x 4,096 (wall ms, separate runs on the shared box, so +-15%): per-(row, kv head) units reading 256 of every 768 bytes
+of a slot 12.8; the next page prefetched 6.6; a vector exp 5.9; one unit
+per row (whole pages read as one run) 5.4; G a compile-time constant 4.2.
 """
 
 from __future__ import annotations
