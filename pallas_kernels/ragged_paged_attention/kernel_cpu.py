@@ -78,9 +78,9 @@ more loaded box (load 3.4-3.9, the second core mostly busy, before G was a
 compile-time constant) still gave 1.8-2.8x (f32) and 1.6-3.4x (int8) with
 wall time equal to CPU time. Steps of this kernel, single-thread at 8 rows
 x 4,096 (wall ms, separate runs on the shared box, so +-15%): per-(row,
-kv head) units reading 256 of every 768 bytes
-of a slot 12.8; the next page prefetched 6.6; a vector exp 5.9; one unit
-per row (whole pages read as one run) 5.4; G a compile-time constant 4.2.
+kv head) units reading 256 of every 768 bytes of a slot 12.8; the next
+page prefetched 6.6; a vector exp 5.9; one unit per row (whole pages read
+as one run) 5.4; G a compile-time constant 4.2.
 """
 
 from __future__ import annotations
