@@ -89,13 +89,19 @@ def test_decode_rows_match_reference(K, G, H, window, cap, isa, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_long_rows_split_over_threads(threads):
-    """Few (row, kv head) pairs and long rows: positions split over the pool
-    (flash-decoding merge), with a traced window; the same as the reference."""
+def test_long_rows_split_over_threads(threads, dtype):
+    """Few rows and long ones (page size 16: AVX-512 reduces 16 positions'
+    scores at once): positions split over the pool (flash-decoding merge),
+    with a traced window; the same as the reference."""
     q, k, v, kv, ids, cu = _case(1, 3, 64, [700, 413], L=16, pages_per_seq=48, seed=2)
+    sc = {}
+    if dtype == "int8":
+        k, ks, v, vs = _int8(k, v)
+        sc = dict(k_scales_PLK=ks, v_scales_PLK=vs)
     for window in (None, 300):
-        kw = dict(sm_scale=0.125, soft_cap=None)
+        kw = dict(sm_scale=0.125, soft_cap=None, **sc)
         got = np.asarray(jax.jit(lambda w: kernel_cpu.decode_attention(
             q, k, v, kv, ids, 2, sliding_window=w, threads=threads, **kw))(
             jnp.int32(kernel_cpu.NO_WINDOW if window is None else window)))

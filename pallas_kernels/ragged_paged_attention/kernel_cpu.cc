@@ -65,6 +65,7 @@ struct V {
   static F mul(F a, F b) { return a * b; }
   static F fma(F a, F b, F c) { return a * b + c; }
   static float reduce(F a) { return a; }
+  static F reduce16(const F* a) { return a[0]; }  // unused: only AVX-512 takes 16 at once
   static float exp_sub(float* x, int64_t n, float m) {  // x = exp(x - m); returns the sum
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] - m));
@@ -98,6 +99,7 @@ struct V {
   static float exp_sub(float* x, int64_t n, float m) {
     return scalar::V::exp_sub(x, n, m);
   }
+  static F reduce16(const F* a) { return a[0]; }  // unused: only AVX-512 takes 16 at once
 };
 #include "kernel_cpu_body.inc"
 }  // namespace avx2
@@ -119,6 +121,25 @@ struct V {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce(F a) { return _mm512_reduce_add_ps(a); }
+  // The 16 sums of a[0..15] as one vector (lane j: sum of a[j]): a tree of in-lane
+  // and 128-bit shuffles, 31 adds and shuffles for 16 horizontal sums.
+  static F reduce16(const F* a) {
+    F b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; ++i)
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; ++i)
+      d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
+    const F e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
+                              _mm512_shuffle_ps(d[0], d[1], 0xdd));
+    // lane 4 k + m holds the sum of a[4 m + k]
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, e);
+  }
   // exp(x - m) for x <= m, 16 lanes: 2^n e^r with n = round((x - m) log2 e),
   // r = (x - m) - n ln 2 (two-part ln 2), e^r by its degree-6 Taylor polynomial
   // (|r| <= ln 2 / 2: relative error ~1e-7), 2^n by vscalefps (0 far below).
