@@ -38,8 +38,8 @@ turns it off) and the library exporting this target (an older build may not).
 Measured (``python -m pallas_kernels.bench --decode-cpu``, 15 alternated
 pairs per case, medians, one process): an Intel Xeon (AVX-512 F/BW/VL/VNNI/
 BF16/FP16, AMX), 2 cores, jax 0.10.2, shared with other jobs (load average
-1.8-1.9 during this run), where the large f32 matvec read 26.7-28.0 GB/s of
-wall time and 14.8-15.2 per CPU second. SmolLM2's heads (N 9, K 3, H 64,
+1.2-1.4 during this run), where the large f32 matvec read 27.5-27.8 GB/s of
+wall time and 15.2-15.3 per CPU second. SmolLM2's heads (N 9, K 3, H 64,
 page 16), pages in random order, one layer's decode rows
 (``kernel_xla.ragged_paged_attention(decode_only=True)``: the engine's
 ``decode_step`` call), XLA decode path / this kernel; GB/s of K/V bytes read
@@ -49,38 +49,40 @@ ratio: XLA wall time / kernel wall time:
   ====  ====  ====  ================  ===========  ===========  =====
   KV    rows  ctx   ms XLA / kernel   GB/s wall    GB/s CPU     ratio
   ====  ====  ====  ================  ===========  ===========  =====
-  f32   1     256   0.194 / 0.062     2.0 / 6.4    1.9 / 6.4    3.1
-  f32   1     1024  0.637 / 0.171     2.5 / 9.2    2.4 / 5.1    3.7
-  f32   1     4096  1.734 / 0.479     3.6 / 13.1   2.7 / 8.0    3.6
-  f32   8     256   0.899 / 0.311     3.5 / 10.1   3.0 / 8.2    2.9
-  f32   8     1024  2.797 / 0.734     4.5 / 17.1   3.7 / 9.6    3.8
-  f32   8     4096  8.988 / 2.712     5.6 / 18.6   4.0 / 9.6    3.3
-  f32   32    256   3.254 / 1.134     3.9 / 11.1   3.0 / 9.7    2.9
-  f32   32    1024  9.822 / 2.836     5.1 / 17.7   4.0 / 9.6    3.5
-  f32   32    4096  38.6 / 14.7       5.2 / 13.7   3.3 / 7.1    2.6
-  int8  1     256   0.120 / 0.036     0.9 / 2.9    0.9 / 2.9    3.3
-  int8  1     1024  0.292 / 0.120     1.4 / 3.5    1.4 / 3.4    2.4
-  int8  1     4096  1.298 / 0.367     1.3 / 4.6    1.1 / 3.0    3.5
-  int8  8     256   1.033 / 0.261     0.8 / 3.2    0.7 / 2.5    4.0
-  int8  8     1024  2.889 / 0.597     1.2 / 5.6    1.1 / 3.3    4.8
-  int8  8     4096  10.2 / 1.877      1.3 / 7.1    1.1 / 3.8    5.5
-  int8  32    256   3.869 / 0.827     0.9 / 4.0    0.8 / 3.1    4.7
-  int8  32    1024  10.7 / 1.986      1.3 / 6.7    1.0 / 3.6    5.4
-  int8  32    4096  42.1 / 11.7       1.3 / 4.6    1.0 / 3.8    3.6
+  f32   1     256   0.210 / 0.084     1.9 / 4.7    1.8 / 4.7    2.5
+  f32   1     1024  0.456 / 0.126     3.4 / 12.5   3.6 / 4.8    3.6
+  f32   1     4096  1.449 / 0.457     4.3 / 13.8   3.0 / 10.7   3.2
+  f32   8     256   1.130 / 0.319     2.8 / 9.9    2.2 / 9.2    3.5
+  f32   8     1024  2.877 / 0.750     4.4 / 16.8   3.4 / 10.9   3.8
+  f32   8     4096  9.962 / 3.074     5.1 / 16.4   3.8 / 11.0   3.2
+  f32   32    256   3.146 / 0.685     4.0 / 18.4   3.1 / 10.6   4.6
+  f32   32    1024  9.042 / 2.722     5.6 / 18.5   4.0 / 11.0   3.3
+  f32   32    4096  38.2 / 13.9       5.3 / 14.5   3.3 / 7.5    2.7
+  int8  1     256   0.089 / 0.028     1.2 / 3.7    1.2 / 3.7    3.2
+  int8  1     1024  0.280 / 0.109     1.5 / 3.8    1.5 / 3.8    2.6
+  int8  1     4096  1.338 / 0.233     1.2 / 7.2    1.2 / 3.5    5.7
+  int8  8     256   1.204 / 0.258     0.7 / 3.2    0.7 / 3.0    4.7
+  int8  8     1024  2.464 / 0.541     1.4 / 6.2    1.3 / 3.6    4.6
+  int8  8     4096  9.669 / 1.794     1.4 / 7.5    1.2 / 4.1    5.4
+  int8  32    256   3.203 / 0.667     1.0 / 5.0    0.9 / 3.4    4.8
+  int8  32    1024  10.9 / 2.128      1.2 / 6.3    1.1 / 3.8    5.1
+  int8  32    4096  40.5 / 9.390      1.3 / 5.7    1.1 / 3.2    4.3
   ====  ====  ====  ================  ===========  ===========  =====
 
-The kernel takes 2.6-4.0x less wall time with f32 pages and 2.4-5.5x less
-with int8; at SmolLM2's decode (1 row, 1,024 positions) 0.64 -> 0.17 ms a
-layer. Per CPU second it reads 5-10 GB/s of f32 against the XLA path's 2-4
-(and the matvec's ~15): below the bandwidth, it is compute-bound per thread
-(int8, 4x fewer bytes, takes only 1.3-2x less time). An earlier run on a
+The kernel takes 2.5-4.6x less wall time with f32 pages and 2.6-5.7x less
+with int8; at SmolLM2's decode (1 row, 1,024 positions, f32) 0.46 -> 0.13
+ms a layer. Per CPU second it reads 5-11 GB/s of f32 against the XLA path's
+2-4 (and the matvec's ~15): below the bandwidth, it is compute-bound per
+thread (int8, 4x fewer bytes, takes only 1.3-2x less time). An earlier run on a
 more loaded box (load 3.4-3.9, the second core mostly busy, before G was a
 compile-time constant) still gave 1.8-2.8x (f32) and 1.6-3.4x (int8) with
 wall time equal to CPU time. Steps of this kernel, single-thread at 8 rows
 x 4,096 (wall ms, separate runs on the shared box, so +-15%): per-(row,
 kv head) units reading 256 of every 768 bytes of a slot 12.8; the next
 page prefetched 6.6; a vector exp 5.9; one unit per row (whole pages read
-as one run) 5.4; G a compile-time constant 4.2.
+as one run) 5.4; G a compile-time constant 4.2; 16 positions' scores
+reduced at once (AVX-512) 4.1 (32 rows x 1,024: 4.5 -> 3.7; 1 x 4,096:
+0.61 -> 0.50).
 """
 
 from __future__ import annotations
