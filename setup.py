@@ -1,5 +1,6 @@
 """The optional C++ extension: ``pallas_kernels/quant_matmul_cpu``'s XLA:CPU FFI
-kernels (everything else is in pyproject.toml).
+kernels and ``ragged_paged_attention/kernel_cpu.cc``'s decode attention handler,
+one library (everything else is in pyproject.toml).
 
 The build never fails the install: with no compiler, no jax headers
 (``jax.ffi.include_dir()``) or a compile error it warns and skips the
@@ -46,8 +47,10 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension(
         "pallas_kernels.quant_matmul_cpu._quant_matmul_cpu",
-        sources=["pallas_kernels/quant_matmul_cpu/kernel.cc"],
-        depends=["pallas_kernels/quant_matmul_cpu/kernel_body.inc"],
+        sources=["pallas_kernels/quant_matmul_cpu/kernel.cc",
+                 "pallas_kernels/ragged_paged_attention/kernel_cpu.cc"],
+        depends=["pallas_kernels/quant_matmul_cpu/kernel_body.inc",
+                 "pallas_kernels/ragged_paged_attention/kernel_cpu_body.inc"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fPIC", "-g0"],
         py_limited_api=False,

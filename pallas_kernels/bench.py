@@ -20,7 +20,9 @@ script, not to measure anything); without it the script says there is no GPU
 and exits.
 
 ``--decode-cpu`` (any backend, meant for XLA:CPU) times the XLA lowering
-(``kernel_xla``, ``decode_only``: the engine's ``decode_step`` program) on
+(``kernel_xla``, ``decode_only``: the engine's ``decode_step`` program;
+pages both with its XLA decode path and with the C++ ``kernel_cpu``,
+alternated) on
 decode rows with SmolLM2-135M's heads (N 9, K 3, H 64, page size 16), f32 and
 int8 KV (int8 with f32 per-token scales, which it counts as bytes read), batch
 rows 1, 8, 32 x context 256, 1,024, 4,096: ms per layer call (median of
@@ -97,11 +99,43 @@ def matvec_gbs(n: int, iters: int) -> tuple[float, float]:
             4 * n * n / median_cpu_time(f, a, x, iters=iters) / 1e9)
 
 
+def _traced_with(kernels: bool, f, *args, **kwargs):
+    """Trace and run ``f`` once with ``JAXSERVE_CPU_KERNELS`` on or off (read at
+    trace time), so that later calls keep that path."""
+    import os
+    old = os.environ.get("JAXSERVE_CPU_KERNELS")
+    os.environ["JAXSERVE_CPU_KERNELS"] = "1" if kernels else "0"
+    try:
+        jax.block_until_ready(f(*args, **kwargs))
+    finally:
+        if old is None:
+            del os.environ["JAXSERVE_CPU_KERNELS"]
+        else:
+            os.environ["JAXSERVE_CPU_KERNELS"] = old
+
+
+def _alternated(fns, *args, iters: int, **kwargs):
+    """Median wall and process CPU seconds of each of ``fns``, calls alternated
+    (one of each per round) so that load from other jobs hits them alike."""
+    wall = [[] for _ in fns]
+    cpu = [[] for _ in fns]
+    for _ in range(iters):
+        for i, f in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(f(*args, **kwargs))
+            wall[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.process_time() - c0)
+    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
+
+
 def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                dtypes=("f32", "int8")) -> list[dict]:
     """The ``--decode-cpu`` table (module docstring); returns its rows as dicts
-    (dtype, batch, ctx, ms, cpu_ms, bytes, gbs, cpu_gbs) after printing them."""
-    from pallas_kernels.ragged_paged_attention import kernel_xla, quant
+    (dtype, path, batch, ctx, ms, cpu_ms, bytes, gbs, cpu_gbs) after printing
+    them. Pages are timed twice, alternated: the XLA decode path
+    (``JAXSERVE_CPU_KERNELS=0`` at trace time) and the C++ kernel
+    (``kernel_cpu``, where it is built)."""
+    from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla, quant
 
     N, K, H, L = 9, 3, 64, 16
     rng = np.random.default_rng(0)
@@ -109,7 +143,7 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
     print(f"device: {jax.devices()[0].device_kind}; f32 matvec [8192, 8192] @ [8192]: "
           f"{limit:.1f} GB/s, {cpu_limit:.1f} GB/s per CPU second; heads {N}/{K}, head dim "
           f"{H}, page {L}")
-    print(f"{'kv':<5} {'batch':>5} {'ctx':>6} {'ms':>8} {'MB read':>8} {'GB/s':>6} "
+    print(f"{'kv':<5} {'path':<6} {'batch':>5} {'ctx':>6} {'ms':>8} {'MB read':>8} {'GB/s':>6} "
           f"{'of matvec':>9} {'CPU ms':>8} {'GB/s CPU':>8} {'of matvec':>9}")
     rows = []
     for dt in dtypes:
@@ -125,16 +159,21 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                     kp, vp = kp.reshape(P, L, K, H), vp.reshape(P, L, K, H)
                     kw = dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K))
                     nbytes = 2 * batch * ctx * K * (H + 4)
-                f = jax.jit(lambda *a, **k: kernel_xla.ragged_paged_attention(
-                    *a, sm_scale=H ** -0.5, decode_only=True, **k))
-                t = median_time(f, q, kp, vp, kv_lens, pi, cu, ns, ns, iters=iters, **kw)
-                c = median_cpu_time(f, q, kp, vp, kv_lens, pi, cu, ns, ns, iters=iters, **kw)
-                gbs, cpu_gbs = nbytes / t / 1e9, nbytes / c / 1e9
-                rows.append(dict(dtype=dt, batch=batch, ctx=ctx, ms=t * 1e3, cpu_ms=c * 1e3,
-                                 bytes=nbytes, gbs=gbs, cpu_gbs=cpu_gbs))
-                print(f"{dt:<5} {batch:>5} {ctx:>6} {t * 1e3:>8.3f} {nbytes / 1e6:>8.2f} "
-                      f"{gbs:>6.1f} {gbs / limit:>9.0%} {c * 1e3:>8.3f} {cpu_gbs:>8.1f} "
-                      f"{cpu_gbs / cpu_limit:>9.0%}", flush=True)
+                args = (q, kp, vp, kv_lens, pi, cu, ns, ns)
+                paths = ["xla"] + (["kernel"] if kernel_cpu.available() else [])
+                fns = []
+                for path in paths:
+                    f = jax.jit(lambda *a, **k: kernel_xla.ragged_paged_attention(
+                        *a, sm_scale=H ** -0.5, decode_only=True, **k))
+                    _traced_with(path == "kernel", f, *args, **kw)
+                    fns.append(f)
+                for path, (t, c) in zip(paths, _alternated(fns, *args, iters=iters, **kw)):
+                    gbs, cpu_gbs = nbytes / t / 1e9, nbytes / c / 1e9
+                    rows.append(dict(dtype=dt, path=path, batch=batch, ctx=ctx, ms=t * 1e3,
+                                     cpu_ms=c * 1e3, bytes=nbytes, gbs=gbs, cpu_gbs=cpu_gbs))
+                    print(f"{dt:<5} {path:<6} {batch:>5} {ctx:>6} {t * 1e3:>8.3f} "
+                          f"{nbytes / 1e6:>8.2f} {gbs:>6.1f} {gbs / limit:>9.0%} {c * 1e3:>8.3f} "
+                          f"{cpu_gbs:>8.1f} {cpu_gbs / cpu_limit:>9.0%}", flush=True)
     limit2, cpu_limit2 = matvec_gbs(8192, iters)
     print(f"f32 matvec after the cases: {limit2:.1f} GB/s, {cpu_limit2:.1f} GB/s per CPU second")
     return rows

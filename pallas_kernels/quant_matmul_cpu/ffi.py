@@ -1,5 +1,7 @@
 """Loads ``_quant_matmul_cpu*.so`` (built by setup.py next to this file),
-registers its five XLA:CPU FFI targets and wraps them as jittable functions.
+registers its five XLA:CPU FFI targets (and ``OTHER_TARGETS``: the decode
+attention handlers of ``ragged_paged_attention.kernel_cpu``, built into the
+same library) and wraps them as jittable functions.
 
 ``available()`` is False (and every caller takes the XLA path) when
 ``JAXSERVE_CPU_KERNELS=0``, when the library is missing (no compiler at
@@ -29,6 +31,10 @@ import numpy as np
 _log = logging.getLogger(__name__)
 _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "JaxserveQmmQ4g",
             "w8a8": "JaxserveQmmW8a8", "f32": "JaxserveQmmF32"}
+# The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``), registered
+# here too so that a stored program calling them runs without being traced again.
+OTHER_TARGETS = {"jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
+                 "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8"}
 
 
 def library_path() -> str | None:
@@ -50,6 +56,10 @@ def _load() -> bool:
         for name, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(f"jaxserve_qmm_{name}",
                                         jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        for name, symbol in OTHER_TARGETS.items():
+            if hasattr(lib, symbol):  # a library built before them lacks them
+                jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform="cpu")
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         _log.info("quant_matmul_cpu: %s failed to load (%s); quantized matmuls take the XLA "
                   "path", path, e)

@@ -38,6 +38,11 @@ rows and kv lengths, not the padded shape:
   query's window start), as FlashAttention tiles the causal triangle
   (Dao et al. 2022). Pages a chunk does not attend to are not touched.
 
+On XLA:CPU with f32 or int8 pages the decode rows go to ``kernel_cpu`` instead (a
+C++ FFI kernel reading the pages in place, where it is built and
+``JAXSERVE_CPU_KERNELS`` is not ``0``, outside a multi-device mesh); its
+output is the ``out`` the prefill path then fills.
+
 Every score, softmax and accumulation is f32 (``soft_cap`` applied to the
 scaled score before the mask); K and V outside a row's visible range are
 masked before they are used, so garbage (NaN) in pages a row does not own
@@ -128,6 +133,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import kernel_cpu
 from pallas_kernels.ragged_paged_attention.quant import dequantize
 from pallas_kernels.ragged_paged_attention.reference import _MASK_VALUE, validate_inputs
 
@@ -246,6 +252,18 @@ def _decode_rows(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_s
         # decode row the block owns nothing and reads no page.
         return row_block(0, out_TKGH)
     return jax.lax.fori_loop(0, _cdiv(num_decode, R), row_block, out_TKGH)
+
+
+def _cpu_kernel_allowed(k_pages_PLKH, k_scales_PLK) -> bool:
+    """The decode rows may go to ``kernel_cpu`` (the C++ kernel reading pages in
+    place): CPU backend, f32 pages or int8 ones with scales, outside a mesh of
+    several devices (a custom call does not split over a mesh), and the kernel
+    built and enabled."""
+    mesh = jax.sharding.get_abstract_mesh()
+    dtype_ok = (k_pages_PLKH.dtype == jnp.float32 and k_scales_PLK is None) or (
+        k_pages_PLKH.dtype == jnp.int8 and k_scales_PLK is not None)
+    return (jax.default_backend() == "cpu" and dtype_ok and (mesh.empty or mesh.size == 1)
+            and kernel_cpu.available())
 
 
 def _prefill_seqs(out_TKGH, q_TKGH, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK,
@@ -373,10 +391,15 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     nd = jnp.minimum(jnp.reshape(jnp.asarray(num_decode, jnp.int32), ()), n)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               pages_per_block=pages_per_block)
-    out = jnp.zeros((T, K, G, H), jnp.float32)
     kv = (k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK)
-    out = _decode_rows(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, nd,
-                       rows_per_block=rows_per_block, **kw)
+    if _cpu_kernel_allowed(k_pages_PLKH, k_scales_PLK):
+        out = kernel_cpu.decode_attention(
+            q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, nd,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK).reshape(T, K, G, H)
+    else:
+        out = _decode_rows(jnp.zeros((T, K, G, H), jnp.float32), q_TKGH, *kv, kv_lens_S,
+                           page_indices_SP, nd, rows_per_block=rows_per_block, **kw)
     if not decode_only:
         out = _prefill_seqs(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, cu_q_lens_S1, nd, n,
                             q_block=q_block, **kw)
