@@ -126,6 +126,9 @@ INT8_MAX = 127
 # Grouped formats keep their scales and zero points in f16 (as ggml does:
 # Q4_1 is then 5 bits per weight, 0.156x f32); per-channel scales stay f32.
 GROUP_SCALE_DTYPE = np.float16
+# From this many activation columns a grouped weight on XLA:CPU is dequantized into
+# its own f32 buffer before the dot (the step's [F, D] write is small beside the dot).
+DEQUANTIZE_FIRST_COLUMNS = 64
 _SPLIT = 2 * INT8_MAX  # s2 = s1 / 254: the residual of the first int8 term fills [-127, 127]
 
 
@@ -477,6 +480,11 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
     if lowering == "exact" or fmt.bits != 8 or fmt.group_size is not None:
         dtype = jnp.float32 if backend == "cpu" or lowering == "exact" else x_DT.dtype
         w = dequantize(fmt, q, scale, zero, dtype)
+        if backend == "cpu" and q.ndim == 2 and x_DT.shape[1] >= DEQUANTIZE_FIRST_COLUMNS:
+            # Wide (prefill) on XLA:CPU: the dequantization written out once,
+            # then a plain f32 dot, instead of XLA's fused dequantize-in-the-dot
+            # loop (2-7x slower than the dot; module docstring). Same values.
+            w = jax.lax.optimization_barrier(w)
         return jnp.einsum("fd,dt->ft", w, x_DT.astype(dtype), preferred_element_type=jnp.float32)
     if backend != "cpu":  # per-channel int8, weight-only: dequantize in the dot
         w = q.astype(x_DT.dtype)
