@@ -153,9 +153,9 @@ def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_pa
     monkeypatch.setattr(qmm, "use_kernel", use_kernel)
     with_kernel = _greedy(_llm(tiny_params, quantization=method))
     # f32: the scanned layer's projections read in place by the dense target.
-    # (int4's LM head is int8 per channel: quant.head_format)
-    assert {k for k, _ in traced} == {"none": {"f32"}, "int8": {"int8"},
-                                      "int4": {"q4g", "int8"}}[method]
+    # (int8's and int4's LM head: Q8_0 groups, quant.head_format)
+    assert {k for k, _ in traced} == {"none": {"f32"}, "int8": {"int8", "q8g"},
+                                      "int4": {"q4g", "q8g"}}[method]
     assert 1 in {m for _, m in traced} and max(m for _, m in traced) > 1  # decode and prefill
     monkeypatch.setattr(qmm, "available", lambda: False)
     fallback = _greedy(_llm(tiny_params, quantization=method))

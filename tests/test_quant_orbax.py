@@ -78,7 +78,7 @@ def test_layout_and_exact_restore(source, converted, method):
     projections = [n for n in src if quant.is_projection(n) or n == "lm_head.weight"]
     assert sorted(saved["formats"]) == sorted(projections) and len(projections) == 15
     fmt = quant.method_format(method) if method != "gguf" else quant.Q8_0  # a Q8_0 file
-    head_fmt = quant.head_format(fmt) if method != "gguf" else fmt  # int4's: int8 per channel
+    head_fmt = quant.head_format(fmt) if method != "gguf" else fmt  # int8/int4: Q8_0 groups
     for name in src:
         if name not in projections:
             assert tree[name].dtype == np.float32, name
@@ -145,7 +145,7 @@ def test_quantized_head_round_trip(source, converted, method):
     want = greedy(make_llm(source, quantization=method))
     llm = make_llm(converted[method])
     model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
-    fmt = quant.INT8 if method == "int8" else quant.Q8_0
+    fmt = quant.Q8_0  # int8's head: Q8_0 groups (quant.head_format); gguf: the file's Q8_0
     assert isinstance(model.lm_head, quant.QuantizedWeight) and model.lm_head.fmt == fmt
     stored = load_checkpoint(converted[method], show_progress=False).params["lm_head.weight"]
     assert np.array_equal(np.asarray(model.lm_head.q[...]), stored.q)

@@ -388,8 +388,8 @@ def lm_head(cfg: ModelConfig, embed_tokens: nnx.Param, dtype, rngs,
     * ``qfmt`` None (``quantization="none"``, or ``quantize_lm_head=False``):
       None for a tied head (``logits_of`` reads ``embed_tokens``), else an
       ``nnx.Param`` in ``dtype``.
-    * else a ``quant.QuantizedWeight`` in ``quant.head_format(qfmt)`` (int4's
-      head is int8 per channel; ``adopt``: the GGUF tensor's own type). A tied head is then a second weight beside the
+    * else a ``quant.QuantizedWeight`` in ``quant.head_format(qfmt)`` (int8's
+      and int4's head: Q8_0-style groups; ``adopt``: the GGUF tensor's own type). A tied head is then a second weight beside the
       embedding, built from the same values (``load_params`` fills it from
       ``model.embed_tokens.weight``: a GGUF's blocks as they are, a float
       array quantized), so the lookup stays exact and the model holds both;
@@ -401,7 +401,7 @@ def lm_head(cfg: ModelConfig, embed_tokens: nnx.Param, dtype, rngs,
     V, D = cfg.vocab_size, cfg.hidden_size
     if qfmt is None:
         return None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
-    if not adopt:  # int4's head is int8 per channel (quant.head_format)
+    if not adopt:  # int8's and int4's head: Q8_0-style groups (quant.head_format)
         qfmt = quant.head_format(qfmt)
     if not cfg.tie_word_embeddings:
         return quant.weight((V, D), ("vocab", "embed"), dtype, rngs, qfmt, adopt)

@@ -127,8 +127,9 @@ INT8_MAX = 127
 # Q4_1 is then 5 bits per weight, 0.156x f32); per-channel scales stay f32.
 GROUP_SCALE_DTYPE = np.float16
 # From this many activation columns a grouped weight on XLA:CPU is dequantized into
-# its own f32 buffer before the dot (the step's [F, D] write is small beside the dot).
-DEQUANTIZE_FIRST_COLUMNS = 64
+# its own f32 buffer before an f32 dot (the [F, D] write costs less than XLA's fused
+# dequantize-in-the-dot loop from a few columns on; the kernel serves fewer).
+DEQUANTIZE_FIRST_COLUMNS = 5
 _SPLIT = 2 * INT8_MAX  # s2 = s1 / 254: the residual of the first int8 term fills [-127, 127]
 
 
@@ -173,12 +174,14 @@ Q4 = TensorFormat(bits=4, group_size=32, zero_point=True)  # Q4_0 and Q4_1 alike
 
 def head_format(fmt: TensorFormat | None) -> TensorFormat | None:
     """The LM head's format under a method whose projections take ``fmt``:
-    the same, except 4-bit groups (``int4``), whose head is int8 per output
-    channel, as llama.cpp keeps ``output.weight`` at 6-8 bits: on SmolLM2 a
-    4-bit head cost +5.6% PPL against +0.5% for int8
-    (``benchmarks/quant/eval_head``). ``gguf`` heads keep the file's blocks."""
-    if fmt is not None and fmt.bits == 4:
-        return INT8
+    weight-only ``int8`` and ``int4`` keep the head in Q8_0-style groups of 32
+    (int8, one f16 scale per group), as llama.cpp keeps ``output.weight`` at 8
+    bits: on SmolLM2 a 4-bit head cost +5.6% PPL and a per-channel int8 head
+    +0.12% on top of int8's projections (``benchmarks/quant/eval_head``);
+    ``w8a8`` keeps its own (per channel, int8 activations); ``gguf`` heads
+    keep the file's blocks."""
+    if fmt is not None and not fmt.act_int8 and fmt.bits in (4, 8) and fmt != Q8_0:
+        return Q8_0
     return fmt
 
 
@@ -481,7 +484,7 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
         dtype = jnp.float32 if backend == "cpu" or lowering == "exact" else x_DT.dtype
         w = dequantize(fmt, q, scale, zero, dtype)
         if backend == "cpu" and q.ndim == 2 and x_DT.shape[1] >= DEQUANTIZE_FIRST_COLUMNS:
-            # Wide (prefill) on XLA:CPU: the dequantization written out once,
+            # Wide on XLA:CPU: the dequantization written out once,
             # then a plain f32 dot, instead of XLA's fused dequantize-in-the-dot
             # loop (2-7x slower than the dot; module docstring). Same values.
             w = jax.lax.optimization_barrier(w)
