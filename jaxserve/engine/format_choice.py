@@ -254,6 +254,8 @@ def resolve(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     if config.quantization != "auto":
         return config
     c = choose(config, model_config)
-    log.info("--quantization auto -> %s (%s%s)", c.quantization, c.reason,
-             ", cached" if c.cached else "")
+    # Logged at INFO only when a measurement decided (now or cached): a fixed
+    # answer (tiny model, HF folder, GPU) is no news on a CLI's stderr.
+    (log.info if c.score else log.debug)("--quantization auto -> %s (%s%s)", c.quantization,
+                                         c.reason, ", cached" if c.cached else "")
     return dataclasses.replace(config, quantization=c.quantization)
