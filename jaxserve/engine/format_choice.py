@@ -148,7 +148,7 @@ def _time_format(fmt, shapes, layers: int, head: tuple[int, int], reps: int = 3)
     head_w = stored(head, 0)
 
     def linear(w, x_DT):
-        return quant.matmul_parts(fmt, w if fmt is not None else w[:1], x_DT)
+        return quant.matmul_parts(fmt, w, x_DT)
 
     @jax.jit
     def run(stack, head_w, xs):

@@ -388,8 +388,11 @@ def _kernel_allowed(x_DT) -> bool:
             and (mesh.empty or mesh.size == 1))
 
 
-def _kernel_kind(fmt: TensorFormat) -> str | None:
-    """The CPU kernel's target for a format (``quant_matmul_cpu.use_kernel``'s kind)."""
+def _kernel_kind(fmt: TensorFormat | None) -> str | None:
+    """The CPU kernel's target for a format (``quant_matmul_cpu.use_kernel``'s
+    kind); None: a dense f32 weight."""
+    if fmt is None:
+        return "f32"
     if fmt.bits == 8 and fmt.group_size is None:
         return "w8a8" if fmt.act_int8 else "int8"
     if fmt.act_int8:
@@ -399,9 +402,9 @@ def _kernel_kind(fmt: TensorFormat) -> str | None:
     return "q4g" if fmt.bits == 4 and fmt.zero_point else None
 
 
-def kernel_serves(fmt: TensorFormat, F: int, x_DT) -> bool:
-    """True when ``quantized_matmul`` (lowering ``"auto"``) would run a weight of
-    ``fmt`` with F rows on the CPU kernel for activations ``x_DT`` [D, M]."""
+def kernel_serves(fmt: TensorFormat | None, F: int, x_DT) -> bool:
+    """True when a weight of ``fmt`` (None: dense f32) with F rows runs on the
+    CPU kernel for activations ``x_DT`` [D, M] (lowering ``"auto"``)."""
     kind = _kernel_kind(fmt)
     return (kind is not None and _kernel_allowed(x_DT)
             and quant_matmul_cpu.use_kernel(kind, F, x_DT.shape[0], x_DT.shape[1])
@@ -452,9 +455,7 @@ def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
 def _dense_kernel(w: StackedRead, x_DT):
     """A scanned layer's dense f32 projection ``W x`` read in place by the CPU
     kernel at decode widths; None where it does not apply (XLA slices)."""
-    if (w.dtype != jnp.float32 or not _kernel_allowed(x_DT)
-            or not quant_matmul_cpu.use_kernel("f32", *w.shape, x_DT.shape[1])
-            or not quant_matmul_cpu.available()):
+    if w.dtype != jnp.float32 or not kernel_serves(None, w.shape[0], x_DT):
         return None
     return quant_matmul_cpu.f32_matmul(w.stacked, x_DT, layer=w.index)
 
