@@ -7,7 +7,7 @@ where ``use_kernel`` says they measured faster than its XLA form.
 |---|---|---|
 | ``int8_matmul`` | q i8[F, D], scale f32[F, 1] | ``scale * sum q x``, f32 FMAs |
 | ``q8g_matmul`` | q i8[F, D], scale f16[F, G] | ``s q`` in registers, f32 FMAs |
-| ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` in registers, f32 FMAs |
+| ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` in registers (AVX-512: a per-group lookup), f32 FMAs |
 | ``w8a8_matmul`` | q i8[F, D], scale f32[F, 1], xq i8[D, M], sx f32[1, M] | int32 sums |
 
 Weight-only formats never round the activations: results equal the numpy
@@ -22,6 +22,18 @@ Design (``kernel.cc``, ``kernel_body.inc``):
   feeds C FMAs and one x load feeds two. int4 nibbles need no shuffles: the
   transposed x is permuted inside every 2W-block (evens, then odds) so the
   low nibbles of W bytes meet inputs 2j and the high ones 2j + 1.
+* 4-bit groups with AVX-512: each group's 16 possible weights ``fma(i, s, z)``
+  are computed once into one register and ``vpermps`` looks the nibbles up
+  (it reads an index's low 4 bits: the zero-extended bytes, then the same
+  shifted by 4), replacing an int-to-float conversion and a dequantizing FMA
+  per 16 weights; the same values, so the same sums. The rows' f16 scales
+  and zeros are converted 16 at a time into a small buffer the broadcasts
+  read, and at few columns the low and high nibbles' products go to two
+  accumulators (two FMA chains). Measured on the Xeon below, 30 SmolLM2
+  layers' seven projections at M = 1, one thread, alternated in one process
+  (box shared with two helpers' jobs): 8.97 -> 7.63 ms (1.18x) and 19.7 ->
+  17.2 ms; the time per call of a 576 x 576 projection read from beyond L2,
+  6.8 against 5.3 GB/s of weight bytes (1.28x).
 * w8a8 with AVX-512 VNNI: ``vpdpbusd`` multiplies unsigned by signed bytes,
   so x goes in as ``xq + 128`` and ``128 * sum q`` (a ``vpdpbusd`` of ones,
   once per row) is taken back off; a ragged D by masked, zeroing loads.

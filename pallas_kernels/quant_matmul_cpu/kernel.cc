@@ -62,6 +62,7 @@ struct V {
   using A = int8_t;
   static constexpr int W = 1;
   static constexpr int kCols = 4;
+  static constexpr bool kLut4 = false;
   static F zero() { return 0.f; }
   static F set1(float v) { return v; }
   static F load(const float* p) { return *p; }
@@ -101,6 +102,7 @@ struct V {
   using A = int8_t;
   static constexpr int W = 8;
   static constexpr int kCols = 4;  // 2 rows x 4 columns of 16 ymm
+  static constexpr bool kLut4 = false;
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -160,6 +162,7 @@ struct V {
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce(F a) { return _mm512_reduce_add_ps(a); }
   static F cvt_i8(const int8_t* p) {
@@ -171,6 +174,25 @@ struct V {
     hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
   }
   static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  // The 4-bit lookup (kernel_body.inc's q4g_tile_lut): lut[i] = fma(i, s, z), and
+  // vpermps reads only an index's low 4 bits, so the zero-extended bytes index the
+  // low nibbles as they are and the high ones after a shift.
+  static constexpr bool kLut4 = true;
+  static void h2f_n(const uint16_t* h, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_store_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+    for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
+  }
+  static F lut4(float s, float z) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(z));
+  }
+  static void lookup4(const uint8_t* p, F lut, F& lo, F& hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    lo = _mm512_permutexvar_ps(b, lut);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
+  }
   static void prepare_act(const int8_t* xq, int64_t D, int64_t M, A* xqt) {
     for (int64_t d = 0; d < D; ++d)
       for (int64_t m = 0; m < M; ++m) xqt[m * D + d] = uint8_t(int(xq[d * M + m]) + 128);
