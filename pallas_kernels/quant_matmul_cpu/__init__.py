@@ -7,7 +7,7 @@ where ``use_kernel`` says they measured faster than its XLA form.
 |---|---|---|
 | ``int8_matmul`` | q i8[F, D], scale f32[F, 1] | ``scale * sum q x``, f32 FMAs |
 | ``q8g_matmul`` | q i8[F, D], scale f16[F, G] | ``s q`` in registers, f32 FMAs |
-| ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` in registers (AVX-512: a per-group lookup), f32 FMAs |
+| ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` (a lookup), f32 FMAs |
 | ``w8a8_matmul`` | q i8[F, D], scale f32[F, 1], xq i8[D, M], sx f32[1, M] | int32 sums |
 
 Weight-only formats never round the activations: results equal the numpy
