@@ -34,7 +34,9 @@ _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "Jaxserve
 # The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``), registered
 # here too so that a stored program calling them runs without being traced again.
 OTHER_TARGETS = {"jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
-                 "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8"}
+                 "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8",
+                 "jaxserve_rpa_prefill_f32": "JaxserveRpaPrefillF32",
+                 "jaxserve_rpa_prefill_int8": "JaxserveRpaPrefillInt8"}
 
 
 def library_path() -> str | None:

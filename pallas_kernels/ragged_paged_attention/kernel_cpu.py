@@ -167,3 +167,50 @@ def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_
         jnp.asarray(kv_lens_S, jnp.int32), jnp.asarray(page_indices_SP, jnp.int32), nd, window,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         isa=np.int32(isa), threads=np.int32(threads))
+
+
+def prefill_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
+                      num_seqs, num_decode, *, sm_scale: float, sliding_window=None,
+                      soft_cap: float | None = None, k_scales_PLK=None, v_scales_PLK=None,
+                      isa: int = -1, threads: int = 0):
+    """Attention of prefill rows ``num_decode .. num_seqs - 1`` (causal; a
+    sequence's ``q_len = cu_q_lens[i + 1] - cu_q_lens[i]`` queries are the last
+    ``q_len`` of its ``kv_lens[i]`` positions).
+
+    Args:
+      q_TNH: [T, N, H] queries (cast to f32), N = K * G, packed by cu_q_lens.
+      k_pages_PLKH, v_pages_PLKH: f32 or int8 [P, L, K, H].
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8 pages, None for f32.
+      kv_lens_S: i32[S]; page_indices_SP: i32[S, pages_per_seq];
+      cu_q_lens_S1: i32[S + 1] prefix sums of query lengths.
+      num_seqs, num_decode: i32 scalars (or [1], or Python ints).
+      sm_scale, soft_cap, sliding_window, isa, threads: as ``decode_attention``.
+
+    Returns:
+      f32[T, N, H]: prefill rows' outputs, 0 in every other row (decode rows too).
+
+    Raises:
+      RuntimeError: the kernel library is not available.
+      ValueError: pages neither f32 nor int8 with scales.
+    """
+    if not _load():
+        raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
+    kind = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int8): "int8"}.get(
+        jnp.dtype(k_pages_PLKH.dtype))
+    if (kind is None or v_pages_PLKH.dtype != k_pages_PLKH.dtype
+            or (kind == "int8") != (k_scales_PLK is not None and v_scales_PLK is not None)):
+        raise ValueError(f"prefill_attention: f32 pages, or int8 pages with scales; got "
+                         f"{k_pages_PLKH.dtype} (scales given: {k_scales_PLK is not None})")
+    if kind == "f32":
+        k_scales_PLK = v_scales_PLK = jnp.zeros((0,), jnp.float32)
+    window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
+    window = jnp.minimum(window.reshape(()), NO_WINDOW)
+    scalars = [jnp.asarray(x, jnp.int32).reshape(()) for x in (num_seqs, num_decode)]
+    return jax.ffi.ffi_call(f"jaxserve_rpa_prefill_{kind}",
+                            jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
+        q_TNH.astype(jnp.float32), k_pages_PLKH, v_pages_PLKH,
+        k_scales_PLK.astype(jnp.float32), v_scales_PLK.astype(jnp.float32),
+        jnp.asarray(kv_lens_S, jnp.int32), jnp.asarray(page_indices_SP, jnp.int32),
+        jnp.asarray(cu_q_lens_S1, jnp.int32), *scalars, window,
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+        isa=np.int32(isa), threads=np.int32(threads))

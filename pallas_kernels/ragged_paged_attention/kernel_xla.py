@@ -400,7 +400,12 @@ def ragged_paged_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_in
     else:
         out = _decode_rows(jnp.zeros((T, K, G, H), jnp.float32), q_TKGH, *kv, kv_lens_S,
                            page_indices_SP, nd, rows_per_block=rows_per_block, **kw)
-    if not decode_only:
+    if not decode_only and _cpu_kernel_allowed(k_pages_PLKH, k_scales_PLK):
+        out = out + kernel_cpu.prefill_attention(
+            q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1, n, nd,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scales_PLK=k_scales_PLK, v_scales_PLK=v_scales_PLK).reshape(T, K, G, H)
+    elif not decode_only:
         out = _prefill_seqs(out, q_TKGH, *kv, kv_lens_S, page_indices_SP, cu_q_lens_S1, nd, n,
                             q_block=q_block, **kw)
     return out.reshape(T, N, H).astype(q_TNH.dtype)
