@@ -83,6 +83,11 @@ struct V {
   static F fma(F a, F b, F c) { return a * b + c; }
   static float reduce(F a) { return a; }
   static F reduce16(const F* a) { return a[0]; }  // unused: only AVX-512 takes 16 at once
+  static float max(const float* x, int64_t n) {  // max of x[0..n), n >= 1
+    float r = x[0];
+    for (int64_t j = 1; j < n; ++j) r = std::max(r, x[j]);
+    return r;
+  }
   static float exp_sub(float* x, int64_t n, float m) {  // x = exp(x - m); returns the sum
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] - m));
@@ -117,6 +122,7 @@ struct V {
   static float exp_sub(float* x, int64_t n, float m) {
     return scalar::V::exp_sub(x, n, m);
   }
+  static float max(const float* x, int64_t n) { return scalar::V::max(x, n); }
   static F reduce16(const F* a) { return a[0]; }  // unused: only AVX-512 takes 16 at once
 };
 #include "kernel_cpu_body.inc"
@@ -176,6 +182,14 @@ struct V {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+  }
+  static float max(const float* x, int64_t n) {  // max of x[0..n), n >= 1
+    F r = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      r = _mm512_mask_max_ps(r, k, r, _mm512_maskz_loadu_ps(k, x + j));
+    }
+    return _mm512_reduce_max_ps(r);
   }
   static float exp_sub(float* x, int64_t n, float m) {
     F sum = _mm512_setzero_ps();
