@@ -54,7 +54,7 @@ struct Unit {
 };
 
 constexpr int64_t kTileKeys = 64;  // kv positions per prefill tile (whole pages, >= 1)
-constexpr int64_t kUnitRows = 64;  // query vectors (tokens x G) per prefill unit, about
+constexpr int64_t kUnitRows = 192;  // query vectors (tokens x G) per prefill unit, about
 
 // A prefill work unit: tokens [tok0, tok0 + nt) of one sequence (query positions qp0 ..
 // qp0 + nt - 1), kv head k, positions below hi, window from position - window + 1.
