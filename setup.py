@@ -1,5 +1,5 @@
 """The optional C++ extension: ``pallas_kernels/quant_matmul_cpu``'s XLA:CPU FFI
-kernels and ``ragged_paged_attention/kernel_cpu.cc``'s decode attention handler,
+kernels and ``ragged_paged_attention/kernel_cpu.cc``'s attention handlers,
 one library (everything else is in pyproject.toml).
 
 The build never fails the install: with no compiler, no jax headers

@@ -1,7 +1,7 @@
 """Loads ``_quant_matmul_cpu*.so`` (built by setup.py next to this file),
 registers its five XLA:CPU FFI targets (and ``OTHER_TARGETS``: the decode
-attention handlers of ``ragged_paged_attention.kernel_cpu``, built into the
-same library) and wraps them as jittable functions.
+and prefill attention handlers of ``ragged_paged_attention.kernel_cpu``,
+built into the same library) and wraps them as jittable functions.
 
 ``available()`` is False (and every caller takes the XLA path) when
 ``JAXSERVE_CPU_KERNELS=0``, when the library is missing (no compiler at

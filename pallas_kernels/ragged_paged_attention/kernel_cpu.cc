@@ -1,5 +1,11 @@
-// XLA:CPU FFI handler: the decode rows of ragged paged attention, read from the
-// pages in place (see kernel_cpu.py beside this file for the design and the tables).
+// XLA:CPU FFI handlers: the decode rows and the prefill rows of ragged paged attention,
+// read from the pages in place (see kernel_cpu.py beside this file for the design and
+// the tables).
+//
+// Targets jaxserve_rpa_prefill_f32 and _int8: the decode targets' arguments with
+// cu_q_lens s32[S + 1] and num_seqs s32[] before num_decode; rows of sequences
+// num_decode .. num_seqs - 1 (packed by cu_q_lens, causal, a sequence's q_len queries
+// the last of its kv_len positions; kernel_cpu_prefill.inc), every other row 0.
 //
 // Targets jaxserve_rpa_decode_f32 and _int8 (platform "cpu"; registered by kernel_cpu.py):
 //   q f32[T, N, H], k_pages, v_pages f32 or s8[P, L, K, H], k_scales, v_scales f32[P, L, K]
