@@ -1,5 +1,5 @@
 """The optional C++ extension: ``pallas_kernels/quant_matmul_cpu``'s XLA:CPU FFI
-kernels and ``ragged_paged_attention/kernel_cpu.cc``'s decode attention handler,
+kernels and ``ragged_paged_attention/kernel_cpu.cc``'s attention handlers,
 one library (everything else is in pyproject.toml).
 
 The build never fails the install: with no compiler, no jax headers
@@ -50,7 +50,8 @@ setup(
         sources=["pallas_kernels/quant_matmul_cpu/kernel.cc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu.cc"],
         depends=["pallas_kernels/quant_matmul_cpu/kernel_body.inc",
-                 "pallas_kernels/ragged_paged_attention/kernel_cpu_body.inc"],
+                 "pallas_kernels/ragged_paged_attention/kernel_cpu_body.inc",
+                 "pallas_kernels/ragged_paged_attention/kernel_cpu_prefill.inc"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fPIC", "-g0"],
         py_limited_api=False,

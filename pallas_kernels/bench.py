@@ -32,6 +32,12 @@ timed before and after the cases; the table uses the first), each also per
 process CPU second (all threads), which moves less than wall time when
 other jobs load the machine.
 Pages are drawn in random order, as a long-running cache holds them.
+
+``--prefill-cpu`` times the same way one sequence's prefill (128, 512, 940,
+2,048 tokens, the whole prompt: every row a prefill row) through
+``kernel_xla.ragged_paged_attention``, f32 and int8 KV, XLA path
+(``_prefill_seqs``) against the C++ kernel: ms per layer call and GFLOP/s
+(4 * N * H * visible (q, kv) pairs per second), wall and per CPU second.
 """
 
 from __future__ import annotations
@@ -179,6 +185,45 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
     return rows
 
 
+def prefill_cpu(iters: int, lengths=(128, 512, 940, 2048), dtypes=("f32", "int8")) -> list[dict]:
+    """The ``--prefill-cpu`` table (module docstring); returns its rows as dicts
+    (dtype, path, n, ms, cpu_ms, gflops, cpu_gflops) after printing them."""
+    from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla, quant
+
+    N, K, H, L = 9, 3, 64, 16
+    rng = np.random.default_rng(0)
+    print(f"device: {jax.devices()[0].device_kind}; heads {N}/{K}, head dim {H}, page {L}")
+    print(f"{'kv':<5} {'path':<6} {'tokens':>6} {'ms':>8} {'GFLOP/s':>8} {'CPU ms':>8} "
+          f"{'GFLOP/s CPU':>11}")
+    rows = []
+    for dt in dtypes:
+        for n in lengths:
+            q, kp, vp, kv_lens, pi, cu, ns = _case(rng, 1, n, n, N=N, K=K, H=H, L=L,
+                                                   dtype=jnp.float32)
+            kw = {}
+            if dt == "int8":
+                P = kp.shape[0]
+                (kp, ks), (vp, vs) = (quant.quantize(x.reshape(P * L, K, H), jnp.int8)
+                                      for x in (kp, vp))
+                kp, vp = kp.reshape(P, L, K, H), vp.reshape(P, L, K, H)
+                kw = dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K))
+            flop = 4 * N * H * n * (n + 1) / 2
+            args = (q, kp, vp, kv_lens, pi, cu, ns, 0)
+            paths = ["xla"] + (["kernel"] if kernel_cpu.available() else [])
+            fns = []
+            for path in paths:
+                f = jax.jit(lambda *a, **k: kernel_xla.ragged_paged_attention(
+                    *a, sm_scale=H ** -0.5, **k))
+                _traced_with(path == "kernel", f, *args, **kw)
+                fns.append(f)
+            for path, (t, c) in zip(paths, _alternated(fns, *args, iters=iters, **kw)):
+                rows.append(dict(dtype=dt, path=path, n=n, ms=t * 1e3, cpu_ms=c * 1e3,
+                                 gflops=flop / t / 1e9, cpu_gflops=flop / c / 1e9))
+                print(f"{dt:<5} {path:<6} {n:>6} {t * 1e3:>8.2f} {flop / t / 1e9:>8.1f} "
+                      f"{c * 1e3:>8.2f} {flop / c / 1e9:>11.1f}", flush=True)
+    return rows
+
+
 def _case(rng, num_seqs, q_len, kv_len, *, N, K, H, L, dtype):
     """Random q, pages and metadata for ``num_seqs`` sequences of the same shape."""
     pages_per_seq = -(-kv_len // L)
@@ -201,10 +246,15 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--decode-cpu", action="store_true",
                     help="time the XLA lowering's decode rows against a large matvec")
+    ap.add_argument("--prefill-cpu", action="store_true",
+                    help="time the XLA lowering's prefill rows: XLA path against kernel_cpu")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     if args.decode_cpu:
         decode_cpu(args.iters)
+        return 0
+    if args.prefill_cpu:
+        prefill_cpu(args.iters)
         return 0
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.smoke:

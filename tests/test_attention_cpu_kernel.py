@@ -1,9 +1,10 @@
-"""The CPU decode attention kernel (``ragged_paged_attention/kernel_cpu``):
-the decode rows against ``ref_ragged_paged_attention`` at every instruction
-set level, a mixed decode + prefill batch through ``kernel_xla`` (decode rows
-by the kernel, prefill by XLA) inside jit and scan, ``JAXSERVE_CPU_KERNELS=0``
-against the kernel, and a tiny engine whose greedy tokens are the same either
-way. Skipped where the library was not built (no compiler).
+"""The CPU attention kernels (``ragged_paged_attention/kernel_cpu``): the
+decode rows and the prefill rows against ``ref_ragged_paged_attention`` at
+every instruction set level, a mixed decode + prefill batch through
+``kernel_xla`` (both kinds of rows by the kernels) inside jit and scan,
+``JAXSERVE_CPU_KERNELS=0`` against the kernels, and a tiny engine whose greedy
+tokens are the same either way. Skipped where the library was not built (no
+compiler).
 """
 
 from __future__ import annotations
@@ -110,6 +111,57 @@ def test_long_rows_split_over_threads(threads, dtype):
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=1e-5)
 
 
+PREFILL_CASES = CASES + [  # K, G, H, window, soft_cap
+    (1, 8, 64, 3, 4.0),
+    (2, 8, 20, None, None),  # H not a multiple of 8: scalar
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("K,G,H,window,cap", PREFILL_CASES)
+def test_prefill_rows_match_reference(K, G, H, window, cap, isa, dtype):
+    """Two decode rows (0 out of this kernel), then prefill rows: chunked (q_len
+    < kv_len), whole, q_len 1, kv_len 0 with no query, exact page multiples;
+    two padding tokens and rows past num_seqs are 0; NaN pages (int8: NaN
+    scales) no row owns never leak."""
+    kv_lens = [6, 1, 9, 3, 12, 0, 20, 8, 5]
+    q_lens = [1, 1, 5, 1, 12, 0, 7, 8, 2]
+    q, k, v, kv, ids, cu = _case(K, G, H, kv_lens, q_lens=q_lens, seed=3)
+    kw = dict(sm_scale=H ** -0.5, sliding_window=window, soft_cap=cap)
+    if dtype == "int8":
+        k, ks, v, vs = _int8(k, v)
+        kw |= dict(k_scales_PLK=ks, v_scales_PLK=vs)
+    got = np.asarray(kernel_cpu.prefill_attention(q, k, v, kv, ids, cu, 8, 2, isa=isa, **kw))
+    ref = _ref(q, k, v, kv, ids, cu, 8, **kw)
+    ref[:2] = 0
+    np.testing.assert_allclose(got, ref, atol=2e-6, rtol=1e-5)
+    assert not got[:2].any() and not got[cu[8]:].any()  # decode rows, row 8, padding
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_prefill_over_threads(threads, dtype):
+    """Page size 16, sequences long enough for several query blocks and key
+    tiles a unit (a chunk of 150 after 250 cached, a whole 230), traced window
+    or none, over one or two threads; the same as the reference."""
+    q, k, v, kv, ids, cu = _case(3, 3, 64, [400, 230], q_lens=[150, 230], L=16,
+                                 pages_per_seq=26, seed=4)
+    sc = {}
+    if dtype == "int8":
+        k, ks, v, vs = _int8(k, v)
+        sc = dict(k_scales_PLK=ks, v_scales_PLK=vs)
+    for window in (None, 100):
+        kw = dict(sm_scale=0.125, soft_cap=None, **sc)
+        got = np.asarray(jax.jit(lambda w: kernel_cpu.prefill_attention(
+            q, k, v, kv, ids, cu, 2, 0, sliding_window=w, threads=threads, **kw))(
+            jnp.int32(kernel_cpu.NO_WINDOW if window is None else window)))
+        ref = _ref(q, k, v, kv, ids, cu, 2, sliding_window=window, **kw)
+        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=1e-5)
+
+
 def _mixed():
     # 3 decode rows (kv 6, 16 = 4 pages exactly, 1), then prefills of 5 and 3 tokens.
     return _case(2, 3, 64, [6, 16, 1, 9, 3], q_lens=[1, 1, 1, 5, 3], seed=1)
@@ -118,7 +170,7 @@ def _mixed():
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["f32", "int8"])
 def test_mixed_batch_in_jit_and_scan(monkeypatch, dtype):
-    """kernel_xla with the kernel: decode rows by it, prefill by XLA, under jit
+    """kernel_xla with the kernels: decode and prefill rows by them, under jit
     and scanned over two layers (a traced window each); equal to the
     reference, and to the XLA path with ``JAXSERVE_CPU_KERNELS=0``."""
     q, k, v, kv, ids, cu = _mixed()
@@ -141,14 +193,14 @@ def test_mixed_batch_in_jit_and_scan(monkeypatch, dtype):
         return np.asarray(fn()), fn.lower().as_text()
 
     on, text = run()
-    assert f"jaxserve_rpa_decode_{dtype}" in text
+    assert f"jaxserve_rpa_decode_{dtype}" in text and f"jaxserve_rpa_prefill_{dtype}" in text
     for i, w in enumerate((None, 4)):
         sc = {} if dtype == "f32" else dict(k_scales_PLK=scales[0][i], v_scales_PLK=scales[1][i])
         ref = _ref(q, k2[i], v2[i], kv, ids2[i], cu, 5, sliding_window=w, **kw, **sc)
         np.testing.assert_allclose(on[i], ref, atol=2e-6, rtol=1e-5)
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "0")
     off, text = run()
-    assert "jaxserve_rpa_decode" not in text
+    assert "jaxserve_rpa_decode" not in text and "jaxserve_rpa_prefill" not in text
     np.testing.assert_allclose(off, on, atol=2e-6, rtol=1e-5)
 
 
@@ -156,17 +208,23 @@ def test_mixed_batch_in_jit_and_scan(monkeypatch, dtype):
 @pytest.mark.parametrize("kv", [None, "int8"])
 def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, kv):
     """A tiny engine (H 16, G 2; f32 or int8 KV cache): the same greedy tokens
-    with the decode kernel traced into its steps and with the XLA decode path."""
+    with the decode and prefill kernels traced into its steps and with the XLA
+    paths."""
     kw = {} if kv is None else dict(kv_cache_dtype=kv)
     calls = []
-    real = kernel_cpu.decode_attention
 
-    def traced(*a, **kw):
-        calls.append(jnp.dtype(a[1].dtype).name)
-        return real(*a, **kw)
-    monkeypatch.setattr(kernel_cpu, "decode_attention", traced)
+    def tracer(name):
+        real = getattr(kernel_cpu, name)
+
+        def traced(*a, **kw):
+            calls.append((name, jnp.dtype(a[1].dtype).name))
+            return real(*a, **kw)
+        return traced
+    for name in ("decode_attention", "prefill_attention"):
+        monkeypatch.setattr(kernel_cpu, name, tracer(name))
     with_kernel = _greedy(_llm(**kw))
-    assert set(calls) == {kv or "float32"}  # the cache's pages went to the kernel
+    # the cache's pages went to both kernels
+    assert set(calls) == {(n, kv or "float32") for n in ("decode_attention", "prefill_attention")}
     calls.clear()
     monkeypatch.setattr(kernel_cpu, "available", lambda: False)
     fallback = _greedy(_llm(**kw))

@@ -1,7 +1,7 @@
 """Loads ``_quant_matmul_cpu*.so`` (built by setup.py next to this file),
 registers its five XLA:CPU FFI targets (and ``OTHER_TARGETS``: the decode
-attention handlers of ``ragged_paged_attention.kernel_cpu``, built into the
-same library) and wraps them as jittable functions.
+and prefill attention handlers of ``ragged_paged_attention.kernel_cpu``,
+built into the same library) and wraps them as jittable functions.
 
 ``available()`` is False (and every caller takes the XLA path) when
 ``JAXSERVE_CPU_KERNELS=0``, when the library is missing (no compiler at
@@ -34,7 +34,9 @@ _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "Jaxserve
 # The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``), registered
 # here too so that a stored program calling them runs without being traced again.
 OTHER_TARGETS = {"jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
-                 "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8"}
+                 "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8",
+                 "jaxserve_rpa_prefill_f32": "JaxserveRpaPrefillF32",
+                 "jaxserve_rpa_prefill_int8": "JaxserveRpaPrefillInt8"}
 
 
 def library_path() -> str | None:

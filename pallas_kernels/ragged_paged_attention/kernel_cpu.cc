@@ -1,5 +1,11 @@
-// XLA:CPU FFI handler: the decode rows of ragged paged attention, read from the
-// pages in place (see kernel_cpu.py beside this file for the design and the tables).
+// XLA:CPU FFI handlers: the decode rows and the prefill rows of ragged paged attention,
+// read from the pages in place (see kernel_cpu.py beside this file for the design and
+// the tables).
+//
+// Targets jaxserve_rpa_prefill_f32 and _int8: the decode targets' arguments with
+// cu_q_lens s32[S + 1] and num_seqs s32[] before num_decode; rows of sequences
+// num_decode .. num_seqs - 1 (packed by cu_q_lens, causal, a sequence's q_len queries
+// the last of its kv_len positions; kernel_cpu_prefill.inc), every other row 0.
 //
 // Targets jaxserve_rpa_decode_f32 and _int8 (platform "cpu"; registered by kernel_cpu.py):
 //   q f32[T, N, H], k_pages, v_pages f32 or s8[P, L, K, H], k_scales, v_scales f32[P, L, K]
@@ -53,6 +59,23 @@ struct Unit {
   float* acc;  // [K, G, H]
 };
 
+constexpr int64_t kTileKeys = 64;  // kv positions per prefill tile (whole pages, >= 1)
+constexpr int64_t kUnitRows = 192;  // query vectors (tokens x G) per prefill unit, about
+
+// A prefill work unit: tokens [tok0, tok0 + nt) of one sequence (query positions qp0 ..
+// qp0 + nt - 1), kv head k, positions below hi, window from position - window + 1.
+struct PUnit {
+  const float* q;  // [T, N, H], unscaled
+  const void* kp;  // float or int8_t [P, L, K, H]
+  const void* vp;
+  const float* ks;  // int8 pages' scales [P, L, K], else null
+  const float* vs;
+  const int32_t* pages;  // the sequence's page table
+  int64_t P, L, K, H, G, k, tok0, nt, qp0, hi, window;
+  float sm_scale, cap;
+  float* o;  // [T, N, H]
+};
+
 namespace scalar {
 struct V {
   using F = float;
@@ -66,6 +89,11 @@ struct V {
   static F fma(F a, F b, F c) { return a * b + c; }
   static float reduce(F a) { return a; }
   static F reduce16(const F* a) { return a[0]; }  // unused: only AVX-512 takes 16 at once
+  static float max(const float* x, int64_t n) {  // max of x[0..n), n >= 1
+    float r = x[0];
+    for (int64_t j = 1; j < n; ++j) r = std::max(r, x[j]);
+    return r;
+  }
   static float exp_sub(float* x, int64_t n, float m) {  // x = exp(x - m); returns the sum
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] - m));
@@ -73,6 +101,7 @@ struct V {
   }
 };
 #include "kernel_cpu_body.inc"
+#include "kernel_cpu_prefill.inc"
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -99,9 +128,11 @@ struct V {
   static float exp_sub(float* x, int64_t n, float m) {
     return scalar::V::exp_sub(x, n, m);
   }
+  static float max(const float* x, int64_t n) { return scalar::V::max(x, n); }
   static F reduce16(const F* a) { return a[0]; }  // unused: only AVX-512 takes 16 at once
 };
 #include "kernel_cpu_body.inc"
+#include "kernel_cpu_prefill.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -158,6 +189,14 @@ struct V {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
   }
+  static float max(const float* x, int64_t n) {  // max of x[0..n), n >= 1
+    F r = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      r = _mm512_mask_max_ps(r, k, r, _mm512_maskz_loadu_ps(k, x + j));
+    }
+    return _mm512_reduce_max_ps(r);
+  }
   static float exp_sub(float* x, int64_t n, float m) {
     F sum = _mm512_setzero_ps();
     const F mv = _mm512_set1_ps(m);
@@ -171,6 +210,7 @@ struct V {
   }
 };
 #include "kernel_cpu_body.inc"
+#include "kernel_cpu_prefill.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -328,6 +368,94 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// Prefill rows: sequences num_decode .. num_seqs - 1 packed by cu_q_lens; every other row
+// of o is 0. Units (sequence, kv head, block of tokens) go longest first to the threads.
+template <ffi::DataType DT>
+ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                       ffi::Buffer<DT> kpages, ffi::Buffer<DT> vpages,
+                       ffi::Buffer<ffi::F32> kscales, ffi::Buffer<ffi::F32> vscales,
+                       ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                       ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                       ffi::Buffer<ffi::S32> num_decode, ffi::Buffer<ffi::S32> window,
+                       ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                       int32_t isa, int32_t threads) {
+  auto qd = q.dimensions(), pd = kpages.dimensions(), id = page_indices.dimensions();
+  if (qd.size() != 3 || pd.size() != 4 || vpages.dimensions().size() != 4 || id.size() != 2 ||
+      kv_lens.element_count() != id[0] || cu_q_lens.element_count() != id[0] + 1 ||
+      num_seqs.element_count() != 1 || num_decode.element_count() != 1 ||
+      window.element_count() != 1 || pd[3] != qd[2] || pd[2] < 1 || qd[1] % pd[2])
+    return ffi::Error::InvalidArgument(
+        "jaxserve_rpa_prefill: q [T, N, H], pages [P, L, K, H] (N = K G), kv_lens [S], "
+        "page_indices [S, PP], cu_q_lens [S + 1], num_seqs, num_decode and window scalars");
+  for (int i = 0; i < 4; ++i)
+    if (vpages.dimensions()[i] != pd[i])
+      return ffi::Error::InvalidArgument("jaxserve_rpa_prefill: k and v pages differ");
+  const int64_t T = qd[0], N = qd[1], H = qd[2], P = pd[0], L = pd[1], K = pd[2], G = N / K;
+  const int64_t S = id[0], PP = id[1];
+  constexpr bool i8 = DT == ffi::DataType::S8;
+  if (i8 && (kscales.element_count() != P * L * K || vscales.element_count() != P * L * K))
+    return ffi::Error::InvalidArgument("jaxserve_rpa_prefill_int8: scales f32[P, L, K]");
+  float* o = out->typed_data();
+  std::memset(o, 0, sizeof(float) * T * N * H);
+  const int64_t ns = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, S);
+  const int64_t nd = std::max<int64_t>(0, num_decode.typed_data()[0]);
+  if (P == 0 || L == 0 || H == 0) return ffi::Error::Success();
+  const int64_t W = std::max<int64_t>(1, window.typed_data()[0]);
+  const int32_t *lens = kv_lens.typed_data(), *cu = cu_q_lens.typed_data();
+  const int64_t bq = std::max<int64_t>(1, kUnitRows / G);
+  PUnit base;
+  base.q = q.typed_data();
+  base.kp = kpages.typed_data();
+  base.vp = vpages.typed_data();
+  base.ks = i8 ? kscales.typed_data() : nullptr;
+  base.vs = i8 ? vscales.typed_data() : nullptr;
+  base.P = P; base.L = L; base.K = K; base.H = H; base.G = G;
+  base.window = W;
+  base.sm_scale = sm_scale;
+  base.cap = soft_cap;
+  base.o = o;
+  std::vector<PUnit> units;
+  std::vector<int64_t> work;
+  for (int64_t i = nd; i < ns; ++i) {
+    const int64_t q0 = cu[i], q_len = int64_t(cu[i + 1]) - q0, kv_len = lens[i];
+    const int64_t hi = std::clamp<int64_t>(kv_len, 0, PP * L);
+    for (int64_t t0 = 0; t0 < q_len; t0 += bq) {
+      const int64_t tok0 = q0 + t0, tok1 = std::min({q0 + q_len, tok0 + bq, T});
+      if (tok0 < 0 || tok1 <= tok0) continue;
+      const int64_t qp0 = kv_len - q_len + t0, nt = tok1 - tok0;
+      const int64_t span = std::min(qp0 + nt, hi) - std::max<int64_t>(0, qp0 - W + 1);
+      for (int64_t k = 0; k < K; ++k) {
+        PUnit u = base;
+        u.pages = page_indices.typed_data() + i * PP;
+        u.k = k; u.tok0 = tok0; u.nt = nt; u.qp0 = qp0; u.hi = hi;
+        units.push_back(u);
+        work.push_back(std::max<int64_t>(span, 0) * nt);
+      }
+    }
+  }
+  std::vector<int64_t> order(units.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  int64_t total = 0;
+  for (int64_t w : work) total += w;
+  int64_t nthreads = pool.num_threads();
+  if (threads > 0) nthreads = std::min<int64_t>(nthreads, threads);
+  nthreads = std::max<int64_t>(nthreads, 1);
+  if (total * G * H < (1 << 16)) nthreads = 1;  // too little work to share
+  int level = isa < 0 ? best_isa() : std::min(int(isa), best_isa());
+  if (level == 2 && H % 16) level = 1;
+  if (level == 1 && H % 8) level = 0;
+  using T8 = std::conditional_t<i8, int8_t, float>;
+  parallel_units(pool, nthreads, int64_t(units.size()), [&](int64_t n) {
+    const PUnit& u = units[order[n]];
+    if (level == 2) avx512::prefill<T8>(u);
+    else if (level == 1) avx2::prefill<T8>(u);
+    else scalar::prefill<T8>(u);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxserve_rpa
 
 #define JS_RPA_BIND(DT)                            \
@@ -352,3 +480,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeF32, jaxserve_rpa::DecodeImpl<ffi
                               JS_RPA_BIND(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeInt8, jaxserve_rpa::DecodeImpl<ffi::S8>,
                               JS_RPA_BIND(ffi::S8));
+
+#define JS_RPA_PREFILL_BIND(DT)                    \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<DT>>()                      \
+      .Arg<ffi::Buffer<DT>>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Attr<float>("sm_scale")                     \
+      .Attr<float>("soft_cap")                     \
+      .Attr<int32_t>("isa")                        \
+      .Attr<int32_t>("threads")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaPrefillF32, jaxserve_rpa::PrefillImpl<ffi::F32>,
+                              JS_RPA_PREFILL_BIND(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaPrefillInt8, jaxserve_rpa::PrefillImpl<ffi::S8>,
+                              JS_RPA_PREFILL_BIND(ffi::S8));

@@ -1,6 +1,7 @@
-"""Decode attention on XLA:CPU as a C++ FFI kernel that reads the paged KV
-cache in place (``kernel_cpu.cc``, built into ``quant_matmul_cpu``'s
-library by setup.py).
+"""Decode and prefill attention on XLA:CPU as C++ FFI kernels that read the
+paged KV cache in place (``kernel_cpu.cc`` with ``kernel_cpu_body.inc``
+(decode) and ``kernel_cpu_prefill.inc`` (prefill), built into
+``quant_matmul_cpu``'s library by setup.py). Decode first; prefill below.
 
 ``kernel_xla``'s decode rows gather each page block (a copy) and then run two
 small batched dots: ~3 GB/s of K/V read per CPU second on XLA:CPU (its module
@@ -83,6 +84,84 @@ page prefetched 6.6; a vector exp 5.9; one unit per row (whole pages read
 as one run) 5.4; G a compile-time constant 4.2; 16 positions' scores
 reduced at once (AVX-512) 4.1 (32 rows x 1,024: 4.5 -> 3.7; 1 x 4,096:
 0.61 -> 0.50).
+
+Prefill (``prefill_attention``, targets ``jaxserve_rpa_prefill_f32`` /
+``_int8``): rows ``num_decode .. num_seqs - 1``, packed by ``cu_q_lens``,
+causal, possibly chunked (a row's q_len queries are the last q_len of its
+kv_len positions), tiled as FlashAttention-2 (Dao 2023):
+
+* One work unit is (sequence, kv head, block of tokens): ``max(1, 192 //
+  G)`` tokens, so X = tokens * G query vectors (64 tokens at G = 3), queries
+  pre-scaled by ``sm_scale``. It reads the positions its queries can see,
+  ``[max(0, first position - window + 1), min(last position + 1, kv_len))``
+  (clipped to ``pages_per_seq * L``; tiles outside are never touched), in
+  tiles of whole pages (64 positions at L = 16). Per tile: the tile's keys
+  of head k transposed into a [H, C] buffer (the next tile's K and V rows
+  are prefetched meanwhile: pages lie in random order), scores [X, C] =
+  queries [X, H] x keys [H, C], online softmax in f32 (each query's visible
+  keys in a tile are one interval [ja, jb): causal and window give one, so
+  only the diagonal and window-edge tiles mask anything, as a range, not per
+  element; ``soft_cap`` as ``c * tanh(s / c)``), the accumulator rescaled
+  once per tile and query, then acc [X, H] += p [X, C] x V [C, H] with the
+  value rows read where they lie in each page.
+* Both products are one register-blocked micro-kernel, C[XB, NB W] +=
+  A[XB, kd] B[kd, NB W]: 6 x 4 zmm accumulators (AVX-512; 3 x 4 with AVX2),
+  per step NB vector loads of B and XB broadcasts of A's elements, 24 FMAs
+  per 10 loads (scores: A the queries, B the transposed keys; values: A the
+  probabilities, B the value rows). exp is the decode body's vector one.
+* int8 pages: the tile's keys and values are dequantized into the tile
+  buffers (``q * scale``, the reference's order); fp8 and bf16 keep the XLA
+  path. Page ids clamped to ``[0, P)``; every position a tile reads is
+  below the row's kv_len, so NaN in pages a row does not own cannot leak;
+  rows of no prefill sequence (decode rows too) come out 0: ``kernel_xla``
+  adds this output to the decode kernel's.
+* Threads: units, largest first, from one atomic counter over the caller
+  and XLA's intra-op pool (as decode); no split of the positions (a prefill
+  has many units).
+
+Measured (``python -m pallas_kernels.bench --prefill-cpu``, 9 alternated
+pairs per case, medians, one process; the Intel Xeon above (AVX-512 F/BW/
+VL/VNNI/BF16/FP16, AMX, 2 cores, 1 thread a core), jax 0.10.2, shared with
+a C++ build and other jobs: load average 2.8-4 on its 2 cores): SmolLM2's
+heads, one layer, one sequence of n tokens (the whole prompt), pages in
+random order, ``kernel_xla.ragged_paged_attention``'s prefill rows by the
+XLA path (``_prefill_seqs``, Q 256, 16 pages a block) / this kernel;
+GFLOP/s = 4 N H (visible pairs) per second:
+
+  ====  ======  ================  ===============  ===============  =====  =====
+  KV    tokens  ms XLA / kernel   GFLOP/s wall     GFLOP/s CPU      wall   CPU
+  ====  ======  ================  ===============  ===============  =====  =====
+  f32   128     1.41 / 0.61       13.5 / 31.3      13.5 / 31.3      2.3    2.3
+  f32   512     7.46 / 2.68       40.5 / 113.0     33.1 / 65.1      2.8    2.0
+  f32   940     17.41 / 7.23      58.5 / 141.0     36.6 / 72.5      2.4    2.0
+  f32   2048    64.00 / 31.82     75.5 / 151.9     47.4 / 78.9      2.0    1.7
+  int8  128     1.13 / 0.59       16.8 / 32.0      15.0 / 27.1      1.9    1.8
+  int8  512     7.36 / 4.04       41.1 / 75.0      41.1 / 74.9      1.8    1.8
+  int8  940     23.58 / 12.68     43.2 / 80.4      43.2 / 80.8      1.9    1.9
+  int8  2048    82.40 / 52.55     58.7 / 92.0      58.7 / 92.3      1.6    1.6
+  ====  ======  ================  ===============  ===============  =====  =====
+
+Ratios: XLA time / kernel time. The f32 rows ran with the second core mostly
+free (kernel wall half its CPU time: both threads busy), the int8 rows with
+it taken (wall = CPU): 2.3-2.8x less wall time and 1.7-2.3x less CPU time
+with f32 pages, 1.6-1.9x with int8; at SmolLM2's 940 tokens 17.4 -> 7.2 ms
+a layer (x 30 layers). The kernel reaches 73-92 GFLOP/s per CPU second at
+512+ tokens, XLA's tiles 33-59.
+
+Whole engine, SmolLM2-135M (f32 weights and KV), one 940-token prompt
+(``Engine.shaped_step(1, 940, 940)``, 5 timed runs a process, processes
+alternated, ``JAXSERVE_CPU_KERNELS=0`` / ``1``): CPU-time medians 3,033 and
+2,829 ms / 2,510 and 2,376 ms (-16%); wall 5,000 and 3,471 / 2,533 and
+2,448 ms on the loaded box.
+Steps (f32, CPU ms of the kernel at 940 / 2,048 tokens, one process each,
+the XLA path alternated beside it): 8 x 1 zmm blocks (8 FMAs per 9 loads),
+a scalar max, units of 64 query vectors 25.9 / 122 (no faster than XLA);
+6 x 4 blocks and a vector max 13.4 / 74; the next tile prefetched and units
+of 192 vectors 13.1 / 57. 128-position tiles changed nothing (61.4-63.4 ms
+against 61.5-62.9, 2,048 tokens, one thread, alternated processes). The
+micro-kernel runs ~64% of the kernel's time (perf, 2,048 tokens, one
+thread; ~140 GFLOP/s while it runs), the rest is the key transpose (its
+loads from random pages), softmax and exp: where more would come from.
 """
 
 from __future__ import annotations
@@ -165,5 +244,52 @@ def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_
         q_TNH.astype(jnp.float32), k_pages_PLKH, v_pages_PLKH,
         k_scales_PLK.astype(jnp.float32), v_scales_PLK.astype(jnp.float32),
         jnp.asarray(kv_lens_S, jnp.int32), jnp.asarray(page_indices_SP, jnp.int32), nd, window,
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+        isa=np.int32(isa), threads=np.int32(threads))
+
+
+def prefill_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, cu_q_lens_S1,
+                      num_seqs, num_decode, *, sm_scale: float, sliding_window=None,
+                      soft_cap: float | None = None, k_scales_PLK=None, v_scales_PLK=None,
+                      isa: int = -1, threads: int = 0):
+    """Attention of prefill rows ``num_decode .. num_seqs - 1`` (causal; a
+    sequence's ``q_len = cu_q_lens[i + 1] - cu_q_lens[i]`` queries are the last
+    ``q_len`` of its ``kv_lens[i]`` positions).
+
+    Args:
+      q_TNH: [T, N, H] queries (cast to f32), N = K * G, packed by cu_q_lens.
+      k_pages_PLKH, v_pages_PLKH: f32 or int8 [P, L, K, H].
+      k_scales_PLK, v_scales_PLK: f32[P, L, K] scales of int8 pages, None for f32.
+      kv_lens_S: i32[S]; page_indices_SP: i32[S, pages_per_seq];
+      cu_q_lens_S1: i32[S + 1] prefix sums of query lengths.
+      num_seqs, num_decode: i32 scalars (or [1], or Python ints).
+      sm_scale, soft_cap, sliding_window, isa, threads: as ``decode_attention``.
+
+    Returns:
+      f32[T, N, H]: prefill rows' outputs, 0 in every other row (decode rows too).
+
+    Raises:
+      RuntimeError: the kernel library is not available.
+      ValueError: pages neither f32 nor int8 with scales.
+    """
+    if not _load():
+        raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
+    kind = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int8): "int8"}.get(
+        jnp.dtype(k_pages_PLKH.dtype))
+    if (kind is None or v_pages_PLKH.dtype != k_pages_PLKH.dtype
+            or (kind == "int8") != (k_scales_PLK is not None and v_scales_PLK is not None)):
+        raise ValueError(f"prefill_attention: f32 pages, or int8 pages with scales; got "
+                         f"{k_pages_PLKH.dtype} (scales given: {k_scales_PLK is not None})")
+    if kind == "f32":
+        k_scales_PLK = v_scales_PLK = jnp.zeros((0,), jnp.float32)
+    window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
+    window = jnp.minimum(window.reshape(()), NO_WINDOW)
+    scalars = [jnp.asarray(x, jnp.int32).reshape(()) for x in (num_seqs, num_decode)]
+    return jax.ffi.ffi_call(f"jaxserve_rpa_prefill_{kind}",
+                            jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
+        q_TNH.astype(jnp.float32), k_pages_PLKH, v_pages_PLKH,
+        k_scales_PLK.astype(jnp.float32), v_scales_PLK.astype(jnp.float32),
+        jnp.asarray(kv_lens_S, jnp.int32), jnp.asarray(page_indices_SP, jnp.int32),
+        jnp.asarray(cu_q_lens_S1, jnp.int32), *scalars, window,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         isa=np.int32(isa), threads=np.int32(threads))
