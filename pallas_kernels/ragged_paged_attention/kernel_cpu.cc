@@ -301,6 +301,9 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t want = (4 * nthreads + R - 1) / R;
     const int64_t most = std::max<int64_t>(1, max_len / (16 * L));
     splits = std::min(want, most);
+    // Units in whole rounds of the threads: one row of ~1,000 positions (63 pages)
+    // in 3 splits on 2 threads takes two split-times (2/3 of the row), in 2 one (1/2).
+    while (splits > 1 && (R * splits) % nthreads) --splits;
   }
   const int64_t total = int64_t(R) * N * H * std::max<int64_t>(max_len, 1);
   if (total < (1 << 16)) nthreads = 1;  // too little work to share
