@@ -218,9 +218,11 @@ int pick_isa(int32_t requested) {
   return requested < 0 ? best_isa() : std::min<int>(requested, best_isa());
 }
 
-// The panel path (kernel_panel.inc) from this many columns on, per target (measured:
-// this folder's __init__.py); the attribute panel: -1 this rule, 0 never, 1 always.
-constexpr int64_t kPanelInt8 = 8, kPanelQ8g = 8, kPanelQ4g = 8, kPanelF32 = 8;
+// The panel path (kernel_panel.inc) from this many columns on, per target (measured in
+// this folder's __init__.py: 8 columns ran faster on the row tiles, 16 on the panels;
+// f32 even at 8); quant_matmul_cpu.PANEL_COLUMNS repeats them (a test checks). The
+// attribute panel: -1 this rule, 0 never, 1 always.
+constexpr int64_t kPanelInt8 = 12, kPanelQ8g = 12, kPanelQ4g = 12, kPanelF32 = 8;
 
 bool use_panel(int32_t panel, int64_t M, int64_t from) {
   return panel > 0 || (panel < 0 && M >= from);
