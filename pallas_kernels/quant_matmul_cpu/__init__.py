@@ -80,16 +80,22 @@ f32 GEMM's blocking beats this kernel's row tiles at M = 128.
 from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, int8_matmul, library_path,
                                                  q4g_matmul, q8g_matmul, w8a8_matmul)
 
-# The largest column count M at which the kernel measured faster than the XLA
-# form, per kind (the table above: Q8_0 won at 1 and 2 and was mixed at 8).
-_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 4, "q4g": 32, "f32": 8}
+# From this many columns M the weight-only targets run the panel path, below it the
+# row tiles (kernel.cc's kPanel* constants, its rule for ``panel=-1``; a test checks
+# that the two agree). Measured: 8 columns faster on the tiles, 16 on the panels (f32
+# level at 8).
+PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
+
+# The largest column count M at which the kernel (tiles, then panels) measured
+# faster than the XLA form, per kind (the tables above).
+_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 128}
 
 
 def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     """Whether ``quantized_matmul`` should call the kernel for a weight [F, D] of
-    ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``) and M columns."""
+    ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``, ``"f32"``) and M columns."""
     return M <= _MAX_COLUMNS[kind]
 
 
-__all__ = ["available", "f32_matmul", "int8_matmul", "library_path", "q4g_matmul", "q8g_matmul",
-           "use_kernel", "w8a8_matmul"]
+__all__ = ["PANEL_COLUMNS", "available", "f32_matmul", "int8_matmul", "library_path",
+           "q4g_matmul", "q8g_matmul", "use_kernel", "w8a8_matmul"]
