@@ -88,11 +88,12 @@ def _weight_only(kind, F, D, M, gs, seed=0):
 
 # The panel path (kernel_panel.inc) forced on: F ragged against every ISA's
 # panel height (8, 6, 4 rows), M ragged against the vector widths (16, 8) and
-# the column blocks (32, 16, 4), D ragged for the per-channel formats (83), and
-# group sizes the vector widths do not divide (8, 16: a lower level's bodies).
+# the column blocks (32, 16, 4) and spans (128), D ragged for the per-channel
+# formats (83), and group sizes the vector widths do not divide (8, 16: a lower level's bodies).
 PANEL_CASES = [("f32", 37, 83, 33, None), ("int8", 21, 83, 7, None),
                ("int8", 13, 96, 50, None), ("q8g", 37, 96, 17, 32), ("q8g", 21, 160, 9, 8),
-               ("q4g", 37, 96, 33, 32), ("q4g", 21, 160, 7, 16), ("f32", 8, 64, 16, None)]
+               ("q4g", 37, 96, 33, 32), ("q4g", 21, 160, 7, 16), ("f32", 8, 64, 16, None),
+               ("q4g", 13, 64, 150, 32)]  # 150: two column spans (128, then 22 + padding)
 
 
 @needs_kernel

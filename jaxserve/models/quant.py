@@ -68,12 +68,16 @@ SmolLM2 (engine ``shaped_step``, 1 row at 1,000 context / 4 rows at 500 /
 32 rows at 180; same loaded Xeon, separate processes, kernel vs
 ``JAXSERVE_CPU_KERNELS=0``, two runs each): f32 48-51 vs 63-71 ms, 71-77
 vs 97-99 ms, 215 vs 218 ms; ``gguf`` 30-33 vs 200-204 ms, 48-52 vs 232-235
-ms, 217-237 vs 338-352 ms.
+ms, 217-237 vs 338-352 ms. With the kernel's panel path serving wide
+activations (``bench sweep``, 32 rows at 180 context, this branch vs the
+row tiles before it, alternated processes, two rounds, load 1.8): ``gguf``
+142 vs 181 ms and 84 vs 109 ms, f32 105 vs 231 ms and 103 vs 134 ms; 4
+rows unchanged (tiles both ways).
 
 So on CPU, where the library is built (``quant_matmul_cpu.available()``),
 ``lowering="auto"`` calls the kernel for int4 / Q4_0 / Q4_1 at M <= 512,
 Q8_0 at M <= 128, int8 and w8a8 at M = 1, and a scanned layer's f32
-projections at M <= 128 (``quant_matmul_cpu.use_kernel``; from 12 columns,
+projections at M <= 256 (``quant_matmul_cpu.use_kernel``; from 12 columns,
 f32 8, its GEMM-style panel path, which runs at the f32 GEMM's speed);
 elsewhere, without the library, or with ``JAXSERVE_CPU_KERNELS=0``, the XLA
 forms below.

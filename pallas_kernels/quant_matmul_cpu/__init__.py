@@ -107,7 +107,8 @@ layers as above.
 | int8 | kernel panels | 32.1 | 86 | 94 | 50 | 67 | 123 | 233 | 853 | 1921 |
 
 (M = 128 again in a second run: f32 253 / 515 / 232, int4 429 / 485 / 217,
-Q8_0 225 / 380 / 210, int8 54 / 436 / 216.) The LM head's shape (49152x576,
+Q8_0 225 / 380 / 210, int8 54 / 436 / 216; M = 256, XLA / panels: f32 437 /
+415, int4 609 / 403, Q8_0 413 / 414.) The LM head's shape (49152x576,
 ms per call, XLA / tiles / panels): Q8_0 at M = 8: 61 / 10.8 / 12.2, 16: 66 /
 19.0 / 12.0, 32: 73 / 34 / 15.5, 128: 100 / 115 / 52, 512: 378 / 434 / 242
 (its f32 dot: 16 / 21 / 30 / 55 / 351); int4 alike; int8's XLA dot wins from
@@ -118,7 +119,8 @@ FMA peak here) without its dequantized copy, so the grouped formats gain
 1.4-6x over XLA from M = 16 to 128; from M = 512 oneDNN's f32 GEMM blocking
 (D and packing) catches up, and an int8 dot on AMX beats any f32 FMA path. A
 panel pads M to the vector width (16), so below it the tiles win. Hence
-``PANEL_COLUMNS`` (12) and ``_MAX_COLUMNS``: int4 to 512, Q8_0 and f32 to 128.
+``PANEL_COLUMNS`` (12) and ``_MAX_COLUMNS``: int4 to 512, f32 to 256, Q8_0
+to 128 (a tie at 256); int8 and w8a8 stay at M = 1.
 """
 
 from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, int8_matmul, library_path,
@@ -132,7 +134,7 @@ PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
 
 # The largest column count M at which the kernel (tiles, then panels) measured
 # faster than the XLA form, per kind (the tables above).
-_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 128}
+_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 256}
 
 
 def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
