@@ -4,7 +4,8 @@
 //
 // Targets (registered by ffi.py, all platform "cpu"; attributes isa: -1 the best this
 // CPU runs, 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW/VL/VNNI; threads: 0 XLA's
-// intra-op pool size, n at most n threads):
+// intra-op pool size, n at most n threads; the weight-only ones also panel: -1 the
+// panel path (kernel_panel.inc) from kPanel* columns on, 0 the row tiles, 1 panels):
 //   jaxserve_qmm_int8  (q s8[F, D], scale f32[F, 1], x f32[D, M])
 //   jaxserve_qmm_q8g   (q s8[F, D], scale f16[F, G], x f32[D, M])         gs = D / G
 //   jaxserve_qmm_q4g   (q u8[F, D/2], scale f16[F, G], zero f16[F, G], x f32[D, M])
