@@ -50,6 +50,7 @@ setup(
         sources=["pallas_kernels/quant_matmul_cpu/kernel.cc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu.cc"],
         depends=["pallas_kernels/quant_matmul_cpu/kernel_body.inc",
+                 "pallas_kernels/quant_matmul_cpu/kernel_panel.inc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu_body.inc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu_prefill.inc"],
         language="c++",

@@ -67,6 +67,62 @@ def test_q4g_against_reference(isa, F, D, M, gs):
     assert np.allclose(ref, quant.reference_linear(qt, x), rtol=1e-12, atol=1e-12)
 
 
+def _weight_only(kind, F, D, M, gs, seed=0):
+    """(kernel call(panel, threads=0), f64 reference) of one weight-only target."""
+    fmt = {"f32": None, "int8": quant.INT8, "q8g": quant.TensorFormat(8, gs),
+           "q4g": quant.TensorFormat(4, gs, zero_point=True)}[kind]
+    if fmt is None:
+        rng = np.random.default_rng(seed)
+        w, x = rng.standard_normal((F, D)).astype(np.float32), \
+            rng.standard_normal((D, M)).astype(np.float32)
+        return (lambda isa, panel, threads=0: qmm.f32_matmul(w, x, isa=isa, panel=panel,
+                                                            threads=threads),
+                w.astype(np.float64) @ x.astype(np.float64))
+    qt, x = _case(F, D, M, fmt, seed)
+    parts = [a for a in (qt.q, qt.scale, qt.zero) if a is not None]
+    kernel, ref = getattr(qmm, f"{kind}_matmul"), getattr(reference, f"{kind}_matmul")
+    return (lambda isa, panel, threads=0: kernel(*parts, x, isa=isa, panel=panel,
+                                                 threads=threads),
+            ref(*parts, x))
+
+
+# The panel path (kernel_panel.inc) forced on: F ragged against every ISA's
+# panel height (8, 6, 4 rows), M ragged against the vector widths (16, 8) and
+# the column blocks (32, 16, 4) and spans (128), D ragged for the per-channel
+# formats (83), and group sizes the vector widths do not divide (8, 16: a lower level's bodies).
+PANEL_CASES = [("f32", 37, 83, 33, None), ("int8", 21, 83, 7, None),
+               ("int8", 13, 96, 50, None), ("q8g", 37, 96, 17, 32), ("q8g", 21, 160, 9, 8),
+               ("q4g", 37, 96, 33, 32), ("q4g", 21, 160, 7, 16), ("f32", 8, 64, 16, None),
+               ("q4g", 13, 64, 150, 32)]  # 150: two column spans (128, then 22 + padding)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind,F,D,M,gs", PANEL_CASES)
+def test_panel_against_reference(isa, kind, F, D, M, gs):
+    call, ref = _weight_only(kind, F, D, M, gs)
+    got = np.asarray(call(isa, 1))
+    assert np.abs(got - ref).max() <= _tol(ref, D)
+    # the row tiles agree to f32 rounding (a different summation order)
+    assert np.abs(np.asarray(call(isa, 0)) - got).max() <= 2 * _tol(ref, D)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["f32", "int8", "q8g", "q4g"])
+def test_panel_rule_and_threads(kind):
+    """The kernel's own rule (panel=-1) takes the row tiles below its column
+    threshold and the panel path from it on (bit-equal to the forced forms), and
+    a weight large enough for the thread pool gives the one-thread bits."""
+    for M in (qmm.PANEL_COLUMNS[kind] - 1, qmm.PANEL_COLUMNS[kind]):
+        call, ref = _weight_only(kind, 40, 64, M, 32, seed=M)
+        want = 1 if M >= qmm.PANEL_COLUMNS[kind] else 0
+        np.testing.assert_array_equal(np.asarray(call(-1, -1)), np.asarray(call(-1, want)))
+    call, ref = _weight_only(kind, 1000, 64, 40, 32)  # 2.6M multiply-adds: the pool splits rows
+    got = np.asarray(call(-1, 1))
+    np.testing.assert_array_equal(got, np.asarray(call(-1, 1, threads=1)))
+    assert np.abs(got - ref).max() <= _tol(ref, 64)
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("F,D,M", [(37, 200, 1), (19, 83, 17)])  # ragged D: masked tail
@@ -163,13 +219,14 @@ def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_pa
 
 
 @needs_kernel
+@pytest.mark.parametrize("M", [2, 35])  # 35: the panel path (kernel rule), ragged columns
 @pytest.mark.parametrize("fmt", [None, quant.INT8, quant.W8A8, quant.Q8_0, quant.Q4])
-def test_stacked_parts_are_read_at_the_layer(fmt):
+def test_stacked_parts_are_read_at_the_layer(fmt, M):
     """A weight stacked over 3 layers with a layer index gives exactly the
     2-D call on that layer's slice (the kernel offsets its pointers), inside
     a scan as ``stack.run_layers`` runs it; an index outside [0, L) is an error."""
     rng = np.random.default_rng(3)
-    L, F, D, M = 3, 37, 96, 2
+    L, F, D = 3, 37, 96
     ws = rng.standard_normal((L, F, D)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((D, M)).astype(np.float32))
     if fmt is None:

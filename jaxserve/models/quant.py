@@ -63,17 +63,22 @@ it (a ``dynamic-slice`` fusion writing the layer's whole weights, which the
 dot then reads again). So ``stack.run_layers`` hands the layer body the 2-D
 projections as ``StackedRead`` (the stacked array and the layer's offset),
 and the kernel reads the layer's part in place (``matmul_parts``); it also
-has a dense f32 target for this, used at M <= 8. Whole decode steps of
+has a dense f32 target for this (use_kernel below). Whole decode steps of
 SmolLM2 (engine ``shaped_step``, 1 row at 1,000 context / 4 rows at 500 /
 32 rows at 180; same loaded Xeon, separate processes, kernel vs
 ``JAXSERVE_CPU_KERNELS=0``, two runs each): f32 48-51 vs 63-71 ms, 71-77
 vs 97-99 ms, 215 vs 218 ms; ``gguf`` 30-33 vs 200-204 ms, 48-52 vs 232-235
-ms, 217-237 vs 338-352 ms.
+ms, 217-237 vs 338-352 ms. With the kernel's panel path serving wide
+activations (``bench sweep``, 32 rows at 180 context, this branch vs the
+row tiles before it, alternated processes, two rounds, load 1.8): ``gguf``
+142 vs 181 ms and 84 vs 109 ms, f32 105 vs 231 ms and 103 vs 134 ms; 4
+rows unchanged (tiles both ways).
 
 So on CPU, where the library is built (``quant_matmul_cpu.available()``),
-``lowering="auto"`` calls the kernel for int4 / Q4_0 / Q4_1 at M <= 32,
-Q8_0 at M <= 4, int8 and w8a8 at M = 1, and a scanned layer's f32
-projections at M <= 8 (``quant_matmul_cpu.use_kernel``);
+``lowering="auto"`` calls the kernel for int4 / Q4_0 / Q4_1 at M <= 512,
+Q8_0 at M <= 128, int8 and w8a8 at M = 1, and a scanned layer's f32
+projections at M <= 256 (``quant_matmul_cpu.use_kernel``; from 12 columns,
+f32 8, its GEMM-style panel path, which runs at the f32 GEMM's speed);
 elsewhere, without the library, or with ``JAXSERVE_CPU_KERNELS=0``, the XLA
 forms below.
 
@@ -128,7 +133,8 @@ INT8_MAX = 127
 GROUP_SCALE_DTYPE = np.float16
 # From this many activation columns a grouped weight on XLA:CPU is dequantized into
 # its own f32 buffer before an f32 dot (the [F, D] write costs less than XLA's fused
-# dequantize-in-the-dot loop from a few columns on; the kernel serves fewer).
+# dequantize-in-the-dot loop from a few columns on; where the kernel is built it
+# serves these widths up to quant_matmul_cpu.use_kernel's limit).
 DEQUANTIZE_FIRST_COLUMNS = 5
 _SPLIT = 2 * INT8_MAX  # s2 = s1 / 254: the residual of the first int8 term fills [-127, 127]
 

@@ -34,6 +34,16 @@ Design (``kernel.cc``, ``kernel_body.inc``):
   (box shared with two helpers' jobs): 8.97 -> 7.63 ms (1.18x) and 19.7 ->
   17.2 ms; the time per call of a 576 x 576 projection read from beyond L2,
   6.8 against 5.3 GB/s of weight bytes (1.28x).
+* The panel path (``kernel_panel.inc``; weight-only targets from
+  ``PANEL_COLUMNS`` columns on): GEMM-style, x read feature-major as it comes
+  ([D, M]: a column block at one d is contiguous; copied once, padded to the
+  vector width, in contiguous 128-column spans). A panel of 8 weight rows
+  (AVX-512; AVX2 6, scalar 4) x all of D is dequantized into a per-thread f32
+  buffer (the same values as the tiles: q4g ``fma(q, s, z)``, q8g ``s q``,
+  int8 ``q`` with the row scale applied to the sums), then a microkernel keeps
+  8 rows x 2 vectors (32 columns; AVX2 6 x 2 x 8) of accumulators, one
+  broadcast weight per row and d: no horizontal sums. Rows are split over
+  threads as for the tiles; a ragged F tail panel is zero-padded.
 * w8a8 with AVX-512 VNNI: ``vpdpbusd`` multiplies unsigned by signed bytes,
   so x goes in as ``xq + 128`` and ``128 * sum q`` (a ``vpdpbusd`` of ones,
   once per row) is taken back off; a ragged D by masked, zeroing loads.
@@ -87,21 +97,63 @@ Reading: at decode widths the kernel reads int4 at 2.8x the speed of f32
 and 6x XLA's int4; the XLA forms that win at M >= 32 run the int8 dot on
 oneDNN (AMX), which f32 FMAs cannot match, and for the grouped formats the
 f32 GEMM's blocking beats this kernel's row tiles at M = 128.
+
+With the panel path (same machine, 2026-12-05, load average 2-3 from other
+jobs; one process run per M, XLA / tiles / panels alternated, median of 5;
+M >= 512: 3 layers and 3 repeats, scaled to 30): ms per forward of the 30
+layers as above.
+
+| format | form | M=1 | 4 | 8 | 16 | 32 | 64 | 128 | 512 | 1024 |
+|---|---|---|---|---|---|---|---|---|---|---|
+| f32 | XLA | 48.5 | 100 | 139 | 142 | 112 | 164 | 358 | 865 | **1640** |
+| f32 | kernel tiles | **24.6** | **65** | 133 | 157 | 166 | 295 | 544 | | |
+| f32 | kernel panels | 46.1 | 86 | **129** | **131** | **101** | 167 | **247** | 847 | 1877 |
+| int4 | XLA | 153 | 374 | 421 | 444 | 278 | 383 | 456 | 998 | **1827** |
+| int4 | kernel tiles | **10.3** | **41** | **62** | 95 | 123 | 296 | 526 | | |
+| int4 | kernel panels | 28.8 | 76 | 81 | **50** | **64** | **147** | **231** | **877** | 1947 |
+| Q8_0 | XLA | 36.9 | 90 | 93 | 96 | 90 | 148 | 245 | **800** | **1652** |
+| Q8_0 | kernel tiles | **15.1** | **54** | **72** | 106 | 123 | 253 | 423 | | |
+| Q8_0 | kernel panels | 31.3 | 86 | 112 | **64** | **68** | **130** | **233** | 868 | 1866 |
+| int8 | XLA | 14.0 | **43** | **31** | **35** | **31** | **40** | **83** | **241** | **649** |
+| int8 | kernel tiles | **13.5** | 50 | 66 | 91 | 118 | 229 | 478 | | |
+| int8 | kernel panels | 32.1 | 86 | 94 | 50 | 67 | 123 | 233 | 853 | 1921 |
+
+(M = 128 again in a second run: f32 253 / 515 / 232, int4 429 / 485 / 217,
+Q8_0 225 / 380 / 210, int8 54 / 436 / 216; M = 256, XLA / panels: f32 437 /
+415, int4 609 / 403, Q8_0 413 / 414.) The LM head's shape (49152x576,
+ms per call, XLA / tiles / panels): Q8_0 at M = 8: 61 / 10.8 / 12.2, 16: 66 /
+19.0 / 12.0, 32: 73 / 34 / 15.5, 128: 100 / 115 / 52, 512: 378 / 434 / 242
+(its f32 dot: 16 / 21 / 30 / 55 / 351); int4 alike; int8's XLA dot wins from
+M = 8 (3.9 vs 8.0 tiles / 11.1 panels; 128: 41.5 vs 52.5 panels).
+
+Reading: the panels run at the f32 GEMM's speed (oneDNN's; both ~40% of the
+FMA peak here) without its dequantized copy, so the grouped formats gain
+1.4-6x over XLA from M = 16 to 128; from M = 512 oneDNN's f32 GEMM blocking
+(D and packing) catches up, and an int8 dot on AMX beats any f32 FMA path. A
+panel pads M to the vector width (16), so below it the tiles win. Hence
+``PANEL_COLUMNS`` (12) and ``_MAX_COLUMNS``: int4 to 512, f32 to 256, Q8_0
+to 128 (a tie at 256); int8 and w8a8 stay at M = 1.
 """
 
 from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, int8_matmul, library_path,
                                                  q4g_matmul, q8g_matmul, w8a8_matmul)
 
-# The largest column count M at which the kernel measured faster than the XLA
-# form, per kind (the table above: Q8_0 won at 1 and 2 and was mixed at 8).
-_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 4, "q4g": 32, "f32": 8}
+# From this many columns M the weight-only targets run the panel path, below it the
+# row tiles (kernel.cc's kPanel* constants, its rule for ``panel=-1``; a test checks
+# that the two agree). Measured: 8 columns faster on the tiles, 16 on the panels (f32
+# level at 8).
+PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
+
+# The largest column count M at which the kernel (tiles, then panels) measured
+# faster than the XLA form, per kind (the tables above).
+_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 256}
 
 
 def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     """Whether ``quantized_matmul`` should call the kernel for a weight [F, D] of
-    ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``) and M columns."""
+    ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``, ``"f32"``) and M columns."""
     return M <= _MAX_COLUMNS[kind]
 
 
-__all__ = ["available", "f32_matmul", "int8_matmul", "library_path", "q4g_matmul", "q8g_matmul",
-           "use_kernel", "w8a8_matmul"]
+__all__ = ["PANEL_COLUMNS", "available", "f32_matmul", "int8_matmul", "library_path",
+           "q4g_matmul", "q8g_matmul", "use_kernel", "w8a8_matmul"]

@@ -10,7 +10,9 @@ install time) or fails to load; the reason is logged once at INFO.
 All functions take a weight as ``quant.py`` stores it and feature-major
 activations ``x_DM`` f32 [D, M], and return f32 [F, M]. ``isa``: -1 the best
 this CPU runs, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin a level); ``threads``:
-0 XLA's intra-op pool size, n at most n threads; ``layer``: None for a 2-D
+0 XLA's intra-op pool size, n at most n threads; ``panel`` (weight-only
+targets): -1 the kernel's rule (the GEMM-style panel path from a measured
+column count on), 0 the row tiles, 1 the panel path; ``layer``: None for a 2-D
 weight, or an i32 scalar when the weight's parts are stacked over a scanned
 run of layers (``[L, F, D]``, scales ``[L, F, G]``): the kernel reads that
 layer's part in place (``quant.StackedRead``), with no copy of the slice.
@@ -77,31 +79,36 @@ def available() -> bool:
     return _load()
 
 
-def _call(name, F, M, *args, layer=None, isa=-1, threads=0):
+def _call(name, F, M, *args, layer=None, isa=-1, threads=0, **attrs):
     if not _load():
         raise RuntimeError("quant_matmul_cpu: the kernel library is not available")
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     return jax.ffi.ffi_call(f"jaxserve_qmm_{name}", jax.ShapeDtypeStruct((F, M), jnp.float32))(
-        *args, layer.reshape(()), isa=np.int32(isa), threads=np.int32(threads))
+        *args, layer.reshape(()), isa=np.int32(isa), threads=np.int32(threads),
+        **{k: np.int32(v) for k, v in attrs.items()})
 
 
-def int8_matmul(q_FD, scale_F1, x_DM, layer=None, isa: int = -1, threads: int = 0):
+def int8_matmul(q_FD, scale_F1, x_DM, layer=None, isa: int = -1, threads: int = 0,
+                panel: int = -1):
     """Per-channel int8 weight-only: ``scale * (q @ x)``; q i8[F, D], scale f32[F, 1]."""
     return _call("int8", q_FD.shape[-2], x_DM.shape[1], q_FD, scale_F1.astype(jnp.float32),
-                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
+                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads, panel=panel)
 
 
-def q8g_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
+def q8g_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int = 0,
+               panel: int = -1):
     """Grouped int8 (Q8_0): ``w = scale[f, d // gs] q``; q i8[F, D], scale f16[F, G]."""
     return _call("q8g", q_FD.shape[-2], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
-                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
+                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads, panel=panel)
 
 
-def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
+def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1, threads: int = 0,
+               panel: int = -1):
     """Grouped uint4 (int4, Q4_0/1): ``w = scale q + zero``; p u8[F, D/2] packed
     (input 2j low nibble, 2j + 1 high), scale and zero f16[F, G]."""
     return _call("q4g", p_FD2.shape[-2], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
-                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
+                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa,
+                 threads=threads, panel=panel)
 
 
 def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, layer=None, isa: int = -1, threads: int = 0):
@@ -111,8 +118,9 @@ def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, layer=None, isa: int = -1, threads
                  xq_DM, sx_1M.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
 
 
-def f32_matmul(w_FD, x_DM, layer=None, isa: int = -1, threads: int = 0):
+def f32_matmul(w_FD, x_DM, layer=None, isa: int = -1, threads: int = 0,
+               panel: int = -1):
     """Dense f32 ``w @ x``; w f32[F, D] (or [L, F, D] with ``layer``). Its use is
     a scanned layer's f32 projections read in place at decode widths."""
     return _call("f32", w_FD.shape[-2], x_DM.shape[1], w_FD, x_DM.astype(jnp.float32),
-                 layer=layer, isa=isa, threads=threads)
+                 layer=layer, isa=isa, threads=threads, panel=panel)

@@ -4,7 +4,8 @@
 //
 // Targets (registered by ffi.py, all platform "cpu"; attributes isa: -1 the best this
 // CPU runs, 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW/VL/VNNI; threads: 0 XLA's
-// intra-op pool size, n at most n threads):
+// intra-op pool size, n at most n threads; the weight-only ones also panel: -1 the
+// panel path (kernel_panel.inc) from kPanel* columns on, 0 the row tiles, 1 panels):
 //   jaxserve_qmm_int8  (q s8[F, D], scale f32[F, 1], x f32[D, M])
 //   jaxserve_qmm_q8g   (q s8[F, D], scale f16[F, G], x f32[D, M])         gs = D / G
 //   jaxserve_qmm_q4g   (q u8[F, D/2], scale f16[F, G], zero f16[F, G], x f32[D, M])
@@ -86,6 +87,7 @@ struct V {
   }
 };
 #include "kernel_body.inc"
+#include "kernel_panel.inc"
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -147,6 +149,7 @@ struct V {
   }
 };
 #include "kernel_body.inc"
+#include "kernel_panel.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -215,6 +218,7 @@ struct V {
   }
 };
 #include "kernel_body.inc"
+#include "kernel_panel.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -235,6 +239,32 @@ int best_isa() {
 
 int pick_isa(int32_t requested) {
   return requested < 0 ? best_isa() : std::min<int>(requested, best_isa());
+}
+
+// The panel path (kernel_panel.inc) from this many columns on, per target (measured in
+// this folder's __init__.py: 8 columns ran faster on the row tiles, 16 on the panels;
+// f32 even at 8); quant_matmul_cpu.PANEL_COLUMNS repeats them (a test checks). The
+// attribute panel: -1 this rule, 0 never, 1 always.
+constexpr int64_t kPanelInt8 = 12, kPanelQ8g = 12, kPanelQ4g = 12, kPanelF32 = 8;
+
+bool use_panel(int32_t panel, int64_t M, int64_t from) {
+  return panel > 0 || (panel < 0 && M >= from);
+}
+
+// x [D, M] copied for the panel path at `level` (prepare_panel_x; perm4: int4's order).
+std::vector<float> panel_x(int level, const float* x, int64_t D, int64_t M, bool perm4) {
+  std::vector<float> xp;
+  if (level == 2) {
+    xp.resize(D * avx512::panel_cols(M));
+    avx512::prepare_panel_x(x, D, M, perm4, xp.data());
+  } else if (level == 1) {
+    xp.resize(D * avx2::panel_cols(M));
+    avx2::prepare_panel_x(x, D, M, perm4, xp.data());
+  } else {
+    xp.resize(D * scalar::panel_cols(M));
+    scalar::prepare_panel_x(x, D, M, perm4, xp.data());
+  }
+  return xp;
 }
 
 // Rows [0, F) in chunks over up to `threads` threads: the caller and tasks on
@@ -306,7 +336,7 @@ int64_t layer_index(ffi::Buffer<ffi::S32>& layer, int64_t L) {
 
 ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
-                   int32_t threads) {
+                   int32_t threads, int32_t panel) {
   Part wp = part(w.dimensions());
   if (!wp.L) return ffi::Error::InvalidArgument("jaxserve_qmm_f32: w [F, D] or [L, F, D]");
   const int64_t F = wp.dims[0], D = wp.dims[1], M = x.dimensions().back();
@@ -314,9 +344,19 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ff
   JS_LAYER("jaxserve_qmm_f32", wp.L)
   const float* wq = w.typed_data() + li * F * D;
   float* o = out->typed_data();
+  const int level = pick_isa(isa);
+  if (use_panel(panel, M, kPanelF32)) {
+    const std::vector<float> xpb = panel_x(level, x.typed_data(), D, M, false);
+    auto pn = [&, xp = xpb.data()](int64_t f0, int64_t f1) {
+      if (level == 2) avx512::f32_panel(wq, xp, D, M, f0, f1, o);
+      else if (level == 1) avx2::f32_panel(wq, xp, D, M, f0, f1, o);
+      else scalar::f32_panel(wq, xp, D, M, f0, f1, o);
+    };
+    parallel_rows(pool, threads, F, F * D * M, pn);
+    return ffi::Error::Success();
+  }
   std::vector<float> xt(D * M);
   const float* xp = xt.data();
-  const int level = pick_isa(isa);
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::f32_rows(wq, xp, D, M, f0, f1, o);
     else if (level == 1) avx2::f32_rows(wq, xp, D, M, f0, f1, o);
@@ -329,7 +369,8 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ff
 
 ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                    ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+                    ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads,
+                    int32_t panel) {
   Part qp_ = part(q.dimensions());
   if (!qp_.L || scale.element_count() != qp_.L * qp_.dims[0])
     return ffi::Error::InvalidArgument("jaxserve_qmm_int8: q [(L,) F, D], scale [(L,) F, 1]");
@@ -339,9 +380,19 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
   const int8_t* qp = q.typed_data() + li * F * D;
   const float* sp = scale.typed_data() + li * F;
   float* o = out->typed_data();
+  const int level = pick_isa(isa);
+  if (use_panel(panel, M, kPanelInt8)) {
+    const std::vector<float> xpb = panel_x(level, x.typed_data(), D, M, false);
+    auto pn = [&, xp = xpb.data()](int64_t f0, int64_t f1) {
+      if (level == 2) avx512::int8_panel(qp, sp, xp, D, M, f0, f1, o);
+      else if (level == 1) avx2::int8_panel(qp, sp, xp, D, M, f0, f1, o);
+      else scalar::int8_panel(qp, sp, xp, D, M, f0, f1, o);
+    };
+    parallel_rows(pool, threads, F, F * D * M, pn);
+    return ffi::Error::Success();
+  }
   std::vector<float> xt(D * M);
   const float* xp = xt.data();
-  const int level = pick_isa(isa);
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::int8_rows(qp, sp, xp, D, M, f0, f1, o);
     else if (level == 1) avx2::int8_rows(qp, sp, xp, D, M, f0, f1, o);
@@ -354,7 +405,8 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
 
 ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F16> scale,
                    ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                   ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+                   ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads,
+                   int32_t panel) {
   Part qp_ = part(q.dimensions()), sp_ = part(scale.dimensions());
   if (!qp_.L || sp_.L != qp_.L || sp_.dims[0] != qp_.dims[0] || sp_.dims[1] < 1 ||
       qp_.dims[1] % sp_.dims[1])
@@ -367,12 +419,22 @@ ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi
   int level = pick_isa(isa);
   if (level == 2 && gs % 16) level = 1;
   if (level == 1 && gs % 8) level = 0;
-  std::vector<float> xt(D * M);
-  const float* xp = xt.data();
-  scalar::prepare_x(x.typed_data(), D, M, xt.data());
   const int8_t* qp = q.typed_data() + li * F * D;
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
   float* o = out->typed_data();
+  if (use_panel(panel, M, kPanelQ8g)) {
+    const std::vector<float> xpb = panel_x(level, x.typed_data(), D, M, false);
+    auto pn = [&, xp = xpb.data()](int64_t f0, int64_t f1) {
+      if (level == 2) avx512::q8g_panel(qp, s, xp, D, G, M, f0, f1, o);
+      else if (level == 1) avx2::q8g_panel(qp, s, xp, D, G, M, f0, f1, o);
+      else scalar::q8g_panel(qp, s, xp, D, G, M, f0, f1, o);
+    };
+    parallel_rows(pool, threads, F, F * D * M, pn);
+    return ffi::Error::Success();
+  }
+  std::vector<float> xt(D * M);
+  const float* xp = xt.data();
+  scalar::prepare_x(x.typed_data(), D, M, xt.data());
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
     else if (level == 1) avx2::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
@@ -385,7 +447,7 @@ ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi
 ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F16> scale,
                    ffi::Buffer<ffi::F16> zero, ffi::Buffer<ffi::F32> x,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
-                   int32_t threads) {
+                   int32_t threads, int32_t panel) {
   Part qp_ = part(q.dimensions()), sp_ = part(scale.dimensions()), zp_ = part(zero.dimensions());
   const int64_t D = x.dimensions().front();
   if (!qp_.L || sp_.L != qp_.L || zp_.L != qp_.L || sp_.dims != zp_.dims ||
@@ -398,15 +460,25 @@ ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
   int level = pick_isa(isa);
   if (level == 2 && gs % 32) level = 1;
   if (level == 1 && gs % 16) level = 0;
+  const uint8_t* qp = q.typed_data() + li * F * (D / 2);
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
+  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G;
+  float* o = out->typed_data();
+  if (use_panel(panel, M, kPanelQ4g)) {
+    const std::vector<float> xpb = panel_x(level, x.typed_data(), D, M, true);
+    auto pn = [&, xp = xpb.data()](int64_t f0, int64_t f1) {
+      if (level == 2) avx512::q4g_panel(qp, s, z, xp, D, G, M, f0, f1, o);
+      else if (level == 1) avx2::q4g_panel(qp, s, z, xp, D, G, M, f0, f1, o);
+      else scalar::q4g_panel(qp, s, z, xp, D, G, M, f0, f1, o);
+    };
+    parallel_rows(pool, threads, F, F * D * M, pn);
+    return ffi::Error::Success();
+  }
   std::vector<float> xt(D * M);
   float* xp = xt.data();
   if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
   else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
   else scalar::prepare_x4(x.typed_data(), D, M, xp);
-  const uint8_t* qp = q.typed_data() + li * F * (D / 2);
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
-  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G;
-  float* o = out->typed_data();
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
     else if (level == 1) avx2::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
@@ -453,6 +525,7 @@ ffi::Error W8a8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
 }  // namespace jaxserve_qmm
 
 #define JS_ATTRS .Attr<int32_t>("isa").Attr<int32_t>("threads")
+#define JS_PANEL_ATTRS JS_ATTRS.Attr<int32_t>("panel")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmInt8, jaxserve_qmm::Int8Impl,
                               ffi::Ffi::Bind()
@@ -461,7 +534,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmInt8, jaxserve_qmm::Int8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_PANEL_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ8g, jaxserve_qmm::Q8gImpl,
                               ffi::Ffi::Bind()
@@ -470,7 +543,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ8g, jaxserve_qmm::Q8gImpl,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_PANEL_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4g, jaxserve_qmm::Q4gImpl,
                               ffi::Ffi::Bind()
@@ -480,7 +553,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4g, jaxserve_qmm::Q4gImpl,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_PANEL_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
                               ffi::Ffi::Bind()
@@ -498,4 +571,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmF32, jaxserve_qmm::F32Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_PANEL_ATTRS);
