@@ -201,6 +201,28 @@ def available() -> bool:
     return qmm_ffi.available() and _load()
 
 
+def _operands(name, k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK, sliding_window):
+    """The page kind ("f32" / "int8"), the scales as the targets take them (empty for
+    f32 pages) and the window as an i32 scalar, for ``name``'s target.
+
+    Raises:
+      RuntimeError: the kernel library is not available.
+      ValueError: pages neither f32 nor int8 with scales.
+    """
+    if not _load():
+        raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
+    kind = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int8): "int8"}.get(
+        jnp.dtype(k_pages_PLKH.dtype))
+    if (kind is None or v_pages_PLKH.dtype != k_pages_PLKH.dtype
+            or (kind == "int8") != (k_scales_PLK is not None and v_scales_PLK is not None)):
+        raise ValueError(f"{name}: f32 pages, or int8 pages with scales; got "
+                         f"{k_pages_PLKH.dtype} (scales given: {k_scales_PLK is not None})")
+    if kind == "f32":
+        k_scales_PLK = v_scales_PLK = jnp.zeros((0,), jnp.float32)
+    window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
+    return kind, k_scales_PLK, v_scales_PLK, jnp.minimum(window.reshape(()), NO_WINDOW)
+
+
 def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_SP, num_decode,
                      *, sm_scale: float, sliding_window=None, soft_cap: float | None = None,
                      k_scales_PLK=None, v_scales_PLK=None, isa: int = -1, threads: int = 0):
@@ -226,18 +248,8 @@ def decode_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices_
       RuntimeError: the kernel library is not available.
       ValueError: pages neither f32 nor int8 with scales.
     """
-    if not _load():
-        raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
-    kind = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int8): "int8"}.get(
-        jnp.dtype(k_pages_PLKH.dtype))
-    if (kind is None or v_pages_PLKH.dtype != k_pages_PLKH.dtype
-            or (kind == "int8") != (k_scales_PLK is not None and v_scales_PLK is not None)):
-        raise ValueError(f"decode_attention: f32 pages, or int8 pages with scales; got "
-                         f"{k_pages_PLKH.dtype} (scales given: {k_scales_PLK is not None})")
-    if kind == "f32":
-        k_scales_PLK = v_scales_PLK = jnp.zeros((0,), jnp.float32)
-    window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
-    window = jnp.minimum(window.reshape(()), NO_WINDOW)
+    kind, k_scales_PLK, v_scales_PLK, window = _operands(
+        "decode_attention", k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK, sliding_window)
     nd = jnp.asarray(num_decode, jnp.int32).reshape(())
     return jax.ffi.ffi_call(f"jaxserve_rpa_decode_{kind}",
                             jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
@@ -272,18 +284,8 @@ def prefill_attention(q_TNH, k_pages_PLKH, v_pages_PLKH, kv_lens_S, page_indices
       RuntimeError: the kernel library is not available.
       ValueError: pages neither f32 nor int8 with scales.
     """
-    if not _load():
-        raise RuntimeError("ragged_paged_attention.kernel_cpu: the kernel is not available")
-    kind = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int8): "int8"}.get(
-        jnp.dtype(k_pages_PLKH.dtype))
-    if (kind is None or v_pages_PLKH.dtype != k_pages_PLKH.dtype
-            or (kind == "int8") != (k_scales_PLK is not None and v_scales_PLK is not None)):
-        raise ValueError(f"prefill_attention: f32 pages, or int8 pages with scales; got "
-                         f"{k_pages_PLKH.dtype} (scales given: {k_scales_PLK is not None})")
-    if kind == "f32":
-        k_scales_PLK = v_scales_PLK = jnp.zeros((0,), jnp.float32)
-    window = jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
-    window = jnp.minimum(window.reshape(()), NO_WINDOW)
+    kind, k_scales_PLK, v_scales_PLK, window = _operands(
+        "prefill_attention", k_pages_PLKH, v_pages_PLKH, k_scales_PLK, v_scales_PLK, sliding_window)
     scalars = [jnp.asarray(x, jnp.int32).reshape(()) for x in (num_seqs, num_decode)]
     return jax.ffi.ffi_call(f"jaxserve_rpa_prefill_{kind}",
                             jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
