@@ -238,7 +238,8 @@ def test_stacked_parts_are_read_at_the_layer(fmt, M):
                  for n in ("q", "scale", "zero") if getattr(qts[0], n) is not None]
         if fmt.act_int8:
             xq, sx = quant._quantize_act(x)
-            call = lambda q, s, x_, layer=None: qmm.w8a8_matmul(q, s, xq, sx, layer=layer)  # noqa: E731
+            def call(q, s, x_, layer=None):
+                return qmm.w8a8_matmul(q, s, xq, sx, layer=layer)
         else:
             call = {8: qmm.int8_matmul if fmt.group_size is None else qmm.q8g_matmul,
                     4: qmm.q4g_matmul}[fmt.bits]
