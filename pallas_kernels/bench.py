@@ -141,7 +141,7 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
     them. Pages are timed twice, alternated: the XLA decode path
     (``JAXSERVE_CPU_KERNELS=0`` at trace time) and the C++ kernel
     (``kernel_cpu``, where it is built)."""
-    from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla, quant
+    from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla
 
     N, K, H, L = 9, 3, 64, 16
     rng = np.random.default_rng(0)
@@ -159,11 +159,7 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
                                                        dtype=jnp.float32)
                 kw, nbytes = {}, 2 * batch * ctx * K * H * 4
                 if dt == "int8":
-                    P = kp.shape[0]
-                    (kp, ks), (vp, vs) = (quant.quantize(x.reshape(P * L, K, H), jnp.int8)
-                                          for x in (kp, vp))
-                    kp, vp = kp.reshape(P, L, K, H), vp.reshape(P, L, K, H)
-                    kw = dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K))
+                    kp, vp, kw = _int8_pages(kp, vp)
                     nbytes = 2 * batch * ctx * K * (H + 4)
                 args = (q, kp, vp, kv_lens, pi, cu, ns, ns)
                 paths = ["xla"] + (["kernel"] if kernel_cpu.available() else [])
@@ -185,10 +181,21 @@ def decode_cpu(iters: int, batches=(1, 8, 32), contexts=(256, 1024, 4096),
     return rows
 
 
+def _int8_pages(kp_PLKH, vp_PLKH):
+    """f32 pages as int8 pages with their [P, L, K] scales (``quant.quantize`` per
+    token and kv head): (k pages, v pages, the scale keywords of the attention)."""
+    from pallas_kernels.ragged_paged_attention import quant
+    P, L, K, H = kp_PLKH.shape
+    (kp, ks), (vp, vs) = (quant.quantize(x.reshape(P * L, K, H), jnp.int8)
+                          for x in (kp_PLKH, vp_PLKH))
+    return (kp.reshape(P, L, K, H), vp.reshape(P, L, K, H),
+            dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K)))
+
+
 def prefill_cpu(iters: int, lengths=(128, 512, 940, 2048), dtypes=("f32", "int8")) -> list[dict]:
     """The ``--prefill-cpu`` table (module docstring); returns its rows as dicts
     (dtype, path, n, ms, cpu_ms, gflops, cpu_gflops) after printing them."""
-    from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla, quant
+    from pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_xla
 
     N, K, H, L = 9, 3, 64, 16
     rng = np.random.default_rng(0)
@@ -202,11 +209,7 @@ def prefill_cpu(iters: int, lengths=(128, 512, 940, 2048), dtypes=("f32", "int8"
                                                    dtype=jnp.float32)
             kw = {}
             if dt == "int8":
-                P = kp.shape[0]
-                (kp, ks), (vp, vs) = (quant.quantize(x.reshape(P * L, K, H), jnp.int8)
-                                      for x in (kp, vp))
-                kp, vp = kp.reshape(P, L, K, H), vp.reshape(P, L, K, H)
-                kw = dict(k_scales_PLK=ks.reshape(P, L, K), v_scales_PLK=vs.reshape(P, L, K))
+                kp, vp, kw = _int8_pages(kp, vp)
             flop = 4 * N * H * n * (n + 1) / 2
             args = (q, kp, vp, kv_lens, pi, cu, ns, 0)
             paths = ["xla"] + (["kernel"] if kernel_cpu.available() else [])

@@ -461,48 +461,32 @@ ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace jaxserve_rpa
 
-#define JS_RPA_BIND(DT)                            \
+// Both targets: q, K and V pages, K and V scales, then s32 operands (decode: kv_lens,
+// page_indices, num_decode, window; prefill: kv_lens, page_indices, cu_q_lens,
+// num_seqs, num_decode, window), one f32 result and the same attributes.
+#define JS_RPA_HEAD(DT)                            \
   ffi::Ffi::Bind()                                 \
       .Ctx<ffi::ThreadPool>()                      \
       .Arg<ffi::Buffer<ffi::F32>>()                \
       .Arg<ffi::Buffer<DT>>()                      \
       .Arg<ffi::Buffer<DT>>()                      \
       .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()
+#define JS_RPA_S32 .Arg<ffi::Buffer<ffi::S32>>()
+#define JS_RPA_TAIL                                \
+  .Ret<ffi::Buffer<ffi::F32>>()                    \
       .Attr<float>("sm_scale")                     \
       .Attr<float>("soft_cap")                     \
       .Attr<int32_t>("isa")                        \
       .Attr<int32_t>("threads")
+#define JS_RPA_BIND(DT) JS_RPA_HEAD(DT) JS_RPA_S32 JS_RPA_S32 JS_RPA_S32 JS_RPA_S32 JS_RPA_TAIL
+#define JS_RPA_PREFILL_BIND(DT) \
+  JS_RPA_HEAD(DT) JS_RPA_S32 JS_RPA_S32 JS_RPA_S32 JS_RPA_S32 JS_RPA_S32 JS_RPA_S32 JS_RPA_TAIL
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeF32, jaxserve_rpa::DecodeImpl<ffi::F32>,
                               JS_RPA_BIND(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaDecodeInt8, jaxserve_rpa::DecodeImpl<ffi::S8>,
                               JS_RPA_BIND(ffi::S8));
-
-#define JS_RPA_PREFILL_BIND(DT)                    \
-  ffi::Ffi::Bind()                                 \
-      .Ctx<ffi::ThreadPool>()                      \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<DT>>()                      \
-      .Arg<ffi::Buffer<DT>>()                      \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()                \
-      .Attr<float>("sm_scale")                     \
-      .Attr<float>("soft_cap")                     \
-      .Attr<int32_t>("isa")                        \
-      .Attr<int32_t>("threads")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRpaPrefillF32, jaxserve_rpa::PrefillImpl<ffi::F32>,
                               JS_RPA_PREFILL_BIND(ffi::F32));
