@@ -19,7 +19,9 @@ Design (``kernel.cc``, ``kernel_body.inc``):
 * The weights are read as stored, once per block of columns: x is first
   transposed to [M, D] (one column contiguous); each tile is 2 rows x C
   columns (C = 8 with AVX-512, 4 with AVX2), so one dequantized weight vector
-  feeds C FMAs and one x load feeds two. int4 nibbles need no shuffles: the
+  feeds C FMAs and one x load feeds two (4-bit groups at one column: 4 rows,
+  eight FMA chains; 3-8% less time than pairs for 30 SmolLM2 layers' seven
+  projections, alternated in one process on the Xeon below). int4 nibbles need no shuffles: the
   transposed x is permuted inside every 2W-block (evens, then odds) so the
   low nibbles of W bytes meet inputs 2j and the high ones 2j + 1.
 * 4-bit groups with AVX-512: each group's 16 possible weights ``fma(i, s, z)``
