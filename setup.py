@@ -1,5 +1,6 @@
 """The optional C++ extension: ``pallas_kernels/quant_matmul_cpu``'s XLA:CPU FFI
-kernels and ``ragged_paged_attention/kernel_cpu.cc``'s attention handlers,
+kernels, ``ragged_paged_attention/kernel_cpu.cc``'s attention handlers and
+``sampling_cpu/kernel.cc``'s greedy sampling handler,
 one library (everything else is in pyproject.toml).
 
 The build never fails the install: with no compiler, no jax headers
@@ -48,7 +49,8 @@ setup(
     ext_modules=[Extension(
         "pallas_kernels.quant_matmul_cpu._quant_matmul_cpu",
         sources=["pallas_kernels/quant_matmul_cpu/kernel.cc",
-                 "pallas_kernels/ragged_paged_attention/kernel_cpu.cc"],
+                 "pallas_kernels/ragged_paged_attention/kernel_cpu.cc",
+                 "pallas_kernels/sampling_cpu/kernel.cc"],
         depends=["pallas_kernels/quant_matmul_cpu/kernel_body.inc",
                  "pallas_kernels/quant_matmul_cpu/kernel_panel.inc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu_body.inc",

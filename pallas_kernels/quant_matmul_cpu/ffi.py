@@ -33,12 +33,14 @@ import numpy as np
 _log = logging.getLogger(__name__)
 _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "JaxserveQmmQ4g",
             "w8a8": "JaxserveQmmW8a8", "f32": "JaxserveQmmF32"}
-# The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``), registered
+# The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``,
+# ``sampling_cpu/kernel.cc``), registered
 # here too so that a stored program calling them runs without being traced again.
 OTHER_TARGETS = {"jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
                  "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8",
                  "jaxserve_rpa_prefill_f32": "JaxserveRpaPrefillF32",
-                 "jaxserve_rpa_prefill_int8": "JaxserveRpaPrefillInt8"}
+                 "jaxserve_rpa_prefill_int8": "JaxserveRpaPrefillInt8",
+                 "jaxserve_greedy_f32": "JaxserveGreedyF32"}
 
 
 def library_path() -> str | None:
