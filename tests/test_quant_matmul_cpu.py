@@ -207,7 +207,14 @@ def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_pa
         traced.append((kind, M))
         return True
     monkeypatch.setattr(qmm, "use_kernel", use_kernel)
+    fused, parts_call = [], qmm.q4g_matmul_parts  # quant.linears' one call for q/k/v, gate/up
+
+    def q4g_matmul_parts(parts, *a, **k):
+        fused.append(len(parts))
+        return parts_call(parts, *a, **k)
+    monkeypatch.setattr(qmm, "q4g_matmul_parts", q4g_matmul_parts)
     with_kernel = _greedy(_llm(tiny_params, quantization=method))
+    assert set(fused) == ({3, 2} if method == "int4" else set())
     # f32: the scanned layer's projections read in place by the dense target.
     # (int8's and int4's LM head: Q8_0 groups, quant.head_format)
     assert {k for k, _ in traced} == {"none": {"f32"}, "int8": {"int8", "q8g"},
@@ -216,6 +223,37 @@ def test_engine_greedy_tokens_same_with_kernel_and_fallback(monkeypatch, tiny_pa
     monkeypatch.setattr(qmm, "available", lambda: False)
     fallback = _greedy(_llm(tiny_params, quantization=method))
     assert with_kernel == fallback
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M", [1, 5])
+def test_q4g_parts_equal_one_call_each(isa, M):
+    """Three stacked 4-bit weights (ragged F) of one x in one call, read at the
+    scan's layer: bit-equal to one row-tile call per part on that layer; a
+    part of another G is refused."""
+    rng = np.random.default_rng(M)
+    L, D = 3, 128
+    parts = []
+    for F in (37, 16, 21):
+        qts = [quant.quantize_np(rng.standard_normal((F, D)).astype(np.float32), quant.Q4)
+               for _ in range(L)]
+        parts.append(tuple(jnp.asarray(np.stack([getattr(t, n) for t in qts]))
+                           for n in ("q", "scale", "zero")))
+    x = jnp.asarray(rng.standard_normal((D, M)).astype(np.float32))
+
+    def body(c, i):
+        return c, qmm.q4g_matmul_parts(parts, x, layer=i, isa=isa)
+    _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(L, dtype=jnp.int32)))()
+    for j, p in enumerate(parts):
+        assert outs[j].shape == (L, p[0].shape[1], M)
+        for i in range(L):
+            alone = qmm.q4g_matmul(*[a[i] for a in p], x, isa=isa, panel=0)
+            np.testing.assert_array_equal(np.asarray(outs[j][i]), np.asarray(alone))
+    q, s, z = parts[1]
+    other_g = (q, s[..., :2], z[..., :2])  # G = 2 beside G = 4
+    with pytest.raises(Exception, match="with one G"):
+        np.asarray(qmm.q4g_matmul_parts([parts[0], other_g], x, layer=jnp.int32(0)))
 
 
 @needs_kernel

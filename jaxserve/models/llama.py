@@ -291,9 +291,10 @@ class Attention(nnx.Module):
         window = self.sliding_window if window is _OWN else window
         T = x_DT.shape[1]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_TNH = self._proj("q", x_DT, md).T.reshape(T, N, H)
-        k_TKH = self._proj("k", x_DT, md).T.reshape(T, K, H)
-        v_TKH = self._proj("v", x_DT, md).T.reshape(T, K, H)
+        q_QT, k_KT, v_KT = self._projs(("q", "k", "v"), x_DT, md)
+        q_TNH = q_QT.T.reshape(T, N, H)
+        k_TKH = k_KT.T.reshape(T, K, H)
+        v_TKH = v_KT.T.reshape(T, K, H)
         if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm, before RoPE
             q_TNH = rms_norm_heads(q_TNH, self.q_norm.value, cfg.rms_norm_eps, self.norm_offset)
             k_TKH = rms_norm_heads(k_TKH, self.k_norm.value, cfg.rms_norm_eps, self.norm_offset)
@@ -324,9 +325,15 @@ class Attention(nnx.Module):
     def _proj(self, n: str, x_IT, md: AttentionMetadata):
         """Projection ``{n}_proj`` of x [I, T] -> [O, T]: weight, bias if
         any, and the LoRA delta of ``md.lora_slots`` if any."""
-        y_OT = _linear(getattr(self, n + "_proj"), x_IT, _value(getattr(self, n + "_bias")))
-        return lora_lib.with_delta(y_OT, getattr(self, f"{n}_proj{lora_lib.SUFFIX}", None),
-                                   x_IT, md.lora_slots)
+        return self._projs((n,), x_IT, md)[0]
+
+    def _projs(self, names, x_IT, md: AttentionMetadata):
+        """``_proj`` of each name over the same x (``quant.linears``: one
+        kernel call for them all where the format allows)."""
+        ys = quant.linears([getattr(self, n + "_proj") for n in names], x_IT,
+                           [_value(getattr(self, n + "_bias")) for n in names])
+        return [lora_lib.with_delta(y_OT, getattr(self, f"{n}_proj{lora_lib.SUFFIX}", None),
+                                    x_IT, md.lora_slots) for n, y_OT in zip(names, ys)]
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu,
@@ -350,13 +357,15 @@ class MLP(nnx.Module):
     def __call__(self, x_DT, lora_slots_T=None):
         """[D, T] -> [D, T]; ``lora_slots_T`` (i32[T] or None) as
         ``AttentionMetadata.lora_slots``."""
-        h_FT = self.act(self._proj("gate_proj", x_DT, lora_slots_T)) * \
-            self._proj("up_proj", x_DT, lora_slots_T)
-        return self._proj("down_proj", h_FT, lora_slots_T)
+        g_FT, u_FT = self._projs(("gate_proj", "up_proj"), x_DT, lora_slots_T)
+        return self._projs(("down_proj",), self.act(g_FT) * u_FT, lora_slots_T)[0]
 
-    def _proj(self, n: str, x_IT, slots_T):
-        return lora_lib.with_delta(_linear(getattr(self, n), x_IT),
-                                   getattr(self, n + lora_lib.SUFFIX, None), x_IT, slots_T)
+    def _projs(self, names, x_IT, slots_T):
+        """Each projection of x [I, T] with its LoRA delta (``quant.linears``:
+        one kernel call for them all where the format allows)."""
+        ys = quant.linears([getattr(self, n) for n in names], x_IT)
+        return [lora_lib.with_delta(y, getattr(self, n + lora_lib.SUFFIX, None), x_IT, slots_T)
+                for n, y in zip(names, ys)]
 
 
 class DecoderLayer(nnx.Module):

@@ -698,6 +698,46 @@ def linear(w, x_DT, b_F=None):
     return y_FT if b_F is None else y_FT + b_F[:, None]
 
 
+def linears(ws, x_DT, bs=None):
+    """``[linear(w, x_DT, b) for w, b in zip(ws, bs)]`` for projections of the
+    same activations (a layer's q/k/v, or gate/up): one CPU kernel call for
+    them all where each is a 4-bit-group ``QuantizedWeight`` read in place
+    (``StackedRead``s of one layer) at row-tile widths (below
+    ``PANEL_COLUMNS``) and the kernel serves it (``quant_matmul_cpu.
+    q4g_matmul_parts``: bit-equal to one call each, with one pool hand-off
+    and one x preparation; 30 SmolLM2 layers' projections at one column
+    measured 5-11% faster fused, 2-core AVX-512 Xeon); else one ``linear``
+    each."""
+    bs = [None] * len(ws) if bs is None else list(bs)
+    ys = _q4g_fused(ws, x_DT)
+    if ys is None:
+        return [linear(w, x_DT, b) for w, b in zip(ws, bs)]
+    ys = [y.astype(x_DT.dtype) for y in ys]
+    return [y if b is None else y + b[:, None] for y, b in zip(ys, bs)]
+
+
+def _q4g_fused(ws, x_DT):
+    if len(ws) < 2 or len(ws) > 4 or x_DT.shape[1] >= quant_matmul_cpu.PANEL_COLUMNS["q4g"]:
+        return None
+    parts, index = [], None
+    for w in ws:
+        if not (isinstance(w, QuantizedWeight) and w.lowering == "auto"
+                and _kernel_kind(w.fmt) == "q4g" and w.zero is not None):
+            return None
+        q, s, z = (w.q.value, w.scale.value, w.zero.value)
+        if not all(isinstance(a, StackedRead) for a in (q, s, z)):
+            return None
+        if index is None:
+            index = q.index
+        if any(a.index is not index for a in (q, s, z)) or q.stacked.ndim != 3 \
+                or not kernel_serves(w.fmt, s.stacked.shape[-2], x_DT):
+            return None
+        parts.append((q.stacked, s.stacked, z.stacked))
+    if len({p[1].shape[-1] for p in parts}) != 1:  # one G
+        return None
+    return quant_matmul_cpu.q4g_matmul_parts(parts, x_DT, layer=index)
+
+
 def weight_bytes(state) -> int:
     """Bytes of every array of an NNX state (parameters as stored)."""
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -140,6 +140,7 @@ to 128 (a tie at 256); int8 and w8a8 stay at M = 1.
 """
 
 from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, int8_matmul, library_path,
+                                                 q4g_matmul_parts,
                                                  q4g_matmul, q8g_matmul, w8a8_matmul)
 
 # From this many columns M the weight-only targets run the panel path, below it the
@@ -160,4 +161,5 @@ def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
 
 
 __all__ = ["PANEL_COLUMNS", "available", "f32_matmul", "int8_matmul", "library_path",
+           "q4g_matmul_parts",
            "q4g_matmul", "q8g_matmul", "use_kernel", "w8a8_matmul"]

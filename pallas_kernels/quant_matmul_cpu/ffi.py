@@ -32,7 +32,8 @@ import numpy as np
 
 _log = logging.getLogger(__name__)
 _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "JaxserveQmmQ4g",
-            "w8a8": "JaxserveQmmW8a8", "f32": "JaxserveQmmF32"}
+            "w8a8": "JaxserveQmmW8a8", "f32": "JaxserveQmmF32",
+            "q4g_parts": "JaxserveQmmQ4gParts"}
 # The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``,
 # ``sampling_cpu/kernel.cc``), registered
 # here too so that a stored program calling them runs without being traced again.
@@ -111,6 +112,29 @@ def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1, thread
     return _call("q4g", p_FD2.shape[-2], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
                  zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa,
                  threads=threads, panel=panel)
+
+
+def q4g_matmul_parts(parts, x_DM, layer=None, isa: int = -1, threads: int = 0):
+    """Several ``q4g_matmul``s of the same x in one call (row tiles; a layer's
+    q/k/v or gate/up at decode widths): x is prepared once and the parts' rows
+    are shared over the threads as one range. ``parts``: 1-4 (p, scale, zero)
+    triples as ``q4g_matmul``'s, one G for all, each 2-D or stacked [L, ...]
+    and read at ``layer``. Returns [f32[F_i, M]], the same sums as one
+    ``q4g_matmul(..., panel=0)`` per part.
+
+    Raises:
+      RuntimeError: the kernel library is not available.
+    """
+    if not _load():
+        raise RuntimeError("quant_matmul_cpu: the kernel library is not available")
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    M = x_DM.shape[1]
+    flat = [a for p, s, z in parts
+            for a in (p, s.astype(jnp.float16), z.astype(jnp.float16))]
+    outs = [jax.ShapeDtypeStruct((p.shape[-2], M), jnp.float32) for p, _, _ in parts]
+    return jax.ffi.ffi_call("jaxserve_qmm_q4g_parts", outs)(
+        x_DM.astype(jnp.float32), layer.reshape(()), *flat, isa=np.int32(isa),
+        threads=np.int32(threads))
 
 
 def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, layer=None, isa: int = -1, threads: int = 0):

@@ -490,6 +490,70 @@ ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// Several 4-bit-group weights over the same x (a layer's q/k/v, or gate/up) in one
+// call at row-tile widths: x prepared once, the parts' rows shared over the threads
+// as one range. args: (q, scale, zero) per part as Q4gImpl's; rets: one [F_i, M]
+// per part. The parts share D and G; each is read at layer[0] of its own stack.
+ffi::Error Q4gPartsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, int32_t isa, int32_t threads) {
+  constexpr int kMaxParts = 4;
+  const int64_t n = int64_t(rets.size());
+  if (n < 1 || n > kMaxParts || int64_t(args.size()) != 3 * n)
+    return ffi::Error::InvalidArgument(
+        "jaxserve_qmm_q4g_parts: 1-4 parts, (q, scale, zero) each, one result each");
+  const int64_t D = x.dimensions().front(), M = x.dimensions().back();
+  const uint8_t* qp[kMaxParts];
+  const uint16_t *sp[kMaxParts], *zp[kMaxParts];
+  float* op[kMaxParts];
+  int64_t off[kMaxParts + 1] = {0}, G = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    auto q = args.get<ffi::Buffer<ffi::U8>>(3 * i);
+    auto sc = args.get<ffi::Buffer<ffi::F16>>(3 * i + 1);
+    auto ze = args.get<ffi::Buffer<ffi::F16>>(3 * i + 2);
+    auto o = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (q.has_error() || sc.has_error() || ze.has_error() || o.has_error())
+      return ffi::Error::InvalidArgument(
+          "jaxserve_qmm_q4g_parts: a part is not (u8, f16, f16) -> f32");
+    Part qp_ = part(q->dimensions()), sp_ = part(sc->dimensions()), zp_ = part(ze->dimensions());
+    if (!qp_.L || sp_.L != qp_.L || zp_.L != qp_.L || sp_.dims != zp_.dims ||
+        sp_.dims[0] != qp_.dims[0] || D != 2 * qp_.dims[1] || sp_.dims[1] < 1 ||
+        D % sp_.dims[1] || (D / sp_.dims[1]) % 2 || (i > 0 && sp_.dims[1] != G) ||
+        int64_t((*o)->element_count()) != qp_.dims[0] * M)
+      return ffi::Error::InvalidArgument(
+          "jaxserve_qmm_q4g_parts: each part q [(L,) F, D/2], scale and zero [(L,) F, G] "
+          "with one G, x [D, M], even D / G, result [F, M]");
+    G = sp_.dims[1];
+    const int64_t F = qp_.dims[0];
+    JS_LAYER("jaxserve_qmm_q4g_parts", qp_.L)
+    qp[i] = q->typed_data() + li * F * (D / 2);
+    sp[i] = reinterpret_cast<const uint16_t*>(sc->typed_data()) + li * F * G;
+    zp[i] = reinterpret_cast<const uint16_t*>(ze->typed_data()) + li * F * G;
+    op[i] = (*o)->typed_data();
+    off[i + 1] = off[i] + F;
+  }
+  const int64_t gs = D / G;
+  int level = pick_isa(isa);
+  if (level == 2 && gs % 32) level = 1;
+  if (level == 1 && gs % 16) level = 0;
+  std::vector<float> xt(D * M);
+  float* xp = xt.data();
+  if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
+  else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
+  else scalar::prepare_x4(x.typed_data(), D, M, xp);
+  auto fn = [&](int64_t f0, int64_t f1) {  // rows of the parts laid end to end
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = std::max(f0, off[i]) - off[i], b = std::min(f1, off[i + 1]) - off[i];
+      if (a >= b) continue;
+      if (level == 2) avx512::q4g_rows(qp[i], sp[i], zp[i], xp, D, G, M, a, b, op[i]);
+      else if (level == 1) avx2::q4g_rows(qp[i], sp[i], zp[i], xp, D, G, M, a, b, op[i]);
+      else scalar::q4g_rows(qp[i], sp[i], zp[i], xp, D, G, M, a, b, op[i]);
+    }
+  };
+  parallel_rows(pool, threads, off[n], off[n] * D * M, fn);
+  return ffi::Error::Success();
+}
+
 ffi::Error W8a8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> sx,
                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
@@ -556,6 +620,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4g, jaxserve_qmm::Q4gImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JS_PANEL_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4gParts, jaxserve_qmm::Q4gPartsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets() JS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
                               ffi::Ffi::Bind()
