@@ -317,8 +317,7 @@ class ModelRunner(ProgramsMixin, KVPagesMixin):
         logprobs only when ``want_top`` (a device bool), so one program per
         row count serves steps with and without logprobs."""
         self.num_compilations += 1
-        out = sample(logits_RV[:rows], st, MAX_LOGPROBS, want_top,
-                     cpu_kernel=self.mesh.size == 1)
+        out = sample(logits_RV[:rows], st, MAX_LOGPROBS, want_top, cpu_kernel=self.mesh.size == 1)
         ids_R = jnp.pad(out.token_ids, (0, self.max_rows - rows))  # the next step's prev ids
         return out, ids_R
 
