@@ -295,7 +295,8 @@ void parallel_rows(ffi::ThreadPool& pool, int32_t threads, int64_t F, int64_t wo
       }
     }
   };
-  const int64_t rows = std::max<int64_t>(16, (F / (4 * n) + 15) / 16 * 16);
+  // chunks of whole 48-row blocks: whole panels at every ISA (12, 6, 4 rows) and tiles
+  const int64_t rows = std::max<int64_t>(48, (F / (4 * n) + 47) / 48 * 48);
   auto st = std::make_shared<State>((F + rows - 1) / rows, rows, fn);
   for (int64_t t = 1; t < n; ++t) pool.Schedule([st, F] { st->run(F); });
   st->run(F);

@@ -59,7 +59,7 @@ struct Unit {
   float* acc;  // [K, G, H]
 };
 
-constexpr int64_t kTileKeys = 64;  // kv positions per prefill tile (whole pages, >= 1)
+constexpr int64_t kTileKeys = 128;  // kv positions per prefill tile (whole pages, >= 1)
 constexpr int64_t kUnitRows = 192;  // query vectors (tokens x G) per prefill unit, about
 
 // A prefill work unit: tokens [tok0, tok0 + nt) of one sequence (query positions qp0 ..
