@@ -290,3 +290,57 @@ def test_stacked_parts_are_read_at_the_layer(fmt, M):
         np.testing.assert_array_equal(np.asarray(stacked_LFM[i]), np.asarray(alone))
     with pytest.raises(Exception, match="layer must be a scalar in"):
         np.asarray(call(*parts, x, layer=jnp.int32(L)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,F,D", [(quant.Q4, 37, 96), (quant.TensorFormat(4, 16, True), 21, 80),
+                                     (quant.Q8_0, 37, 96), (quant.TensorFormat(8, 8), 21, 40)])
+def test_dequantize_targets_give_quant_dequantize_exactly(isa, fmt, F, D):
+    """``q4g_dequantize`` / ``q8g_dequantize`` of a weight stacked over 3
+    layers, at each layer, equal ``quant.dequantize`` of its slice bit for bit
+    (``s q`` is exact in f32), the 2-D form too; a layer outside [0, L) is an error."""
+    rng = np.random.default_rng(5)
+    qts = [quant.quantize_np(w, fmt) for w in rng.standard_normal((3, F, D)).astype(np.float32)]
+    q, s = (jnp.asarray(np.stack([getattr(t, n) for t in qts])) for n in ("q", "scale"))
+    z = jnp.asarray(np.stack([t.zero for t in qts])) if fmt.zero_point else None
+    if fmt.bits == 4:
+        call = lambda *a, **k: qmm.q4g_dequantize(*a, isa=isa, **k)  # noqa: E731
+        args = (q, s, z)
+    else:
+        call = lambda *a, **k: qmm.q8g_dequantize(*a, isa=isa, **k)  # noqa: E731
+        args = (q, s)
+    for i in range(3):
+        want = np.asarray(quant.dequantize(fmt, q[i], s[i], None if z is None else z[i]))
+        np.testing.assert_array_equal(np.asarray(call(*args, layer=jnp.int32(i))), want)
+        np.testing.assert_array_equal(np.asarray(call(*[a[i] for a in args])), want)
+        np.testing.assert_array_equal(want, qts[i].dequantize().astype(np.float32))
+    with pytest.raises(Exception, match="layer must be a scalar in"):
+        np.asarray(call(*args, layer=jnp.int32(3)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [quant.Q4, quant.Q8_0])
+def test_wide_stacked_matmul_dequantizes_by_the_kernel_exactly(fmt):
+    """Past the kernel's matmul widths a scanned layer's 4-bit / Q8_0 weight is
+    dequantized in place by the kernel library, then the XLA dot: the same
+    f32 values as XLA's dequantization, so the same product bit for bit."""
+    rng = np.random.default_rng(6)
+    L, F, D, M = 2, 48, 64, 600
+    qts = [quant.quantize_np(w, fmt) for w in rng.standard_normal((L, F, D)).astype(np.float32)]
+    names = ("q", "scale", "zero") if fmt.zero_point else ("q", "scale")
+    stacked = [jnp.asarray(np.stack([getattr(t, n) for t in qts])) for n in names]
+    if not fmt.zero_point:
+        stacked.append(None)
+    x = jnp.asarray(rng.standard_normal((D, M)).astype(np.float32))
+
+    def wide(i):
+        parts = [None if a is None else quant.StackedRead(a, i) for a in stacked]
+        return quant.matmul_parts(fmt, parts, x)
+    text = str(jax.make_jaxpr(wide)(jnp.int32(1)))
+    assert "dequant_q" in text and "ffi_call" in text
+    for i in range(L):
+        got = np.asarray(jax.jit(wide)(jnp.int32(i)))
+        w = quant.dequantize(fmt, *[None if a is None else a[i] for a in stacked])
+        want = np.asarray(jax.jit(lambda w: jnp.einsum("fd,dt->ft", w, x))(w))
+        np.testing.assert_array_equal(got, want)

@@ -79,8 +79,10 @@ So on CPU, where the library is built (``quant_matmul_cpu.available()``),
 Q8_0 at M <= 128, int8 and w8a8 at M = 1, and a scanned layer's f32
 projections at M <= 256 (``quant_matmul_cpu.use_kernel``; from 12 columns,
 f32 8, its GEMM-style panel path, which runs at the f32 GEMM's speed);
-elsewhere, without the library, or with ``JAXSERVE_CPU_KERNELS=0``, the XLA
-forms below.
+past those widths a scanned layer's 4-bit / Q8_0 weight is dequantized by the
+library's threads (``q4g_dequantize``, the same values) for XLA's f32 dot
+(``gguf`` 940-token prefill 1254 -> 1150 ms, A/B processes); elsewhere,
+without the library, or with ``JAXSERVE_CPU_KERNELS=0``, the XLA forms below.
 
 XLA:CPU runs only one quantized form fast: an int8 x int8 dot with at least
 two columns (one column falls onto a slow path: 140 ms above). A convert
@@ -454,8 +456,30 @@ def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
         y = _cpu_kernel(fmt, *stacked, x_DT, layer=parts[0].index)
         if y is not None:
             return y
+        w = _kernel_dequantized(fmt, *stacked, x_DT, layer=parts[0].index)
+        if w is not None:  # the XLA form's values and dot, the dequantization threaded
+            return jnp.einsum("fd,dt->ft", w, x_DT.astype(jnp.float32),
+                              preferred_element_type=jnp.float32)
     q, scale, zero = (None if p is None else layer_slice(p) for p in parts)
     return quantized_matmul(fmt, q, scale, zero, x_DT, lowering)
+
+
+def _kernel_dequantized(fmt: TensorFormat, q, scale, zero, x_DT, layer):
+    """A scanned layer's 4-bit-group or Q8_0 weight as f32 [F, D], dequantized
+    in place by the CPU kernel library (``q4g_dequantize`` / ``q8g_dequantize``:
+    ``dequantize``'s values) where ``quantized_matmul`` would write the
+    dequantized weight out before an f32 dot (CPU, from
+    ``DEQUANTIZE_FIRST_COLUMNS`` columns, past the kernel's matmul widths);
+    None elsewhere. A 940-token SmolLM2 prefill in ``gguf``: XLA's unpack
+    fusions took ~250 ms of its ~1.3 s (2-core Xeon)."""
+    kind = _kernel_kind(fmt)
+    if (kind not in ("q4g", "q8g") or q.ndim != 3 or x_DT.shape[1] < DEQUANTIZE_FIRST_COLUMNS
+            or not _kernel_allowed(x_DT)
+            or not quant_matmul_cpu.has_target(f"jaxserve_qmm_dequant_{kind}")):
+        return None
+    if kind == "q4g":
+        return quant_matmul_cpu.q4g_dequantize(q, scale, zero, layer=layer)
+    return quant_matmul_cpu.q8g_dequantize(q, scale, layer=layer)
 
 
 def _dense_kernel(w: StackedRead, x_DT):

@@ -51,6 +51,10 @@ Design (``kernel.cc``, ``kernel_body.inc``):
   process on the Xeon below, f32 8-12% and Q4_1 / Q8_0 2-5% less time,
   bit-equal). Rows are split over threads as for the tiles, in chunks of
   48 rows (whole panels); a ragged F tail panel is zero-padded.
+* Dequantization (``q4g_dequantize``, ``q8g_dequantize``): a stacked weight's
+  layer to f32 [F, D] in its own order, the values ``quant.dequantize``
+  gives, rows over the threads; ``quant`` uses it past the matmul widths,
+  before XLA's f32 dot (XLA:CPU's own int4 unpack fusion wrote ~2 GB/s).
 * w8a8 with AVX-512 VNNI: ``vpdpbusd`` multiplies unsigned by signed bytes,
   so x goes in as ``xq + 128`` and ``128 * sum q`` (a ``vpdpbusd`` of ones,
   once per row) is taken back off; a ragged D by masked, zeroing loads.
@@ -142,9 +146,10 @@ panel pads M to the vector width (16), so below it the tiles win. Hence
 to 128 (a tie at 256); int8 and w8a8 stay at M = 1.
 """
 
-from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, int8_matmul, library_path,
-                                                 q4g_matmul_parts,
-                                                 q4g_matmul, q8g_matmul, w8a8_matmul)
+from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, has_target, int8_matmul,
+                                                 library_path, q4g_dequantize, q4g_matmul,
+                                                 q4g_matmul_parts, q8g_dequantize, q8g_matmul,
+                                                 w8a8_matmul)
 
 # From this many columns M the weight-only targets run the panel path, below it the
 # row tiles (kernel.cc's kPanel* constants, its rule for ``panel=-1``; a test checks
@@ -163,6 +168,6 @@ def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     return M <= _MAX_COLUMNS[kind]
 
 
-__all__ = ["PANEL_COLUMNS", "available", "f32_matmul", "int8_matmul", "library_path",
-           "q4g_matmul_parts",
-           "q4g_matmul", "q8g_matmul", "use_kernel", "w8a8_matmul"]
+__all__ = ["PANEL_COLUMNS", "available", "f32_matmul", "has_target", "int8_matmul",
+           "library_path", "q4g_dequantize", "q4g_matmul", "q4g_matmul_parts", "q8g_dequantize",
+           "q8g_matmul", "use_kernel", "w8a8_matmul"]

@@ -1,7 +1,8 @@
 """Loads ``_quant_matmul_cpu*.so`` (built by setup.py next to this file),
-registers its five XLA:CPU FFI targets (and ``OTHER_TARGETS``: the decode
-and prefill attention handlers of ``ragged_paged_attention.kernel_cpu``,
-built into the same library) and wraps them as jittable functions.
+registers its six matmul XLA:CPU FFI targets (and ``OTHER_TARGETS``: the
+dequantizing targets, the decode and prefill attention handlers of
+``ragged_paged_attention.kernel_cpu`` and the greedy sampler, built into the
+same library) and wraps them as jittable functions.
 
 ``available()`` is False (and every caller takes the XLA path) when
 ``JAXSERVE_CPU_KERNELS=0``, when the library is missing (no compiler at
@@ -37,11 +38,22 @@ _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "Jaxserve
 # The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``,
 # ``sampling_cpu/kernel.cc``), registered
 # here too so that a stored program calling them runs without being traced again.
-OTHER_TARGETS = {"jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
+OTHER_TARGETS = {"jaxserve_qmm_dequant_q4g": "JaxserveQmmDequantQ4g",
+                 "jaxserve_qmm_dequant_q8g": "JaxserveQmmDequantQ8g",
+                 "jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
                  "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8",
                  "jaxserve_rpa_prefill_f32": "JaxserveRpaPrefillF32",
                  "jaxserve_rpa_prefill_int8": "JaxserveRpaPrefillInt8",
                  "jaxserve_greedy_f32": "JaxserveGreedyF32"}
+
+
+_REGISTERED: set[str] = set()  # the OTHER_TARGETS this process's library has
+
+
+def has_target(name: str) -> bool:
+    """``available()`` and the loaded library has FFI target ``name`` (one of
+    ``OTHER_TARGETS``: a library built before a target was added lacks it)."""
+    return available() and name in _REGISTERED
 
 
 def library_path() -> str | None:
@@ -67,6 +79,7 @@ def _load() -> bool:
             if hasattr(lib, symbol):  # a library built before them lacks them
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                             platform="cpu")
+                _REGISTERED.add(name)
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         _log.info("quant_matmul_cpu: %s failed to load (%s); quantized matmuls take the XLA "
                   "path", path, e)
@@ -150,3 +163,36 @@ def f32_matmul(w_FD, x_DM, layer=None, isa: int = -1, threads: int = 0,
     a scanned layer's f32 projections read in place at decode widths."""
     return _call("f32", w_FD.shape[-2], x_DM.shape[1], w_FD, x_DM.astype(jnp.float32),
                  layer=layer, isa=isa, threads=threads, panel=panel)
+
+
+def _dequant(name, F, D, *args, layer, isa, threads):
+    if not has_target(f"jaxserve_qmm_{name}"):
+        raise RuntimeError(f"quant_matmul_cpu: no {name} target in the kernel library")
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    return jax.ffi.ffi_call(f"jaxserve_qmm_{name}", jax.ShapeDtypeStruct((F, D), jnp.float32))(
+        *args, layer.reshape(()), isa=np.int32(isa), threads=np.int32(threads))
+
+
+def q4g_dequantize(p_FD2, scale_FG, zero_FG, layer=None, isa: int = -1, threads: int = 0):
+    """f32 [F, D] of a ``q4g_matmul`` weight (2-D, or stacked [L, ...] and read
+    at ``layer``): ``scale q + zero`` in the input order, the same values as
+    ``quant.dequantize`` (``s q`` is exact in f32), by the threads, for an XLA
+    dot of wide activations (XLA:CPU's own unpack fusion ran at ~2 GB/s).
+
+    Raises:
+      RuntimeError: the library or its target is not available.
+    """
+    return _dequant("dequant_q4g", p_FD2.shape[-2], 2 * p_FD2.shape[-1], p_FD2,
+                    scale_FG.astype(jnp.float16), zero_FG.astype(jnp.float16), layer=layer,
+                    isa=isa, threads=threads)
+
+
+def q8g_dequantize(q_FD, scale_FG, layer=None, isa: int = -1, threads: int = 0):
+    """f32 [F, D] of a ``q8g_matmul`` weight (2-D or stacked, as
+    ``q4g_dequantize``): ``scale q``, the same values as ``quant.dequantize``.
+
+    Raises:
+      RuntimeError: the library or its target is not available.
+    """
+    return _dequant("dequant_q8g", q_FD.shape[-2], q_FD.shape[-1], q_FD,
+                    scale_FG.astype(jnp.float16), layer=layer, isa=isa, threads=threads)

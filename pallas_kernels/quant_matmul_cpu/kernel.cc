@@ -589,6 +589,60 @@ ffi::Error W8a8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// f32 [F, D] of a stacked (or 2-D) 4-bit grouped weight's layer: q [(L,) F, D/2],
+// scale and zero [(L,) F, G].
+ffi::Error DequantQ4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q,
+                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                          int32_t isa, int32_t threads) {
+  Part qp_ = part(q.dimensions()), sp_ = part(scale.dimensions()), zp_ = part(zero.dimensions());
+  auto od = out->dimensions();
+  if (!qp_.L || sp_.L != qp_.L || zp_.L != qp_.L || sp_.dims != zp_.dims || od.size() != 2 ||
+      sp_.dims[0] != qp_.dims[0] || od[0] != qp_.dims[0] || od[1] != 2 * qp_.dims[1] ||
+      sp_.dims[1] < 1 || od[1] % sp_.dims[1] || (od[1] / sp_.dims[1]) % 2)
+    return ffi::Error::InvalidArgument(
+        "jaxserve_qmm_dequant_q4g: q [(L,) F, D/2], scale and zero [(L,) F, G], out [F, D], "
+        "even D / G");
+  const int64_t F = qp_.dims[0], D = od[1], G = sp_.dims[1];
+  JS_LAYER("jaxserve_qmm_dequant_q4g", qp_.L)
+  const int level = pick_isa(isa);
+  const uint8_t* qp = q.typed_data() + li * F * (D / 2);
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
+  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G;
+  float* o = out->typed_data();
+  parallel_rows(pool, threads, F, F * D, [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::q4g_dequant_rows(qp, s, z, D, G, f0, f1, o);
+    else if (level == 1) avx2::q4g_dequant_rows(qp, s, z, D, G, f0, f1, o);
+    else scalar::q4g_dequant_rows(qp, s, z, D, G, f0, f1, o);
+  });
+  return ffi::Error::Success();
+}
+
+// f32 [F, D] of a stacked (or 2-D) Q8_0-like weight's layer: q [(L,) F, D], scale
+// [(L,) F, G].
+ffi::Error DequantQ8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, int32_t isa, int32_t threads) {
+  Part qp_ = part(q.dimensions()), sp_ = part(scale.dimensions());
+  auto od = out->dimensions();
+  if (!qp_.L || sp_.L != qp_.L || od.size() != 2 || sp_.dims[0] != qp_.dims[0] ||
+      od[0] != qp_.dims[0] || od[1] != qp_.dims[1] || sp_.dims[1] < 1 || od[1] % sp_.dims[1])
+    return ffi::Error::InvalidArgument(
+        "jaxserve_qmm_dequant_q8g: q [(L,) F, D], scale [(L,) F, G], out [F, D], G | D");
+  const int64_t F = qp_.dims[0], D = od[1], G = sp_.dims[1];
+  JS_LAYER("jaxserve_qmm_dequant_q8g", qp_.L)
+  const int level = pick_isa(isa);
+  const int8_t* qp = q.typed_data() + li * F * D;
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
+  float* o = out->typed_data();
+  parallel_rows(pool, threads, F, F * D, [&](int64_t f0, int64_t f1) {
+    if (level == 2) avx512::q8g_dequant_rows(qp, s, D, G, f0, f1, o);
+    else if (level == 1) avx2::q8g_dequant_rows(qp, s, D, G, f0, f1, o);
+    else scalar::q8g_dequant_rows(qp, s, D, G, f0, f1, o);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxserve_qmm
 
 #define JS_ATTRS .Attr<int32_t>("isa").Attr<int32_t>("threads")
@@ -647,3 +701,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmF32, jaxserve_qmm::F32Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JS_PANEL_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmDequantQ4g, jaxserve_qmm::DequantQ4gImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmDequantQ8g, jaxserve_qmm::DequantQ8gImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JS_ATTRS);
