@@ -35,9 +35,10 @@ _log = logging.getLogger(__name__)
 _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "JaxserveQmmQ4g",
             "w8a8": "JaxserveQmmW8a8", "f32": "JaxserveQmmF32",
             "q4g_parts": "JaxserveQmmQ4gParts"}
-# The same library's other handlers (``ragged_paged_attention/kernel_cpu.cc``,
-# ``sampling_cpu/kernel.cc``), registered
-# here too so that a stored program calling them runs without being traced again.
+# The same library's other handlers (the dequantizing targets below,
+# ``ragged_paged_attention/kernel_cpu.cc``, ``sampling_cpu/kernel.cc``), registered
+# here too so that a stored program calling them runs without being traced again;
+# each only where the library has it (``has_target``).
 OTHER_TARGETS = {"jaxserve_qmm_dequant_q4g": "JaxserveQmmDequantQ4g",
                  "jaxserve_qmm_dequant_q8g": "JaxserveQmmDequantQ8g",
                  "jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
