@@ -188,7 +188,7 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
       quantize_lm_head: an untied ``lm_head.weight`` is stored like a
         projection (``EngineConfig.quantize_lm_head``); False: in ``dtype``.
         A tied head has no tensor of its own: the engine quantizes it from
-        the stored embedding on load (``llama.load_tied_head``; for
+        the stored embedding on load (``params.load_tied_head``; for
         ``"gguf"`` the embedding is stored f32, so that head loads dense).
       lora_modules: (name, PEFT adapter folder) pairs shipped in the
         checkpoint (``checkpoints.orbax_lora``), each checked against the

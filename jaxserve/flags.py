@@ -23,7 +23,7 @@ from jaxserve.bench.workloads import WORKLOADS
 from jaxserve.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
-from jaxserve.engine.request import SamplingParams, check_text
+from jaxserve.engine.sampling_params import SamplingParams, check_text
 from jaxserve.server_config import DisaggConfig, ServerConfig
 
 FLAGS = flags.FLAGS

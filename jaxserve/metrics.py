@@ -227,30 +227,24 @@ class ServingMetrics:
                              ("lora_name", "kind"))
         self.lora_info: tuple[tuple[str, ...], int] | None = None  # (running, max_loras)
         self._lora_swaps_seen = 0
-        self._lora_tokens_seen: dict = {}  # (adapter object id, kind) -> count exported
+        self._lora_tokens_seen: dict = {}  # (adapter key, kind) -> count exported
         self._last = None
 
-    def observe_lora(self, slots, max_loras: int) -> None:
-        """Advance the LoRA figures from the engine's ``AdapterSlots`` (engine
-        thread): swaps, resident slots, and the adapters that running
-        sequences pin (vLLM's ``vllm:lora_requests_info``)."""
-        st = slots.stats()
+    def observe_lora(self, st: dict, max_loras: int) -> None:
+        """Advance the LoRA figures from the engine's ``Engine.lora_stats()``
+        (engine thread): swaps, resident slots, tokens per adapter, and the
+        adapters that running sequences pin (vLLM's ``vllm:lora_requests_info``)."""
         if st["swaps"] > self._lora_swaps_seen:
             self.lora_swaps.inc(st["swaps"] - self._lora_swaps_seen)
             self._lora_swaps_seen = st["swaps"]
         self.lora_resident.set(st["resident"])
-        with slots._lock:
-            adapters = list(slots.adapters.values())
-        for a in adapters:
-            for kind, n in (("prompt", a.num_prompt_tokens),
-                            ("generation", a.num_generation_tokens)):
-                seen = self._lora_tokens_seen.get((id(a), kind), 0)
+        for key, name, prompt, generation in st["tokens"]:
+            for kind, n in (("prompt", prompt), ("generation", generation)):
+                seen = self._lora_tokens_seen.get((key, kind), 0)
                 if n > seen:
-                    self.lora_tokens.labels(a.name, kind).inc(n - seen)
-                    self._lora_tokens_seen[(id(a), kind)] = n
-        running = tuple(sorted(n for n, p in zip(slots.in_slot[1:], slots.pins[1:])
-                               if n is not None and p))
-        self.lora_info = (running, max_loras)
+                    self.lora_tokens.labels(name, kind).inc(n - seen)
+                    self._lora_tokens_seen[(key, kind)] = n
+        self.lora_info = (st["running"], max_loras)
 
     def export_vllm_names(self, model_name: str) -> None:
         """Also export the serving figures under vLLM's names

@@ -10,7 +10,8 @@ import asyncio
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.server.async_engine import AsyncEngine, EngineError, QueueFullError
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.request_stream import EngineError, QueueFullError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -54,7 +55,7 @@ def test_failed_step_fails_in_flight_requests_and_loop_survives(make_tiny_llm):
 
     outs = asyncio.run(asyncio.wait_for(run(), 120))  # fail, not hang
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
     assert not engine.has_unfinished_requests()
 
 
@@ -78,7 +79,7 @@ def test_waiting_queue_is_bounded(make_tiny_llm):
     assert len(full) + len(done) == 5 and full and len(done) >= 2
     for outs in done:
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
-    assert llm.engine.allocator.num_free_pages == llm.engine.allocator.num_pages
+    assert llm.engine.num_free_pages == llm.engine.num_pages
 
 
 def test_abort_all_ends_streams_while_a_step_is_stuck(make_tiny_llm):
@@ -86,7 +87,7 @@ def test_abort_all_ends_streams_while_a_step_is_stuck(make_tiny_llm):
     is inside a long step; the engine frees the requests afterwards."""
     import time
 
-    from jaxserve.server.async_engine import StreamAborted
+    from jaxserve.server.request_stream import StreamAborted
     llm = make_tiny_llm()
     engine = llm.engine
     real_finish = engine.runner.finish
@@ -123,5 +124,5 @@ def test_abort_all_ends_streams_while_a_step_is_stuck(make_tiny_llm):
     assert waited < 1.0, waited
     # The engine applied the abort after its slow step; nothing leaked.
     engine.step()
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
     assert not engine.has_unfinished_requests()

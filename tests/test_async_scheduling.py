@@ -55,7 +55,7 @@ def set_async(engine, on: bool) -> None:
 
 def assert_idle(engine) -> None:
     """No page leaked, nothing running, waiting or in flight."""
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.has_unfinished_requests() and not engine._groups
 
@@ -245,12 +245,12 @@ def test_pause_and_resume_same_outputs_and_no_page_leaked(llm, on):
     for _ in range(3):
         step()
     paused = [rids[0], rids[2]]  # greedy and the n = 2 seeded one, mid-decode
-    free_before = engine.allocator.num_free_pages
+    free_before = engine.num_free_pages
     assert all(engine.pause(r) for r in paused)
     assert not engine.pause("no-such-request")
     seqs = [r for rid in paused for r in engine.get_sequences(rid)]
     assert engine.stats().num_paused == 3 and all(not r.page_ids for r in seqs)
-    assert engine.allocator.num_free_pages > free_before
+    assert engine.num_free_pages > free_before
     step()  # a token in flight when they paused lands now
     held = [len(r.host_output_ids) for r in seqs]
     for _ in range(4):  # the others go on; the paused ones do not move

@@ -23,7 +23,7 @@ from server_util import ServerProcess
 
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.server.async_engine import StreamBackpressure, _Stream
+from jaxserve.server.request_stream import StreamBackpressure, StreamState
 from jaxserve.server.backpressure import StreamGuard, StreamLimits
 from jaxserve.server.client import make_request
 
@@ -74,7 +74,7 @@ def _count(metrics, reason, action="aborted"):
 def test_buffer_full_aborts_and_drops(caplog):
     async def run():
         guard, metrics, aborted = _guard(StreamLimits(buffer_outputs=3, stall_timeout_s=None))
-        s = _Stream("s7", asyncio.Queue(), label="cmpl-x")
+        s = StreamState("s7", asyncio.Queue(), label="cmpl-x")
         for i in range(3):
             guard.deliver(s, i)
         assert s.outputs.qsize() == 3 and not aborted
@@ -99,7 +99,7 @@ def test_stall_watch_aborts_only_unread_streams():
         # Stall timeout 10x the reader's pace: a loaded machine (the CI box
         # running the suite beside it) may hold the loop a few tenths of a second.
         guard, metrics, aborted = _guard(StreamLimits(stall_timeout_s=0.5, pause_after_s=None))
-        unread, reader, idle = (_Stream(f"s{i}", asyncio.Queue()) for i in range(3))
+        unread, reader, idle = (StreamState(f"s{i}", asyncio.Queue()) for i in range(3))
         watch = asyncio.ensure_future(guard.watch(lambda: [unread, reader, idle]))
         guard.deliver(unread, "a")
         t_end = time.monotonic() + 1.5
@@ -125,7 +125,7 @@ def test_a_slow_heap_trim_after_a_cut_does_not_stall_readers(monkeypatch):
 
     async def run():
         guard, metrics, aborted = _guard(StreamLimits(stall_timeout_s=0.3, pause_after_s=None))
-        unread, reader = _Stream("s5", asyncio.Queue()), _Stream("s6", asyncio.Queue())
+        unread, reader = StreamState("s5", asyncio.Queue()), StreamState("s6", asyncio.Queue())
         watch = asyncio.ensure_future(guard.watch(lambda: [unread, reader]))
         guard.deliver(unread, "a")
         t_end = time.monotonic() + 2.0  # the cut near 0.5 s, then a 1 s trim
@@ -149,7 +149,8 @@ def test_unread_stream_is_paused_then_resumed_when_read_then_cut(caplog):
         paused, resumed = [], []
         guard, metrics, aborted = _guard(
             StreamLimits(stall_timeout_s=0.9, pause_after_s=0.15), paused, resumed)
-        s, reader = _Stream("s3", asyncio.Queue(), label="cmpl-p"), _Stream("s4", asyncio.Queue())
+        s = StreamState("s3", asyncio.Queue(), label="cmpl-p")
+        reader = StreamState("s4", asyncio.Queue())
         watch = asyncio.ensure_future(guard.watch(lambda: [s, reader]))
 
         async def keep_reading(seconds):
@@ -189,7 +190,7 @@ def test_a_reader_that_falls_behind_is_paused_at_a_quarter_of_the_buffer():
         paused, resumed = [], []
         guard, _, aborted = _guard(StreamLimits(buffer_outputs=8, stall_timeout_s=None),
                                    paused, resumed)
-        s = _Stream("s2", asyncio.Queue())
+        s = StreamState("s2", asyncio.Queue())
         for i in range(3):
             guard.deliver(s, i)
         assert paused == [s] and s.outputs.qsize() == 3  # 3 > 8 // 4, no tick needed
@@ -207,7 +208,7 @@ def test_pausing_off_without_a_pause_time():
         paused = []
         guard, _, aborted = _guard(StreamLimits(stall_timeout_s=0.3, pause_after_s=None),
                                    paused, [])
-        s = _Stream("s1", asyncio.Queue())
+        s = StreamState("s1", asyncio.Queue())
         watch = asyncio.ensure_future(guard.watch(lambda: [s]))
         guard.deliver(s, 1)
         await asyncio.sleep(0.6)

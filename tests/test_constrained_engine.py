@@ -131,7 +131,7 @@ def tokens(outs):
 
 
 def assert_idle(engine):
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.has_unfinished_requests()
 
@@ -197,11 +197,11 @@ def test_plain_rows_unchanged_beside_constrained_ones_and_nothing_compiles(llm, 
     plain, constrained = _mixed_params()
     plain_prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     alone = tokens(llm.generate(plain_prompts, plain))
-    before = e.runner.num_compilations
+    before = e.num_compilations
     forced = e.stats().num_forced_tokens
     outs = llm.generate(plain_prompts + [{"prompt_token_ids": p} for p in PROMPTS[3:]],
                         plain + constrained)
-    assert e.runner.num_compilations == before, "a constrained row compiled a program"
+    assert e.num_compilations == before, "a constrained row compiled a program"
     got = tokens(outs)
     assert got[:3] == alone
     assert set(got[3]) <= set(ALLOWED) and set(got[4]) <= set(ALLOWED[:3])

@@ -120,7 +120,7 @@ def test_held_pages_are_released_aborted_or_refused(make_tiny_llm):
     aborted prefill frees them at once; unknown ids and bad skips are
     refused naming the value."""
     eng = make_tiny_llm().engine
-    total = eng.allocator.num_pages
+    total = eng.num_pages
     _prefill(eng, [[5] * 20, [6] * 30])
     assert eng.num_held_kv == 2
     assert eng.release_kv("p0") and not eng.release_kv("p0")
@@ -129,7 +129,7 @@ def test_held_pages_are_released_aborted_or_refused(make_tiny_llm):
     with pytest.raises(KeyError, match="p9"):
         eng.export_kv("p9")
     assert eng.release_kv("p1")
-    assert eng.allocator.num_free_pages == total
+    assert eng.num_free_pages == total
     chunked = make_tiny_llm(max_num_batched_tokens=16).engine  # a prefill of 3 chunks
     chunked.add_request("a", [4] * 40, SamplingParams(max_tokens=1), hold_kv=True)
     chunked.step()
@@ -142,7 +142,7 @@ def test_held_pages_are_released_aborted_or_refused(make_tiny_llm):
     eng.abort("p0")
     _drain(eng)
     assert eng.num_held_kv == 1 and eng.release_kv("p0")
-    assert eng.allocator.num_free_pages == total
+    assert eng.num_free_pages == total
     with pytest.raises(ValueError, match="hold_kv needs SamplingParams.n == 1"):
         eng.add_request("n2", [4] * 5, SamplingParams(n=2), hold_kv=True)
     with pytest.raises(ValueError, match="n == 1 and no logprobs"):

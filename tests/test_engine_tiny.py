@@ -113,7 +113,7 @@ def test_preemption_keeps_greedy_exact(tiny_hf, make_tiny_llm):
     assert sum(r.num_preemptions for r in reqs) > 0
     for rid, ref in zip(rids, refs):
         assert final[rid].outputs[0].token_ids == ref
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
 
 
 def test_sequence_larger_than_cache_rejected(make_tiny_llm):

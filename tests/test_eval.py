@@ -61,13 +61,13 @@ def _numpy_figures(cand, ref):
 
 def test_prompt_logits_is_causal_and_matches_last_token_logits(engines):
     e = engines[0]
-    free = e.allocator.num_free_pages
+    free = e.num_free_pages
     full = e.prompt_logits(IDS[:40])
     assert full.shape == (40, TINY["vocab_size"]) and full.dtype == np.float32
     np.testing.assert_allclose(full[-1], e.last_token_logits([IDS[:40]])[0], atol=1e-5)
     np.testing.assert_allclose(full[:13], e.prompt_logits(IDS[:13]), atol=1e-5)
     np.testing.assert_allclose(full[:1], e.prompt_logits(IDS[:1]), atol=1e-5)
-    assert e.allocator.num_free_pages == free
+    assert e.num_free_pages == free
     with pytest.raises(ValueError, match="max_model_len"):
         e.prompt_logits(IDS[:1] * (TINY["max_position_embeddings"] + 1))
 

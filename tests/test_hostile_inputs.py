@@ -29,7 +29,7 @@ import grpc
 import httpx
 import pytest
 
-from jaxserve.engine.request import MAX_TEMPERATURE, SamplingParams
+from jaxserve.engine.sampling_params import MAX_TEMPERATURE, SamplingParams
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.client import make_request

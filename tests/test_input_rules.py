@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from jaxserve.engine.request import (MAX_TEMPERATURE, SamplingParams, escape_text,
-                                     float32_of)
+from jaxserve.engine.sampling_params import MAX_TEMPERATURE, SamplingParams, escape_text, float32_of
 from jaxserve.server.auth import bearer_refusal
 from jaxserve.server.json_body import MAX_JSON_DEPTH, json_depth, loads
 from jaxserve.server.openai_protocol import APIError

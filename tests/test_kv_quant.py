@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.runner import ModelRunner
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla

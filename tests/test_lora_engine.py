@@ -153,8 +153,8 @@ def test_swaps_under_load_compile_nothing_and_lose_nothing(tiny_parts, peft_mode
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert done[rid] == alone[(0, "plain")]
-    assert engine.adapters.stats()["pinned"] == 0
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.lora_stats()["pinned"] == 0
+    assert engine.num_free_pages == engine.num_pages
     # Registered again, under the same name: served (a new prefix-cache root).
     engine.add_lora("plain", peft_models["plain"][0])
     assert llm.generate([PROMPTS[0]], params, "plain")[0].outputs[0].token_ids == \
@@ -256,4 +256,4 @@ def test_adapter_rows_exact_under_speculation_chunking_preemption(tiny_parts, pe
         assert s.num_preemptions > 0
     if "speculative_config" in kw:
         assert s.spec_num_draft_tokens > 0
-    assert llm.engine.adapters.stats()["pinned"] == 0
+    assert llm.engine.lora_stats()["pinned"] == 0

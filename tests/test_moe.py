@@ -131,7 +131,7 @@ def check_against_hf(llm, ref, hf_tokenizer, label):
     diff = float(np.abs(ours - ref_logits).max())
     print(f"{label}: max |logit diff| vs transformers {diff:.2e}")
     np.testing.assert_allclose(ours, ref_logits, atol=1e-4, rtol=0)
-    load = llm.engine.runner.last_expert_load
+    load = llm.engine.last_expert_load
     cfg = llm.engine.model_config
     tokens = sum(len(p) for p in PROMPTS)
     assert load.shape == (cfg.num_layers, cfg.num_experts) and load.dtype == np.int32
@@ -145,7 +145,7 @@ def check_against_hf(llm, ref, hf_tokenizer, label):
     assert [o.outputs[0].token_ids for o in outs] == ref_greedy
     assert outs[2].prompt_token_ids == text_ids
     # The last step was a decode of the 3 requests (padded to 8 rows): 3 tokens x top-2.
-    last = llm.engine.runner.last_expert_load
+    last = llm.engine.last_expert_load
     assert [int(last[i].sum()) for i in range(cfg.num_layers)] == [
         0 if i in cfg.mlp_only_layers else 3 * 2 for i in range(cfg.num_layers)]
     return diff

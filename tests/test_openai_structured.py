@@ -28,7 +28,7 @@ import re
 
 import pytest
 
-from jaxserve.engine.request import StructuredOutputsParams
+from jaxserve.engine.sampling_params import StructuredOutputsParams
 from jaxserve.server import openai_protocol as oai
 from jaxserve.server.chat_tools import prepare_chat, request_constraint
 from jaxserve.server.checks import InvalidRequest
@@ -198,7 +198,7 @@ def test_compile_constraint_runs_off_the_loop_and_names_the_field():
     import threading
     import types
 
-    from jaxserve.engine.request import SamplingParams
+    from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.server.frontend import Frontend
 
     seen = []

@@ -275,7 +275,7 @@ def test_stacked_parts_are_read_at_the_layer(fmt, M):
         parts = [jnp.asarray(np.stack([getattr(t, n) for t in qts]))
                  for n in ("q", "scale", "zero") if getattr(qts[0], n) is not None]
         if fmt.act_int8:
-            xq, sx = quant._quantize_act(x)
+            xq, sx = quant.quantize_act(x)
             def call(q, s, x_, layer=None):
                 return qmm.w8a8_matmul(q, s, xq, sx, layer=layer)
         else:

@@ -68,7 +68,7 @@ def llm(smollm2_llm):
     yield smollm2_llm
     engine = smollm2_llm.engine
     assert not engine.has_unfinished_requests() and not engine._groups
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +178,8 @@ def test_paging_and_small_kv_budget_exact(llm, smollm2_ckpt, prompts, hf_refs):
     assert queued and most_running < len(five)
     queue_ms = [o.metrics.queue_ms for o in outs]
     assert max(queue_ms) > 50 * max(min(queue_ms), 1.0), queue_ms  # someone really waited
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
-    print(f"small KV budget: {engine.allocator.num_pages} pages, at most {most_running} "
+    assert engine.num_free_pages == engine.num_pages
+    print(f"small KV budget: {engine.num_pages} pages, at most {most_running} "
           f"running, preemptions per request {[r.num_preemptions for r in reqs]}, "
           f"queue_ms {[round(q) for q in queue_ms]}")
 

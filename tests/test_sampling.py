@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sampling import (MAX_BANNED, SampleOutput, apply_penalties,
                                       make_sampling_tensors, prompt_logprobs, sample)
 

@@ -92,7 +92,8 @@ def test_layer_runs_split_only_where_layers_differ():
 def _logits(runner: ModelRunner, prompts):
     """Last-token logits of each prompt (one prefill step), then one decode
     step's logits after appending token 7 to each."""
-    from jaxserve.engine.request import Request, SamplingParams
+    from jaxserve.engine.request import Request
+    from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.engine.scheduler import ScheduledBatch
     reqs, page = [], 0
     for i, p in enumerate(prompts):

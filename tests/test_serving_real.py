@@ -25,7 +25,7 @@ def llm(smollm2_llm):
     yield smollm2_llm
     engine = smollm2_llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
 
 
 @pytest.fixture(scope="module")

@@ -229,11 +229,11 @@ def test_abort_in_each_state_frees_pages(long_parts):
     assert states["dec"].output_token_ids and states["dec"].page_ids
     assert 0 < states["chunked"].num_computed_tokens < 400  # mid-prefill
     assert states["waiting"].status.value == "waiting" and not states["waiting"].page_ids
-    before = engine.allocator.num_free_pages
+    before = engine.num_free_pages
     held = len(states["dec"].page_ids) + len(states["chunked"].page_ids)
     for rid in ("chunked", "dec", "waiting"):
         engine.abort(rid)
-    assert engine.allocator.num_free_pages == before + held  # at once, not next step
+    assert engine.num_free_pages == before + held  # at once, not next step
     outs = drain(engine)
     assert {r: o.outputs[0].finish_reason for r, o in outs.items()} == \
         {"dec": "abort", "chunked": "abort", "waiting": "abort"}
@@ -295,7 +295,7 @@ def test_closing_a_stream_aborts_it(long_parts):
     stream = llm.stream(long_prompt(90), greedy(30))
     outs = [next(stream) for _ in range(3)]
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
-    assert engine.allocator.num_free_pages < engine.allocator.num_pages
+    assert engine.num_free_pages < engine.num_pages
     stream.close()
     assert_all_pages_free(engine)
     assert not engine.has_unfinished_requests()

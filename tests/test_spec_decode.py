@@ -91,7 +91,7 @@ def tokens(outs):
 
 
 def assert_idle(engine):
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.has_unfinished_requests()
 
@@ -347,7 +347,7 @@ def test_random_aborts_leak_no_page(tiny_parts, draft_parts):
     while e.has_unfinished_requests():
         e.step()
     assert e.stats().spec_num_draft_tokens > 0
-    assert e.speculator.draft.runner.num_pages == e.allocator.num_pages  # one page table
+    assert e.speculator.draft.runner.num_pages == e.num_pages  # one page table
     assert_idle(e)
 
 
@@ -365,7 +365,7 @@ def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, d
     e = llm.engine
     e.warmup()  # every step program of both models
     llm.generate(PROMPTS[:2], greedy(8))  # first use of anything else (e.g. fresh host state)
-    compiled = (e.runner.num_compilations, e.speculator.draft.runner.num_compilations)
+    compiled = (e.num_compilations, e.speculator.draft.runner.num_compilations)
 
     def ks_while_decoding(num_requests):
         rng = np.random.default_rng(num_requests)
@@ -386,5 +386,5 @@ def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, d
     assert all(k == 0 for rows, k in big if rows >= 20), big
     again = ks_while_decoding(1)
     assert all(k > 0 for rows, k in again if rows == 1)
-    assert (e.runner.num_compilations, e.speculator.draft.runner.num_compilations) == compiled
+    assert (e.num_compilations, e.speculator.draft.runner.num_compilations) == compiled
     assert_idle(e)

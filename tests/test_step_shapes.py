@@ -73,7 +73,7 @@ def _mixed_traffic(llm):
 def test_warmup_compiles_every_shape_once(make_tiny_llm):
     llm = make_tiny_llm(max_num_seqs=8, max_num_batched_tokens=32)
     engine = llm.engine
-    buckets = engine.runner.step_buckets()
+    buckets = engine.step_buckets()
     assert buckets == [(True, t) for t in (1, 2, 3, 4, 6, 8)] + \
         [(False, t) for t in (16, 24, 32)]
     assert engine.step_token_counts() == [1, 2, 3, 4, 6, 8, 16, 24, 32]
@@ -81,9 +81,9 @@ def test_warmup_compiles_every_shape_once(make_tiny_llm):
     # One program per step bucket, and sampling per row count (with or without top-N).
     assert first >= len(buckets)
     assert engine.warmup() == 0  # all in this process's cache now
-    before = engine.runner.num_compilations
+    before = engine.num_compilations
     outs = _mixed_traffic(llm)
-    assert engine.runner.num_compilations == before, "traffic compiled a new shape"
+    assert engine.num_compilations == before, "traffic compiled a new shape"
     assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
 
 
@@ -119,9 +119,9 @@ def test_background_warmup_never_makes_a_step_wait(make_tiny_llm):
     assert e.scheduler.caps is None
     assert set(traced_on[n0:]) <= {"jaxserve-warmup"}, traced_on  # none on the engine thread
     assert sum(len(c.token_ids) for o in outs for c in o.outputs) > 40
-    before = e.runner.num_compilations
+    before = e.num_compilations
     _mixed_traffic(llm)
-    assert e.runner.num_compilations == before
+    assert e.num_compilations == before
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 
 from checkpoints.tokenizer import Tokenizer
 from jaxserve.engine.request_constraint import bad_words_token_ids
-from jaxserve.engine.request import SamplingParams, StructuredOutputsParams
+from jaxserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.engine.structured import GrammarBackend, RequestConstraint, build_constraint
 from jaxserve.engine.token_mask import bitmask_width, unpack_bitmask
 

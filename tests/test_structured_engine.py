@@ -14,7 +14,7 @@ from conftest import XLA_CACHE
 
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.engine.request import StructuredOutputsParams  # noqa: E402
+from jaxserve.engine.sampling_params import StructuredOutputsParams  # noqa: E402
 from jaxserve.engine.spec_policy import ForcedDraftPolicy  # noqa: E402
 
 SCHEMA = {"type": "object",
@@ -43,21 +43,21 @@ def llm(tiny_gguf):
 
 def test_json_schema_outputs_validate_and_compile_nothing(llm):
     e = llm.engine
-    before, forced = e.runner.num_compilations, e.stats().num_forced_tokens
+    before, forced = e.num_compilations, e.stats().num_forced_tokens
     params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))
               for s in range(6)]
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = llm.generate(["hello world"], plain)[0].outputs[0].token_ids
     outs = llm.generate(["a person:"] * 6 + ["hello world"], params + [plain])
-    assert e.runner.num_compilations == before, "structured rows compiled a program"
+    assert e.num_compilations == before, "structured rows compiled a program"
     for o in outs[:6]:
         c = o.outputs[0]
         assert c.finish_reason == "stop", (c.text, c.finish_reason)
         assert _valid(json.loads(c.text)), c.text
     assert outs[6].outputs[0].token_ids == alone
     assert e.stats().num_forced_tokens > forced  # the keys rode as drafts
-    assert e.allocator.num_free_pages == e.allocator.num_pages
+    assert e.num_free_pages == e.num_pages
 
 
 def test_choice_and_regex_match(llm):

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.request import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.engine.sampling import make_sampling_tensors, sample, unpack_token_mask
 from jaxserve.engine.token_mask import bitmask_width, pack_token_ids, unpack_bitmask
 

@@ -27,7 +27,7 @@ def test_prompt_with_lone_surrogate(llm, text, where):
         llm.generate(text, SamplingParams(max_tokens=1))
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.num_free_pages == engine.num_pages
     out = llm.generate("hello", SamplingParams(max_tokens=2, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 2
 

@@ -229,7 +229,7 @@ class Jaxserve:
     name = "jaxserve"
 
     def __init__(self, tok: Tokenizer, vocab_size: int, eos: int):
-        from jaxserve.engine.request import StructuredOutputsParams
+        from jaxserve.engine.sampling_params import StructuredOutputsParams
         from jaxserve.engine.structured import GrammarBackend
         t = time.perf_counter()
         self.backend = GrammarBackend(tok, vocab_size, [eos])

@@ -19,7 +19,7 @@ import statistics
 
 from jaxserve.bench.workloads import PREFIX_TURNS, system_prompt
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -51,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.bench.roofline import StepRecord
 from jaxserve.bench.stats import RequestRecord
 from jaxserve.bench.workloads import BenchRequest
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.server import jaxserve_pb2 as pb
 
 

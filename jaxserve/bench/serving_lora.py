@@ -13,7 +13,7 @@ round-robin, and the two passes' output tok/s side by side.
 - Per level, in alternation: the base pass (the level's figures, as without
   ``--lora_mix``), then the mix pass on the same requests; the level's
   ``lora_mix`` entry holds both output tok/s, mix / base, and the adapter
-  slot swaps during the mix pass (in-process ``engine.adapters.stats()``;
+  slot swaps during the mix pass (in-process ``Engine.lora_stats()``;
   over gRPC/HTTP ``jaxserve_lora_swaps_total`` of the server's metrics page,
   None without one).
 - The mix pass reuses none of the base pass's KV pages even where the
@@ -80,7 +80,8 @@ def assign(requests: list[BenchRequest], names) -> list[BenchRequest]:
 
 def engine_swaps(engine) -> int | None:
     """Adapter slot swaps so far of an in-process engine (None: LoRA off)."""
-    return None if engine.adapters is None else engine.adapters.stats()["swaps"]
+    stats = engine.lora_stats()
+    return None if stats is None else stats["swaps"]
 
 
 def pair_dict(base_summary: dict, mix_summary: dict, swaps: int | None) -> dict:

@@ -96,7 +96,7 @@ from jaxserve.bench.formats import parse_list
 from jaxserve.bench.report import fmt as _f
 from jaxserve.config import QUANTIZATION_METHODS
 from jaxserve.engine import compile_cache
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.shapes import bucket
 
 @dataclasses.dataclass(frozen=True)

@@ -109,7 +109,7 @@ def _paired(llm, prompts, plain, constrained, repeats: int) -> tuple[dict, dict,
 
 def run(a) -> int:
     from jaxserve import LLM, SamplingParams
-    from jaxserve.engine.request import StructuredOutputsParams
+    from jaxserve.engine.sampling_params import StructuredOutputsParams
     llm = LLM(a.model, max_num_seqs=max(64, a.batch))
     prompts = [llm.apply_chat_template(
         [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} number {i} as a JSON "

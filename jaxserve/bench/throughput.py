@@ -50,7 +50,7 @@ from jaxserve.bench.comparison import HOW, SMOKE_SHAPES, Shapes, log
 from jaxserve.bench.device import SMOKE
 from jaxserve.bench.report import fmt as _f
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -36,8 +36,9 @@ from jaxserve.server_config import DisaggConfig
 from jaxserve.disagg.transfer import KVTransfer, TransferTimeout
 from jaxserve.disagg.worker import PrefillClient, params_to_dict
 from jaxserve.engine.kv_handoff import KVHandoffError
-from jaxserve.engine.request import SamplingParams
-from jaxserve.server.async_engine import AsyncEngine, RequestStream
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.request_stream import RequestStream
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import grpc
 import jax
 
 from jaxserve.disagg.transfer import KVTransfer
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -283,11 +283,22 @@ class AdapterSlots:
             self.slot_of.pop(name, None)
 
     def stats(self) -> dict:
-        """Slots in use, pinned, swaps so far, last swap time (s)."""
+        """Slots in use, pinned, swaps so far, last swap time (s); each
+        registered adapter's token counts (``tokens``: a list of ``(key, name,
+        prompt tokens, generation tokens)``, ``key`` telling a re-registered
+        name's new adapter from its old one); ``running``: the sorted names
+        of the adapters running sequences pin. The slot figures are the
+        engine thread's; read them there."""
+        with self._lock:
+            tokens = [(id(a), a.name, a.num_prompt_tokens, a.num_generation_tokens)
+                      for a in self.adapters.values()]
         return dict(slots=len(self.in_slot) - 1,
                     resident=sum(n is not None for n in self.in_slot[1:]),
                     pinned=sum(1 for p in self.pins[1:] if p),
-                    swaps=self.num_swaps, last_swap_seconds=self.last_swap_seconds)
+                    swaps=self.num_swaps, last_swap_seconds=self.last_swap_seconds,
+                    tokens=tokens,
+                    running=tuple(sorted(n for n, p in zip(self.in_slot[1:], self.pins[1:])
+                                         if n is not None and p)))
 
 
 class UnknownAdapterError(ValueError):
@@ -353,6 +364,23 @@ class EngineLoRA:
     def list_loras(self) -> list[str]:
         """Names of the registered adapters ([] when LoRA is off)."""
         return [] if self.adapters is None else self.adapters.names()
+
+    def lora_paths(self) -> dict[str, str]:
+        """Every registered adapter's name -> its PEFT folder ({} when LoRA is
+        off; any thread)."""
+        out = {}
+        for name in self.list_loras():
+            try:
+                out[name] = self.adapters.get(name).path
+            except KeyError:  # unregistered meanwhile
+                pass
+        return out
+
+    def lora_stats(self) -> dict | None:
+        """The adapter slots' figures (``AdapterSlots.stats``: slots, resident,
+        pinned, swaps, last_swap_seconds, per-adapter tokens); None when LoRA
+        is off."""
+        return None if self.adapters is None else self.adapters.stats()
 
     def resolve_lora(self, lora) -> Adapter | None:
         """The ``Adapter`` of a request's ``lora`` (a name, a ``LoRARequest``,

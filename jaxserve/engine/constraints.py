@@ -53,7 +53,8 @@ import threading
 
 import numpy as np
 
-from jaxserve.engine.request import SamplingParams, decode_ready
+from jaxserve.engine.request import decode_ready
+from jaxserve.engine.sampling_params import SamplingParams
 
 # Most forced tokens one step carries for a sequence as drafts.
 MAX_FORCED_DRAFTS = 8

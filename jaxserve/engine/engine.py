@@ -42,7 +42,8 @@ from jaxserve.engine.build import build_engine
 from jaxserve.engine.intake import Intake
 from jaxserve.engine.kv_handoff import KVHandoff, check_prefilled_params
 from jaxserve.engine.outputs import Group, OutputProcessor
-from jaxserve.engine.request import Request, RequestOutput, SamplingParams
+from jaxserve.engine.request import Request, RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.spec_policy import ForcedDraftPolicy
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.views import EngineViews

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import llguidance
 
-from jaxserve.engine.request import StructuredOutputsParams
+from jaxserve.engine.sampling_params import StructuredOutputsParams
 
 JSON_SEPARATORS = (", ", ": ")
 _VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas

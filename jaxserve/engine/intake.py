@@ -25,7 +25,8 @@ from jaxserve.engine.constraints import ConstraintFactory, check_token_ids
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import Group
 from jaxserve.engine.page_table import cdiv
-from jaxserve.engine.request import Request, RequestMetrics, SamplingParams, check_text
+from jaxserve.engine.request import Request, RequestMetrics
+from jaxserve.engine.sampling_params import SamplingParams, check_text
 from jaxserve.engine.sampling import MAX_BANNED
 
 

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.page_table import cdiv
-from jaxserve.engine.request import RequestOutput, SamplingParams
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention.quant import KVPages
 
 

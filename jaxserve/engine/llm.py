@@ -18,7 +18,8 @@ from jaxserve.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConf
                              SchedulerConfig, SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.engine import compile_cache
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams, check_text
 from sharding.mesh import parse_mesh_spec
 
 

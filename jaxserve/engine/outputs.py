@@ -26,7 +26,8 @@ from jaxserve.engine.async_step import InFlightStep
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.plan import StepResult
 from jaxserve.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics,
-                                     RequestOutput, SamplingParams)
+                                     RequestOutput)
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.speculation import accept
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxserve.engine import shapes
 from jaxserve.engine.constraints import SlotConstraint
-from jaxserve.engine.request import MAX_LOGPROBS
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.sampling import SamplingTensors, make_sampling_tensors
 from jaxserve.models.llama import AttentionMetadata
 

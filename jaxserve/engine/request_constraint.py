@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.token_mask import TokenConstraint, bitmask_width, pack_token_ids
 
 # structured.py imports this module (and re-exports it), so the grammar types

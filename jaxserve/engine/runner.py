@@ -72,7 +72,7 @@ from jaxserve.engine.page_table import cdiv
 from jaxserve.engine.plan import (PlanLayout, StepPlan, StepResult, padding_plan, plan_treedef,
                                   prepare_plan)
 from jaxserve.engine.programs import ProgramsMixin
-from jaxserve.engine.request import MAX_LOGPROBS
+from jaxserve.engine.sampling_params import MAX_LOGPROBS
 from jaxserve.engine.sampling import prompt_logprobs, sample
 from jaxserve.engine.scheduler import ScheduledBatch, next_pow2
 from jaxserve.models import lora
@@ -82,30 +82,8 @@ from pallas_kernels.ragged_paged_attention.kernel_tpu_schedule import (tpu_kv_pa
                                                                        tpu_kv_scale_page_bytes)
 from pallas_kernels.ragged_paged_attention.quant import KVPages, is_quantized
 from sharding.mesh import make_mesh, validate_mesh_for_model
+from sharding.placement import place
 from sharding.rules import ShardingRules, named_sharding, param_shardings
-
-
-def place(tree, shardings):
-    """``jax.device_put(tree, shardings)``, except that in a multi-process job
-    each process builds only its own devices' slices of a host array
-    (``jax.make_array_from_callback``): ``device_put`` of a host array onto a
-    sharding spanning processes first all-gathers it to check that every
-    process holds the same value, moving every weight over the network.
-    Arrays already spread over the job (restored from Orbax) are kept, or
-    resharded on device when their sharding differs."""
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def put(x, sharding):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x if x.sharding == sharding else jax.device_put(x, sharding)  # a reshard
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-    leaves, treedef = jax.tree.flatten(tree)
-    targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    if len(targets) != len(leaves):
-        raise ValueError(f"{len(leaves)} arrays but {len(targets)} shardings")
-    return jax.tree.unflatten(treedef, [put(x, s) for x, s in zip(leaves, targets)])
 
 
 class ModelRunner(ProgramsMixin, KVPagesMixin):

@@ -54,7 +54,7 @@ import numpy as np
 
 from pallas_kernels import sampling_cpu
 
-from jaxserve.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS  # noqa: F401  (re-exported)
+from jaxserve.engine.sampling_params import MAX_LOGIT_BIAS
 from jaxserve.engine.scheduler import next_pow2
 from jaxserve.engine.token_mask import bitmask_width
 

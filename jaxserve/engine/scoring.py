@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxserve.engine.page_table import PageAllocator, cdiv
-from jaxserve.engine.request import Request, SamplingParams
+from jaxserve.engine.request import Request
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledBatch
 
 

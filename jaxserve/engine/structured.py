@@ -64,7 +64,7 @@ import numpy as np
 import tokenizers
 
 from jaxserve.engine.grammar_spec import JSON_SEPARATORS, canonical_spec, llguidance_grammar
-from jaxserve.engine.request import StructuredOutputsParams
+from jaxserve.engine.sampling_params import StructuredOutputsParams
 from jaxserve.engine.token_mask import bitmask_width
 
 DEFAULT_CACHE_SIZE = 256

@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxserve.engine import scoring
 from jaxserve.engine.page_table import cdiv
-from jaxserve.engine.request import Request, SamplingParams
+from jaxserve.engine.request import Request
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledBatch
 
 
@@ -65,6 +66,13 @@ class EngineViews:
     def devices(self) -> tuple:
         """The mesh's devices, flat, in mesh order."""
         return tuple(self.runner.mesh.devices.flat)
+
+    @property
+    def last_expert_load(self):
+        """An MoE model's expert load of the last step: i32[num_layers, E],
+        tokens routed to each expert per layer (None before the first step,
+        or for a dense model)."""
+        return self.runner.last_expert_load
 
     @property
     def num_compilations(self) -> int:

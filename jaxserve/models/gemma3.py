@@ -49,8 +49,9 @@ from flax import nnx
 from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
-                                   _param, attention_hf_params, layer_rope_tables, lm_head,
-                                   load_tied_head, put_param)
+                                   _param, attention_hf_params)
+from jaxserve.models.params import lm_head, load_tied_head, put_param
+from jaxserve.models.rope import layer_rope_tables
 
 # Gemma's RMSNorm multiplies by (1 + w).
 NORM_OFFSET = 1.0

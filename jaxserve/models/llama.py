@@ -35,12 +35,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jaxserve.config import LoRAConfig, ModelConfig, RopeScaling
+from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import lora as lora_lib
-from jaxserve.models import quant, stack
+from jaxserve.models import quant, quant_cpu, stack
+from jaxserve.models.params import lm_head, load_tied_head, put_param
+from jaxserve.models.rope import apply_rope, layer_rope_tables
 from pallas_kernels.ragged_paged_attention import kernel as rpa_kernel
 from pallas_kernels.ragged_paged_attention import kernel_xla as rpa_xla
 from sharding.rules import ShardingRules
@@ -123,65 +124,6 @@ def rms_norm_heads(x_TNH, w_H, eps: float, offset: float = 0.0):
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     w = w_H.astype(jnp.float32)
     return (((w + offset) if offset else w) * x32).astype(x_TNH.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                  freq_factors: tuple[float, ...] = ()):
-    """RoPE inverse frequencies f32 [H/2], radians per position.
-
-    ``theta ** (-2i / H)`` (Su et al. 2021; HF ``_compute_default_rope_parameters``),
-    then rescaled by ``scaling`` (``RopeScaling``: linear, or llama3 as HF
-    ``_compute_llama3_parameters``), or divided elementwise by
-    ``freq_factors`` (a GGUF's ``rope_freqs`` tensor: llama.cpp's form of
-    the same llama3 rescaling).
-    """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if freq_factors:
-        inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    old = scaling.original_max_position_embeddings  # llama3
-    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
-    wavelen = 2 * np.pi / inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def rope_cos_sin(positions_T, head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                 freq_factors: tuple[float, ...] = ()):
-    """cos, sin of shape [T, H/2] in f32 (HF ``LlamaRotaryEmbedding``; the
-    frequencies of ``rope_inv_freq``)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, freq_factors)
-    freqs_TH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(freqs_TH2), jnp.sin(freqs_TH2)
-
-
-def layer_rope_tables(cfg: ModelConfig, positions_T):
-    """The distinct RoPE (cos, sin) [T, H/2] tables of a model's layers and
-    the index of each layer's table (``ModelConfig.layer_rope``): one table
-    for most models, two for Gemma 3 (local and global bases). Returns
-    ``(tables, index)``, a list and a tuple of ints of length num_layers."""
-    keys: dict = {}
-    index = []
-    for i in range(cfg.num_layers):
-        index.append(keys.setdefault(cfg.layer_rope(i), len(keys)))
-    tables = [rope_cos_sin(positions_T, cfg.head_dim, *key, cfg.rope_freq_factors)
-              for key in keys]
-    return tables, tuple(index)
-
-
-def apply_rope(x_TNH, cos_TH2, sin_TH2):
-    """Rotate-half RoPE on [T, heads, H]; math in f32."""
-    x = x_TNH.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    c, s = cos_TH2[:, None, :], sin_TH2[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_TNH.dtype)
 
 
 _OWN = object()  # Attention's window argument: the module's own ``sliding_window``
@@ -390,43 +332,6 @@ def decoder_layer(layer: DecoderLayer, x_DT, k_cache, v_cache, cos_TH2, sin_TH2,
             v_cache, None)
 
 
-def lm_head(cfg: ModelConfig, embed_tokens: nnx.Param, dtype, rngs,
-            qfmt: quant.TensorFormat | None, adopt: bool = False):
-    """The LM head [V, D] of a model (shared by every family).
-
-    * ``qfmt`` None (``quantization="none"``, or ``quantize_lm_head=False``):
-      None for a tied head (``logits_of`` reads ``embed_tokens``), else an
-      ``nnx.Param`` in ``dtype``.
-    * else a ``quant.QuantizedWeight`` in ``quant.head_format(qfmt)`` (int8's
-      and int4's head: Q8_0-style groups; ``adopt``: the GGUF tensor's own type). A tied head is then a second weight beside the
-      embedding, built from the same values (``load_params`` fills it from
-      ``model.embed_tokens.weight``: a GGUF's blocks as they are, a float
-      array quantized), so the lookup stays exact and the model holds both;
-      random init quantizes ``embed_tokens``' values.
-
-    Logical axes ("vocab", "embed") in every form (``QuantizedWeight``: its
-    scales ("vocab", None) per channel, ("vocab", "embed") grouped).
-    """
-    V, D = cfg.vocab_size, cfg.hidden_size
-    if qfmt is None:
-        return None if cfg.tie_word_embeddings else _param((V, D), ("vocab", "embed"), dtype, rngs)
-    if not adopt:  # int8's and int4's head: Q8_0-style groups (quant.head_format)
-        qfmt = quant.head_format(qfmt)
-    if not cfg.tie_word_embeddings:
-        return quant.weight((V, D), ("vocab", "embed"), dtype, rngs, qfmt, adopt)
-    head = quant.QuantizedWeight((V, D), ("vocab", "embed"), qfmt, adopt=adopt)
-    if rngs is not None and qfmt.bits != 0:
-        head.load(np.asarray(embed_tokens.value, np.float32), "lm_head (tied, random init)")
-    return head
-
-
-def load_tied_head(model, params: dict) -> None:
-    """Fill a quantized tied head (``lm_head``) from ``params``'
-    ``model.embed_tokens.weight``; nothing for any other head."""
-    if model.cfg.tie_word_embeddings and isinstance(model.lm_head, quant.QuantizedWeight):
-        put_param(model.lm_head, "model.embed_tokens.weight", params)
-
-
 class LlamaForCausalLM(nnx.Module):
     """Llama decoder with an LM head.
 
@@ -498,7 +403,7 @@ class LlamaForCausalLM(nnx.Module):
         # grouped blocks inside the dot 2-7x slower than an f32 dot).
         exact_dense = (isinstance(head, quant.QuantizedWeight) and head.adopt
                        and self.cfg.tie_word_embeddings and jax.default_backend() == "cpu"
-                       and not quant.kernel_serves(head.fmt, head.shape[0], x_DR))
+                       and not quant_cpu.kernel_serves(head.fmt, head.shape[0], x_DR))
         if isinstance(head, quant.QuantizedWeight) and not exact_dense:
             logits_RV = head.matmul(x_DR).T
         else:
@@ -560,33 +465,3 @@ def load_params(model: LlamaForCausalLM, params: dict) -> None:
     for name, (p, _) in hf_params(model).items():
         put_param(p, name, params)
     load_tied_head(model, params)
-
-
-def put_param(p, name: str, params: dict, arr=None) -> None:
-    """``p.value = params[name]`` (or ``arr``) in ``p``'s dtype.
-
-    ``p`` may be a ``quant.QuantizedWeight``: a float array is quantized to
-    its format, a ``quant.QuantizedTensor`` (GGUF blocks, a quantized Orbax
-    checkpoint) is taken as it is. A ``QuantizedTensor`` for a plain param
-    (a GGUF's Q8_0 embedding) is dequantized.
-
-    Raises:
-      ValueError: ``name`` missing from ``params``, or a shape (or format) that
-        differs from ``p``'s.
-    """
-    if arr is None:
-        if name not in params:
-            raise ValueError(f"checkpoint lacks tensor {name!r}")
-        arr = params[name]
-    if isinstance(p, quant.QuantizedWeight):
-        if not isinstance(arr, quant.QuantizedTensor) and p.adopt:  # gguf: another ggml type
-            arr = quant.QuantizedTensor(quant.DENSE, tuple(arr.shape), np.asarray(arr, np.float32),
-                                        None)
-        p.load(arr, name)
-        return
-    if isinstance(arr, quant.QuantizedTensor):
-        arr = arr.dequantize()
-    if tuple(arr.shape) != tuple(p.value.shape):
-        raise ValueError(f"{name}: checkpoint shape {tuple(arr.shape)} != model "
-                         f"{tuple(p.value.shape)}")
-    p.value = jnp.asarray(arr, dtype=p.value.dtype)

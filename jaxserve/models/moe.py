@@ -70,8 +70,9 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
-                                   _param, attention_hf_params, layer_rope_tables, lm_head,
-                                   load_tied_head, put_param)
+                                   _param, attention_hf_params)
+from jaxserve.models.params import lm_head, load_tied_head, put_param
+from jaxserve.models.rope import layer_rope_tables
 from sharding.rules import ShardingRules
 from sharding.rules import _logical_axes as logical_axes
 
@@ -194,7 +195,7 @@ class MoEBlock(nnx.Module):
         x_TD = x_DT.T
         experts = (self.gate_proj, self.up_proj, self.down_proj)
         if isinstance(self.gate_proj, quant.QuantizedWeight) and self.gate_proj.fmt.act_int8:
-            xq_DT, sx_1T = quant._quantize_act(x_DT)  # w8a8: the tokens as int8 per token
+            xq_DT, sx_1T = quant.quantize_act(x_DT)  # w8a8: the tokens as int8 per token
             x_TD = (xq_DT.astype(jnp.float32) * sx_1T).T.astype(x_DT.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:

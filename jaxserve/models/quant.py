@@ -105,7 +105,7 @@ fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
 Grouped scales and zero points are stored in f16, as ggml stores them
 (exact for its blocks; int4 is then 4 + 32/32 = 5 bits per weight).
 
-The LM head [V, D] takes the method's format too (``llama.lm_head``;
+The LM head [V, D] takes the method's format too (``params.lm_head``;
 ``EngineConfig.quantize_lm_head``), read like any projection; ``is_projection``
 leaves it out because a tied head has no tensor name of its own.
 
@@ -117,7 +117,6 @@ column, replicated along the input axis.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -126,242 +125,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import QUANTIZATION_METHODS
+# The formats' numpy definitions (``quant_format``) are this module's names too:
+# callers read ``quant.TensorFormat``, ``quant.quantize_np`` and the rest.
+from jaxserve.models.quant_format import (  # noqa: F401
+    DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8, QuantizedTensor, TensorFormat,
+    check_shapes, head_format, method_format, pack_int4_np, quantize_act_np, quantize_np,
+    quantize_act, reference_linear, unpack_int4_np,
+)
+from jaxserve.models import quant_cpu
 from pallas_kernels import quant_matmul_cpu
 
-INT8_MAX = 127
-# Grouped formats keep their scales and zero points in f16 (as ggml does:
-# Q4_1 is then 5 bits per weight, 0.156x f32); per-channel scales stay f32.
-GROUP_SCALE_DTYPE = np.float16
-# From this many activation columns a grouped weight on XLA:CPU is dequantized into
-# its own f32 buffer before an f32 dot (the [F, D] write costs less than XLA's fused
-# dequantize-in-the-dot loop from a few columns on; where the kernel is built it
-# serves these widths up to quant_matmul_cpu.use_kernel's limit).
-DEQUANTIZE_FIRST_COLUMNS = 5
 _SPLIT = 2 * INT8_MAX  # s2 = s1 / 254: the residual of the first int8 term fills [-127, 127]
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorFormat:
-    """How one weight is stored.
-
-    Attributes:
-      bits: 8 (int8 ``q``), 4 (uint4, two per uint8 byte) or 0 (dense f32, no
-        quantization: ``gguf`` tensors of other types).
-      group_size: input elements per scale; None: the whole input dim (one
-        scale per output channel).
-      zero_point: the format stores ``zero`` (asymmetric).
-      act_int8: activations are quantized per token to int8 (``w8a8``).
-    """
-
-    bits: int
-    group_size: int | None = None
-    zero_point: bool = False
-    act_int8: bool = False
-
-    def __post_init__(self):
-        if self.bits not in (0, 4, 8):
-            raise ValueError(f"TensorFormat.bits must be 0, 4 or 8, got {self.bits}")
-        if self.group_size is not None and self.group_size < 1:
-            raise ValueError(f"TensorFormat.group_size must be >= 1, got {self.group_size}")
-        if self.bits == 4 and self.group_size is not None and self.group_size % 2:
-            raise ValueError(f"int4 groups hold whole bytes: group_size must be even, "
-                             f"got {self.group_size}")
-
-    def groups(self, in_dim: int) -> int:
-        """G, the scales per output channel for an input dim of ``in_dim``."""
-        return 1 if self.group_size is None else in_dim // self.group_size
-
-
-DENSE = TensorFormat(bits=0)
-INT8 = TensorFormat(bits=8)
-W8A8 = TensorFormat(bits=8, act_int8=True)
-Q8_0 = TensorFormat(bits=8, group_size=32)
-Q4 = TensorFormat(bits=4, group_size=32, zero_point=True)  # Q4_0 and Q4_1 alike
-
-
-def head_format(fmt: TensorFormat | None) -> TensorFormat | None:
-    """The LM head's format under a method whose projections take ``fmt``:
-    weight-only ``int8`` and ``int4`` keep the head in Q8_0-style groups of 32
-    (int8, one f16 scale per group), as llama.cpp keeps ``output.weight`` at 8
-    bits: on SmolLM2 a 4-bit head cost +5.6% PPL and a per-channel int8 head
-    +0.12% on top of int8's projections (``benchmarks/quant/eval_head``);
-    ``w8a8`` keeps its own (per channel, int8 activations); ``gguf`` heads
-    keep the file's blocks."""
-    if fmt is not None and not fmt.act_int8 and fmt.bits in (4, 8) and fmt != Q8_0:
-        return Q8_0
-    return fmt
-
-
-def method_format(method: str, group_size: int = 32) -> TensorFormat | None:
-    """The ``TensorFormat`` every quantized projection gets under ``method``;
-    None for ``"none"``; for ``"gguf"`` a placeholder (each tensor then takes
-    its file's format when it loads).
-
-    Raises:
-      ValueError: an unknown method, or a bad group size.
-    """
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
-                         f"got {method!r}")
-    if method == "none":
-        return None
-    if method == "int4":
-        return TensorFormat(bits=4, group_size=group_size, zero_point=True)
-    return {"int8": INT8, "w8a8": W8A8, "gguf": Q4}[method]
-
-
-def check_shapes(method: str, group_size: int, shapes) -> None:
-    """Check, before any weight loads, that ``method`` can hold every
-    projection of ``shapes`` (``[..., out, in]`` tuples).
-
-    Raises:
-      ValueError: ``int4`` with a group size that does not divide an input dim
-        (names the dim and the size), or an odd input dim for int4.
-    """
-    fmt = method_format(method, group_size)
-    if fmt is None or fmt.bits != 4 or method == "gguf":
-        return
-    for shape in shapes:
-        if shape[-1] % group_size:
-            raise ValueError(f"int4 quantization_group_size={group_size} does not divide the "
-                             f"input dim {shape[-1]} of a {tuple(shape)} weight; pick a group "
-                             f"size that divides every input dim (e.g. 32)")
-
-
-@dataclasses.dataclass
-class QuantizedTensor:
-    """A quantized weight on the host (numpy arrays), or read back from device.
-
-    Attributes:
-      fmt: its ``TensorFormat``.
-      shape: the logical weight shape ``[..., F, D]`` (HF's ``[out, in]``).
-      q: int8 ``[..., F, D]`` (bits 8), uint8 ``[..., F, D/2]`` (bits 4) or
-        f32 ``[..., F, D]`` (bits 0, the dense weight itself).
-      scale: ``[..., F, G]``, f32 per channel (G = 1), f16 when grouped
-        (``GROUP_SCALE_DTYPE``); None for bits 0.
-      zero: ``[..., F, G]`` f16, or None.
-    """
-
-    fmt: TensorFormat
-    shape: tuple[int, ...]
-    q: np.ndarray
-    scale: np.ndarray | None
-    zero: np.ndarray | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.scale, self.zero) if a is not None)
-
-    def dequantize(self) -> np.ndarray:
-        """f32 ``[..., F, D]`` values: ``scale * q + zero`` per group, in that
-        f32 order (bit-equal to ``gguf.quants.dequantize`` for Q8_0/Q4_0/Q4_1)."""
-        if self.fmt.bits == 0:
-            return np.asarray(self.q, np.float32)
-        q = unpack_int4_np(self.q) if self.fmt.bits == 4 else self.q
-        *lead, F, D = self.shape
-        G = self.scale.shape[-1]
-        qg = q.reshape(*lead, F, G, D // G).astype(np.float32)
-        w = self.scale[..., None].astype(np.float32) * qg
-        if self.zero is not None:
-            w = w + self.zero[..., None].astype(np.float32)
-        return w.reshape(self.shape)
-
-
-def pack_int4_np(q: np.ndarray) -> np.ndarray:
-    """uint8 ``[..., D/2]`` of uint4 values ``q`` ``[..., D]`` in [0, 15]
-    (input 2j in the low nibble of byte j, 2j + 1 in the high one)."""
-    q = np.asarray(q, np.uint8)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-
-
-def unpack_int4_np(p: np.ndarray) -> np.ndarray:
-    """uint8 ``[..., 2 * n]`` values in [0, 15] of packed bytes ``p`` ``[..., n]``."""
-    return np.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
-
-
-def quantize_np(w: np.ndarray, fmt: TensorFormat) -> QuantizedTensor:
-    """Quantize a float weight ``w`` ``[..., F, D]`` to ``fmt`` (round to nearest).
-
-    * bits 8 (symmetric): ``scale = amax / 127`` per group (1 where the group
-      is all zero), ``q = clip(round(w / scale), -127, 127)``.
-    * bits 4 (asymmetric, as ggml's Q4_1): ``zero = min``, ``scale = (max -
-      min) / 15`` (1 where max == min), ``q = clip(round((w - zero) / scale), 0, 15)``.
-    * bits 0: the weight as f32.
-
-    Grouped scales and zeros are rounded to f16 first and q is computed from
-    the rounded values (so ``dequantize`` is what was meant).
-
-    Raises:
-      ValueError: the group size does not divide D, int4 with an odd D, or a
-        group scale beyond f16's range.
-    """
-    w = np.asarray(w, np.float32)
-    *lead, F, D = w.shape
-    if fmt.bits == 0:
-        return QuantizedTensor(fmt, w.shape, w.copy(), None)
-    g = D if fmt.group_size is None else fmt.group_size
-    if D % g or (fmt.bits == 4 and D % 2):
-        raise ValueError(f"group size {g} does not divide the input dim {D} of a "
-                         f"{tuple(w.shape)} weight" + (" (int4 also needs an even dim)"
-                                                       if fmt.bits == 4 else ""))
-    wg = w.reshape(*lead, F, D // g, g)
-    sdt = np.float32 if fmt.group_size is None else GROUP_SCALE_DTYPE
-
-    def stored(a):
-        out = a.astype(sdt)
-        if not np.all(np.isfinite(out)):
-            raise ValueError(f"a group scale of a {tuple(w.shape)} weight is beyond "
-                             f"{np.dtype(sdt).name}'s range (|w| up to {np.abs(w).max():.3g})")
-        return out
-    if fmt.bits == 8:
-        scale = np.abs(wg).max(axis=-1) / INT8_MAX
-        scale = stored(np.where(scale > 0, scale, 1.0))
-        q = np.clip(np.rint(wg / scale[..., None].astype(np.float32)), -INT8_MAX,
-                    INT8_MAX).astype(np.int8)
-        return QuantizedTensor(fmt, w.shape, q.reshape(w.shape), scale)
-    lo, hi = wg.min(axis=-1), wg.max(axis=-1)
-    scale = stored(np.where(hi > lo, (hi - lo) / 15, 1.0))
-    zero = stored(lo)
-    q = np.clip(np.rint((wg - zero[..., None].astype(np.float32))
-                        / scale[..., None].astype(np.float32)), 0, 15).astype(np.uint8)
-    return QuantizedTensor(fmt, w.shape, pack_int4_np(q.reshape(w.shape)), scale, zero)
-
-
-def quantize_act_np(x_DT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token symmetric int8 of feature-major activations: (q i8[D, T],
-    scale f32[T]) with ``x ~= scale * q`` (the w8a8 definition)."""
-    amax = np.abs(x_DT).max(axis=0)
-    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
-    q = np.clip(np.rint(x_DT / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q, scale
-
-
-def reference_linear(qt: QuantizedTensor, x_DT: np.ndarray) -> np.ndarray:
-    """The numpy (f64) reference of a format's definition: ``W x`` with W the
-    dequantized weight [F, D] and, for ``act_int8``, x replaced by its
-    per-token int8 quantization; f64 [F, T]."""
-    x = np.asarray(x_DT, np.float64)
-    if qt.fmt.act_int8:
-        q, s = quantize_act_np(np.asarray(x_DT, np.float32))
-        x = q.astype(np.float64) * s.astype(np.float64)
-    return qt.dequantize().astype(np.float64) @ x
-
-
-# ---- device side ---------------------------------------------------------
 
 
 def _unpack_int4(p):
     """uint8 [..., n] packed bytes -> uint8 [..., 2n] values in [0, 15]."""
     return jnp.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
-
-
-def _quantize_act(x_DT):
-    """Per-token (column) symmetric int8: (q i8[D, T], scale f32[1, T])."""
-    x = x_DT.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=0, keepdims=True)
-    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
-    return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
 def _int8_dot(q_FD, xq_DM):
@@ -387,60 +166,6 @@ def dequantize(fmt: TensorFormat, q, scale, zero, dtype=jnp.float32):
     return w.reshape(*lead, F, D).astype(dtype)
 
 
-def _kernel_allowed(x_DT) -> bool:
-    """The CPU kernel may run here: CPU backend, 2-D activations, outside a
-    mesh of several devices (the engine's abstract mesh, as ``moe`` reads it:
-    a custom call does not split over a mesh, XLA would gather its operands)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return (jax.default_backend() == "cpu" and x_DT.ndim == 2
-            and (mesh.empty or mesh.size == 1))
-
-
-def _kernel_kind(fmt: TensorFormat | None) -> str | None:
-    """The CPU kernel's target for a format (``quant_matmul_cpu.use_kernel``'s
-    kind); None: a dense f32 weight."""
-    if fmt is None:
-        return "f32"
-    if fmt.bits == 8 and fmt.group_size is None:
-        return "w8a8" if fmt.act_int8 else "int8"
-    if fmt.act_int8:
-        return None
-    if fmt.bits == 8:
-        return "q8g"
-    return "q4g" if fmt.bits == 4 and fmt.zero_point else None
-
-
-def kernel_serves(fmt: TensorFormat | None, F: int, x_DT) -> bool:
-    """True when a weight of ``fmt`` (None: dense f32) with F rows runs on the
-    CPU kernel for activations ``x_DT`` [D, M] (lowering ``"auto"``)."""
-    kind = _kernel_kind(fmt)
-    return (kind is not None and _kernel_allowed(x_DT)
-            and quant_matmul_cpu.use_kernel(kind, F, x_DT.shape[0], x_DT.shape[1])
-            and quant_matmul_cpu.available())
-
-
-def _cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT, layer=None):
-    """``W x`` by ``pallas_kernels.quant_matmul_cpu`` where it is built, allowed
-    (``JAXSERVE_CPU_KERNELS``) and measured faster than the XLA form for this
-    format and column count; None otherwise (the caller takes the XLA form).
-    Only a 2-D weight (stacked experts keep their ragged dots), or with
-    ``layer`` (an i32 scalar) parts stacked over a scanned run of layers
-    (``StackedRead``: the kernel reads that layer's part in place)."""
-    if q.ndim != (2 if layer is None else 3):
-        return None
-    kind = _kernel_kind(fmt)
-    if kind is None or not kernel_serves(fmt, scale.shape[-2], x_DT):
-        return None
-    if kind == "w8a8":
-        xq, sx = _quantize_act(x_DT)
-        return quant_matmul_cpu.w8a8_matmul(q, scale, xq, sx, layer=layer)
-    if kind == "int8":
-        return quant_matmul_cpu.int8_matmul(q, scale, x_DT, layer=layer)
-    if kind == "q8g":
-        return quant_matmul_cpu.q8g_matmul(q, scale, x_DT, layer=layer)
-    return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT, layer=layer)
-
-
 def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
     """``W x`` for a weight given as its parts: ``(w,)`` dense (``fmt`` None;
     [F, T] in x's dtype) or ``(q, scale, zero)`` (f32 [F, T]), each an array
@@ -448,46 +173,20 @@ def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
     in place where it serves the format and width, anything else slices them."""
     if fmt is None:
         (w,) = parts
-        if isinstance(w, StackedRead) and (y := _dense_kernel(w, x_DT)) is not None:
+        if isinstance(w, StackedRead) and (y := quant_cpu.dense_kernel(w, x_DT)) is not None:
             return y.astype(x_DT.dtype)
         return jnp.einsum("fd,dt->ft", layer_slice(w), x_DT)
     if isinstance(parts[0], StackedRead) and lowering == "auto":
         stacked = [None if p is None else p.stacked for p in parts]
-        y = _cpu_kernel(fmt, *stacked, x_DT, layer=parts[0].index)
+        y = quant_cpu.cpu_kernel(fmt, *stacked, x_DT, layer=parts[0].index)
         if y is not None:
             return y
-        w = _kernel_dequantized(fmt, *stacked, x_DT, layer=parts[0].index)
+        w = quant_cpu.kernel_dequantized(fmt, *stacked, x_DT, layer=parts[0].index)
         if w is not None:  # the XLA form's values and dot, the dequantization threaded
             return jnp.einsum("fd,dt->ft", w, x_DT.astype(jnp.float32),
                               preferred_element_type=jnp.float32)
     q, scale, zero = (None if p is None else layer_slice(p) for p in parts)
     return quantized_matmul(fmt, q, scale, zero, x_DT, lowering)
-
-
-def _kernel_dequantized(fmt: TensorFormat, q, scale, zero, x_DT, layer):
-    """A scanned layer's 4-bit-group or Q8_0 weight as f32 [F, D], dequantized
-    in place by the CPU kernel library (``q4g_dequantize`` / ``q8g_dequantize``:
-    ``dequantize``'s values) where ``quantized_matmul`` would write the
-    dequantized weight out before an f32 dot (CPU, from
-    ``DEQUANTIZE_FIRST_COLUMNS`` columns, past the kernel's matmul widths);
-    None elsewhere. A 940-token SmolLM2 prefill in ``gguf``: XLA's unpack
-    fusions took ~250 ms of its ~1.3 s (2-core Xeon)."""
-    kind = _kernel_kind(fmt)
-    if (kind not in ("q4g", "q8g") or q.ndim != 3 or x_DT.shape[1] < DEQUANTIZE_FIRST_COLUMNS
-            or not _kernel_allowed(x_DT)
-            or not quant_matmul_cpu.has_target(f"jaxserve_qmm_dequant_{kind}")):
-        return None
-    if kind == "q4g":
-        return quant_matmul_cpu.q4g_dequantize(q, scale, zero, layer=layer)
-    return quant_matmul_cpu.q8g_dequantize(q, scale, layer=layer)
-
-
-def _dense_kernel(w: StackedRead, x_DT):
-    """A scanned layer's dense f32 projection ``W x`` read in place by the CPU
-    kernel at decode widths; None where it does not apply (XLA slices)."""
-    if w.dtype != jnp.float32 or not kernel_serves(None, w.shape[0], x_DT):
-        return None
-    return quant_matmul_cpu.f32_matmul(w.stacked, x_DT, layer=w.index)
 
 
 def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "auto"):
@@ -501,11 +200,11 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
     """
     backend = "cpu" if lowering == "cpu" else jax.default_backend()
     if lowering == "auto" and backend == "cpu":
-        y = _cpu_kernel(fmt, q, scale, zero, x_DT)
+        y = quant_cpu.cpu_kernel(fmt, q, scale, zero, x_DT)
         if y is not None:
             return y
     if fmt.act_int8:  # w8a8: the definition quantizes x; one int8 dot everywhere
-        xq, sx = _quantize_act(x_DT)
+        xq, sx = quantize_act(x_DT)
         if fmt.group_size is None:
             acc = (_int8_dot(q, xq) if backend == "cpu" else jax.lax.dot_general(
                 q, xq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32))
@@ -514,7 +213,8 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
     if lowering == "exact" or fmt.bits != 8 or fmt.group_size is not None:
         dtype = jnp.float32 if backend == "cpu" or lowering == "exact" else x_DT.dtype
         w = dequantize(fmt, q, scale, zero, dtype)
-        if backend == "cpu" and q.ndim == 2 and x_DT.shape[1] >= DEQUANTIZE_FIRST_COLUMNS:
+        wide = x_DT.shape[1] >= quant_cpu.DEQUANTIZE_FIRST_COLUMNS
+        if backend == "cpu" and q.ndim == 2 and wide:
             # Wide on XLA:CPU: the dequantization written out once,
             # then a plain f32 dot, instead of XLA's fused dequantize-in-the-dot
             # loop (2-7x slower than the dot; module docstring). Same values.
@@ -526,7 +226,7 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
     # CPU per-channel int8, weight-only: x = s1 q1 + s2 q2, one int8 dot of 2T columns.
     T = x_DT.shape[1]
     x = x_DT.astype(jnp.float32)
-    q1, s1 = _quantize_act(x)
+    q1, s1 = quantize_act(x)
     s2 = s1 / _SPLIT
     q2 = jnp.clip(jnp.round((x - s1 * q1.astype(jnp.float32)) / s2), -INT8_MAX,
                   INT8_MAX).astype(jnp.int8)
@@ -746,7 +446,7 @@ def _q4g_fused(ws, x_DT):
     parts, index = [], None
     for w in ws:
         if not (isinstance(w, QuantizedWeight) and w.lowering == "auto"
-                and _kernel_kind(w.fmt) == "q4g" and w.zero is not None):
+                and quant_cpu.kernel_kind(w.fmt) == "q4g" and w.zero is not None):
             return None
         q, s, z = (w.q.value, w.scale.value, w.zero.value)
         if not all(isinstance(a, StackedRead) for a in (q, s, z)):
@@ -754,7 +454,7 @@ def _q4g_fused(ws, x_DT):
         if index is None:
             index = q.index
         if any(a.index is not index for a in (q, s, z)) or q.stacked.ndim != 3 \
-                or not kernel_serves(w.fmt, s.stacked.shape[-2], x_DT):
+                or not quant_cpu.kernel_serves(w.fmt, s.stacked.shape[-2], x_DT):
             return None
         parts.append((q.stacked, s.stacked, z.stacked))
     if len({p[1].shape[-1] for p in parts}) != 1:  # one G

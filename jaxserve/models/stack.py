@@ -146,7 +146,7 @@ def run_layers(model: nnx.Module, body, x_DT, k_cache: KVPages, v_cache: KVPages
     parameters), ``window`` the layer's sliding window (None, a Python int,
     or an i32 scalar with ``NO_WINDOW`` for none), ``index`` the layer index
     (int or i32 scalar) and ``aux`` a per-layer array (an MoE layer's expert
-    load) or None. ``ropes`` is ``llama.layer_rope_tables``' (tables, index
+    load) or None. ``ropes`` is ``rope.layer_rope_tables``' (tables, index
     of each layer's table): the distinct RoPE (cos, sin) [T, H/2] tables.
 
     Returns:

@@ -36,7 +36,6 @@ unread, aborted (``StreamBackpressure``; the rule is in
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
@@ -48,49 +47,15 @@ import jax
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.multihost import MultihostError
-from jaxserve.engine.request import RequestOutput, SamplingParams
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server.backpressure import StreamGuard, StreamLimits
+from jaxserve.server.request_stream import (EngineError, QueueFullError, RequestStream,
+                                            ShuttingDownError, StreamAborted, StreamBackpressure,
+                                            StreamState)
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """The waiting queue holds ``max_waiting_requests`` already."""
-
-
-class EngineError(Exception):
-    """The engine failed while running this request."""
-
-
-class ShuttingDownError(Exception):
-    """The server stopped accepting requests."""
-
-
-class StreamAborted(Exception):
-    """``abort_all`` ended this stream (shutdown); the engine frees the
-    request before its next step."""
-
-
-class StreamBackpressure(StreamAborted):
-    """The stream's consumer stopped reading (``jaxserve.server.backpressure``):
-    its request was aborted and its queued outputs dropped."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Stream:
-    """The asyncio side of one request."""
-
-    engine_id: str
-    outputs: asyncio.Queue
-    cancel_step: int | None = None
-    done: bool = False
-    first_token_seen: bool = False
-    last_token_time: dict = dataclasses.field(default_factory=dict)  # choice -> monotonic s
-    label: str = ""  # the API's request id, for the log
-    unread_since: float | None = None  # monotonic s: output waits since (last read or put)
-    dropped: bool = False  # closed or aborted: outputs from the engine are discarded
-    paused: bool = False  # set aside in the engine until the consumer reads
 
 
 class AsyncEngine:
@@ -124,7 +89,7 @@ class AsyncEngine:
         self.metrics = metrics if metrics is not None else ServingMetrics()
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}  # engine id -> stream (engine thread's view)
+        self._streams: dict[str, StreamState] = {}  # engine id -> stream (engine thread's view)
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -138,7 +103,7 @@ class AsyncEngine:
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.num_steps = 0         # engine thread: steps run
         self.num_in_flight = 0     # asyncio thread: streams not yet finished
-        self._open: set[_Stream] = set()  # asyncio thread: those streams
+        self._open: set[StreamState] = set()  # asyncio thread: those streams
         self._adding: set[asyncio.Future] = set()  # asyncio thread: adds not yet applied
         self._watch: asyncio.Task | None = None
         self._guard = StreamGuard(self.stream_limits, self.metrics, self.abort,
@@ -149,8 +114,9 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit."""
         self._loop = asyncio.get_running_loop()
-        if self.engine.adapters is not None:  # the LoRA figures exist from the start
-            self.metrics.observe_lora(self.engine.adapters, self.max_loras)
+        lora = self.engine.lora_stats()
+        if lora is not None:  # the LoRA figures exist from the start
+            self.metrics.observe_lora(lora, self.max_loras)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
         if self.stream_limits.watched:
@@ -263,7 +229,7 @@ class AsyncEngine:
             self.metrics.lora_requests.labels(lora).inc()
         return stream
 
-    # ---- LoRA adapters: the registry is thread-safe (``engine.adapters``), so
+    # ---- LoRA adapters: the registry is thread-safe (``Engine.add_lora`` and the rest), so
     # these run on the asyncio thread or a worker thread, never the engine's.
 
     @property
@@ -274,14 +240,7 @@ class AsyncEngine:
 
     def lora_adapters(self) -> dict[str, str]:
         """Every registered adapter's name -> its PEFT folder ({} when off)."""
-        slots = self.engine.adapters
-        out = {}
-        for name in self.engine.list_loras():
-            try:
-                out[name] = slots.get(name).path
-            except KeyError:  # unloaded meanwhile
-                pass
-        return out
+        return self.engine.lora_paths()
 
     async def add_lora(self, name: str, path: str) -> None:
         """Register the PEFT folder ``path`` as adapter ``name``; the folder is
@@ -307,7 +266,7 @@ class AsyncEngine:
         thread; returns the request's stream (see ``generate``)."""
         self.check_queue(params)
         engine_id = f"s{next(self._ids)}"
-        stream = _Stream(engine_id, asyncio.Queue())
+        stream = StreamState(engine_id, asyncio.Queue())
         added = self._loop.create_future()
         self._submitted += params.n
         self._commands.put(("add", engine_id, params.n, add, stream, added))
@@ -321,7 +280,7 @@ class AsyncEngine:
             self._adding.discard(added)
         self.num_in_flight += 1
         self._open.add(stream)
-        return RequestStream(self, stream)
+        return RequestStream(self, stream, self._guard)
 
     async def call(self, fn: Callable[[Engine], object]):
         """``fn(engine)`` run on the engine thread between steps; returns its
@@ -331,23 +290,23 @@ class AsyncEngine:
         self._commands.put(("call", fn, fut))
         return await fut
 
-    def abort(self, stream: _Stream) -> None:
+    def abort(self, stream: StreamState) -> None:
         """Abort a stream's request in the engine before its next step
         (thread-safe; a finished request is left alone)."""
         stream.cancel_step = self.num_steps
         self._commands.put(("abort", stream))
 
-    def pause(self, stream: _Stream) -> None:
+    def pause(self, stream: StreamState) -> None:
         """Set a stream's request aside in the engine before its next step
         (``Engine.pause``; thread-safe)."""
         self._commands.put(("pause", stream))
 
-    def resume(self, stream: _Stream) -> None:
+    def resume(self, stream: StreamState) -> None:
         """Schedule a paused stream's request again (``Engine.resume``;
         thread-safe)."""
         self._commands.put(("resume", stream))
 
-    def close_stream(self, stream: _Stream) -> None:
+    def close_stream(self, stream: StreamState) -> None:
         """A stream its consumer closed (asyncio thread): no longer open."""
         self._open.discard(stream)
 
@@ -386,7 +345,7 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------
 
-    def _post(self, stream: _Stream, item) -> None:
+    def _post(self, stream: StreamState, item) -> None:
         self._loop.call_soon_threadsafe(self._guard.deliver, stream, item)
 
     def _drain(self, block: bool) -> None:
@@ -488,8 +447,9 @@ class AsyncEngine:
             self._engine_waiting = engine.num_waiting
             self._engine_running = engine.num_running
             self.metrics.observe_stats(engine.stats(), self._submitted - self._drained)
-            if engine.adapters is not None:
-                self.metrics.observe_lora(engine.adapters, self.max_loras)
+            lora = engine.lora_stats()
+            if lora is not None:
+                self.metrics.observe_lora(lora, self.max_loras)
 
     def _dispatch(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -520,56 +480,6 @@ class AsyncEngine:
         for s in streams:
             self.metrics.failed.inc()
             self._post(s, EngineError(f"engine step failed: {type(error).__name__}: {error}"))
-
-
-class RequestStream:
-    """Async iterator over one request's ``RequestOutput``s (from
-    ``AsyncEngine.generate``). ``aclose()`` ends it and aborts the request
-    if it has not finished; it is idempotent.
-
-    Raises (from iteration):
-      EngineError: the engine failed while running the request.
-      StreamAborted: ``abort_all`` ended it (shutdown).
-    """
-
-    def __init__(self, engine: AsyncEngine, stream: _Stream):
-        self._engine = engine
-        self._stream = stream
-        self._closed = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    @property
-    def engine_id(self) -> str:
-        """The request's id inside the engine (``Engine`` methods take it)."""
-        return self._stream.engine_id
-
-    def set_request_id(self, request_id: str) -> None:
-        """The API's request id, for the backpressure log line."""
-        self._stream.label = request_id
-
-    async def __anext__(self) -> RequestOutput:
-        if self._stream.done or self._closed:
-            raise StopAsyncIteration
-        item = await self._stream.outputs.get()
-        self._engine._guard.read(self._stream)
-        if isinstance(item, BaseException):
-            self._stream.done = True  # the engine dropped it (or abort_all will)
-            raise item
-        if item.finished:
-            self._stream.done = True
-        return item
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._engine.num_in_flight -= 1
-        self._engine.close_stream(self._stream)
-        self._engine._guard.drop(self._stream)  # what is queued or still comes is garbage
-        if not self._stream.done:
-            self._engine.abort(self._stream)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 class StreamGuard:
     """Applies ``StreamLimits`` to an ``AsyncEngine``'s streams; asyncio
-    thread only. A stream is the engine's ``_Stream``: ``outputs`` (its
+    thread only. A stream is a ``request_stream.StreamState``: ``outputs`` (its
     ``asyncio.Queue``), ``unread_since`` (monotonic s; None when nothing
     waits), ``paused``, ``dropped``, ``done``, ``label`` and ``engine_id``.
 

@@ -22,7 +22,8 @@ import dataclasses
 import logging
 from typing import Iterator
 
-from jaxserve.engine.request import RequestOutput, StructuredOutputsParams
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import StructuredOutputsParams
 from jaxserve.server import openai_protocol as oai
 from jaxserve.server import output_constraints as oc
 from jaxserve.server.frontend import chat_messages

@@ -42,9 +42,10 @@ from typing import AsyncIterator, Iterable, Sequence
 import jinja2
 
 from jaxserve.engine.adapters import UnknownAdapterError
-from jaxserve.engine.request import RequestOutput, SamplingParams, check_text
-from jaxserve.server.async_engine import (AsyncEngine, EngineError, QueueFullError,
-                                          RequestStream, StreamAborted)
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams, check_text
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.request_stream import EngineError, QueueFullError, RequestStream, StreamAborted
 from jaxserve.server.checks import InvalidRequest
 from jaxserve.server.tokenize_pool import TokenizerPool
 

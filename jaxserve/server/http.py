@@ -15,7 +15,8 @@ front ends share the queue, the prefix cache and the metrics:
   ``GET  /metrics``               the Prometheus registry of the metrics port
   ``POST /tokenize``, ``/detokenize``   vLLM's shapes
 
-This module holds the routes only: requests and responses follow OpenAI's
+This module holds the routes only (``/v1/models`` and ``/tokenize`` in
+``model_routes``, the adapters' in ``lora_routes``): requests and responses follow OpenAI's
 API with vLLM's extras, parsed and built by ``jaxserve.server.openai_protocol``
 (pydantic models, pure response builders); output constraints and tools by
 ``output_constraints``, ``chat_tools`` and ``tool_parsers`` (README
@@ -73,25 +74,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server_config import ServerConfig
 from jaxserve.engine.adapters import UnknownAdapterError
-from jaxserve.engine.request import RequestOutput, escape_text
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import escape_text
 from jaxserve.metrics import ServingMetrics
 from jaxserve.server import json_body
 from jaxserve.server import openai_protocol as oai
-from jaxserve.server.async_engine import (
-    AsyncEngine,
-    EngineError,
-    QueueFullError,
-    ShuttingDownError,
-    StreamAborted,
-)
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.request_stream import (EngineError, QueueFullError, ShuttingDownError,
+                                            StreamAborted)
 from jaxserve.server.auth import bearer_refusal
-from jaxserve.server.chat_tools import (chat_pairs, chat_tool_chunks, chat_tool_response,
+from jaxserve.server.chat_tools import (chat_tool_chunks, chat_tool_response,
                                         prepare_chat, request_constraint)
 from jaxserve.server.checks import MAX_REQUEST_ID_CHARS, InvalidRequest
-from jaxserve.server.frontend import Frontend, Job, chat_messages, start_job
+from jaxserve.server.frontend import Frontend, Job, start_job
 from jaxserve.server.lora_routes import LoRARoutes
+from jaxserve.server.model_routes import ModelRoutes
 from jaxserve.server.sse_events import sse_events
-from jaxserve.server.tool_parsers import plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +112,7 @@ class _Uvicorn(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-class OpenAIServer(LoRARoutes):
+class OpenAIServer(LoRARoutes, ModelRoutes):
     """The HTTP API over the front end the gRPC servicer shares.
 
     Args:
@@ -450,30 +448,7 @@ class OpenAIServer(LoRARoutes):
                             lambda idx: oai.chat_chunk(head, idx, {}, None, "abort"),
                             oai.chat_role_chunks(head, job.n))
 
-    # ---- the other routes -------------------------------------------------------
-
-    async def models(self, request: Request):
-        """``GET /v1/models``: the served model, then its LoRA adapters (vLLM's
-        cards: ``root`` the adapter's folder, ``parent`` the model)."""
-        self._auth(request)
-        engine = self._ready()
-        base = self.frontend.model_name
-        cards = [oai.model_card(base, self.created, engine.max_model_len)]
-        cards += [oai.model_card(name, self.created, engine.max_model_len, root=path,
-                                 parent=base)
-                  for name, path in sorted(engine.lora_adapters().items())]
-        return {"object": "list", "data": cards}
-
-    async def model(self, request: Request, model_id: str):
-        """``GET /v1/models/{id}``: the served model or an adapter's card, or
-        404 for another id."""
-        listing = await self.models(request)
-        for card in listing["data"]:
-            if card["id"] == model_id:
-                return card
-        with self._errors():
-            self.frontend.resolve_model(model_id)  # raises: 404 naming model
-        raise oai.APIError(404, f"The model `{model_id}` does not exist", "model")
+    # ---- health and metrics (the model's routes: ``model_routes``) ------------------
 
     async def health(self, request: Request):
         self._ready()
@@ -481,42 +456,6 @@ class OpenAIServer(LoRARoutes):
 
     async def prometheus(self, request: Request):
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    async def tokenize(self, request: Request):
-        """vLLM's ``/tokenize``: ``{prompt, add_special_tokens (default true)}``
-        or ``{messages, tools (optional)}`` -> ``{tokens, count, max_model_len}``."""
-        self._auth(request)
-        engine = self._ready()
-        body = await self._body(request)
-        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
-            raise oai.bad_request("the body needs exactly one of 'prompt' or 'messages'")
-        with self._errors():
-            if "prompt" in body:
-                prompt = body["prompt"]
-                special = body.get("add_special_tokens", True)
-                if not isinstance(prompt, str) or not isinstance(special, bool):
-                    raise oai.bad_request("prompt: must be a string (add_special_tokens a bool)",
-                                          "prompt")
-                ids = await self.frontend.text_ids(prompt, "prompt", special)
-            else:
-                req = oai.parse(oai.ChatCompletionRequest, {"messages": body["messages"],
-                                                            "tools": body.get("tools")})
-                plan = plan_tools(req.tools, None, None)
-                ids = await self.frontend.chat_ids(chat_messages(chat_pairs(req), "messages"),
-                                                   "messages", plan.tools if plan else None)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-
-    async def detokenize(self, request: Request):
-        """vLLM's ``/detokenize``: ``{tokens}`` -> ``{prompt}``."""
-        self._auth(request)
-        self._ready()
-        body = await self._body(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise oai.bad_request("tokens: must be a list of token ids", "tokens")
-        with self._errors():
-            return {"prompt": self.frontend.detokenize(tokens, "tokens",
-                                                       skip_special_tokens=False)}
 
 
 __all__ = ["OpenAIServer"]

@@ -38,8 +38,8 @@ from typing import Any, Iterator, Sequence
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.request import (Logprob, RequestOutput, SamplingParams,
-                                     StructuredOutputsParams, escape_text)
+from jaxserve.engine.request import Logprob, RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams, StructuredOutputsParams, escape_text
 
 # OpenAI's error "type" for each status jaxserve answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",

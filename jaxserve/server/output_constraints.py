@@ -28,7 +28,7 @@ import json
 import logging
 from typing import Any
 
-from jaxserve.engine.request import StructuredOutputsParams
+from jaxserve.engine.sampling_params import StructuredOutputsParams
 from jaxserve.server.checks import InvalidRequest
 
 log = logging.getLogger(__name__)

@@ -29,16 +29,13 @@ from concurrent.futures.process import BrokenProcessPool
 import grpc
 
 from jaxserve.engine.adapters import UnknownAdapterError
-from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams, escape_text
+from jaxserve.engine.request import RequestOutput
+from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, escape_text
 from jaxserve.server import jaxserve_pb2 as pb
 from jaxserve.server import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.server.async_engine import (
-    AsyncEngine,
-    EngineError,
-    QueueFullError,
-    ShuttingDownError,
-    StreamAborted,
-)
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.request_stream import (EngineError, QueueFullError, ShuttingDownError,
+                                            StreamAborted)
 from jaxserve.server.checks import (
     CumulativeChoice,
     InvalidRequest,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from jaxserve.engine.request import RequestOutput
 from jaxserve.server import openai_protocol as oai
-from jaxserve.server.async_engine import EngineError, StreamAborted
+from jaxserve.server.request_stream import EngineError, StreamAborted
 from jaxserve.server.frontend import Job
 
 

@@ -1,0 +1,240 @@
+"""The weight formats of ``--quantization`` as numpy definitions:
+``TensorFormat`` (how one weight is stored), the format each method gives a
+projection and the LM head, ``QuantizedTensor`` and ``quantize_np`` (the
+quantization itself) and ``reference_linear`` (the f64 matmul every lowering
+is tested against). ``jaxserve.models.quant`` holds the JAX side (the
+module, the matmul forms per backend) and its docstring the formats' table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import QUANTIZATION_METHODS
+
+INT8_MAX = 127
+# Grouped formats keep their scales and zero points in f16 (as ggml does:
+# Q4_1 is then 5 bits per weight, 0.156x f32); per-channel scales stay f32.
+GROUP_SCALE_DTYPE = np.float16
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFormat:
+    """How one weight is stored.
+
+    Attributes:
+      bits: 8 (int8 ``q``), 4 (uint4, two per uint8 byte) or 0 (dense f32, no
+        quantization: ``gguf`` tensors of other types).
+      group_size: input elements per scale; None: the whole input dim (one
+        scale per output channel).
+      zero_point: the format stores ``zero`` (asymmetric).
+      act_int8: activations are quantized per token to int8 (``w8a8``).
+    """
+
+    bits: int
+    group_size: int | None = None
+    zero_point: bool = False
+    act_int8: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (0, 4, 8):
+            raise ValueError(f"TensorFormat.bits must be 0, 4 or 8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"TensorFormat.group_size must be >= 1, got {self.group_size}")
+        if self.bits == 4 and self.group_size is not None and self.group_size % 2:
+            raise ValueError(f"int4 groups hold whole bytes: group_size must be even, "
+                             f"got {self.group_size}")
+
+    def groups(self, in_dim: int) -> int:
+        """G, the scales per output channel for an input dim of ``in_dim``."""
+        return 1 if self.group_size is None else in_dim // self.group_size
+
+
+DENSE = TensorFormat(bits=0)
+INT8 = TensorFormat(bits=8)
+W8A8 = TensorFormat(bits=8, act_int8=True)
+Q8_0 = TensorFormat(bits=8, group_size=32)
+Q4 = TensorFormat(bits=4, group_size=32, zero_point=True)  # Q4_0 and Q4_1 alike
+
+
+def head_format(fmt: TensorFormat | None) -> TensorFormat | None:
+    """The LM head's format under a method whose projections take ``fmt``:
+    weight-only ``int8`` and ``int4`` keep the head in Q8_0-style groups of 32
+    (int8, one f16 scale per group), as llama.cpp keeps ``output.weight`` at 8
+    bits: on SmolLM2 a 4-bit head cost +5.6% PPL and a per-channel int8 head
+    +0.12% on top of int8's projections (``benchmarks/quant/eval_head``);
+    ``w8a8`` keeps its own (per channel, int8 activations); ``gguf`` heads
+    keep the file's blocks."""
+    if fmt is not None and not fmt.act_int8 and fmt.bits in (4, 8) and fmt != Q8_0:
+        return Q8_0
+    return fmt
+
+
+def method_format(method: str, group_size: int = 32) -> TensorFormat | None:
+    """The ``TensorFormat`` every quantized projection gets under ``method``;
+    None for ``"none"``; for ``"gguf"`` a placeholder (each tensor then takes
+    its file's format when it loads).
+
+    Raises:
+      ValueError: an unknown method, or a bad group size.
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                         f"got {method!r}")
+    if method == "none":
+        return None
+    if method == "int4":
+        return TensorFormat(bits=4, group_size=group_size, zero_point=True)
+    return {"int8": INT8, "w8a8": W8A8, "gguf": Q4}[method]
+
+
+def check_shapes(method: str, group_size: int, shapes) -> None:
+    """Check, before any weight loads, that ``method`` can hold every
+    projection of ``shapes`` (``[..., out, in]`` tuples).
+
+    Raises:
+      ValueError: ``int4`` with a group size that does not divide an input dim
+        (names the dim and the size), or an odd input dim for int4.
+    """
+    fmt = method_format(method, group_size)
+    if fmt is None or fmt.bits != 4 or method == "gguf":
+        return
+    for shape in shapes:
+        if shape[-1] % group_size:
+            raise ValueError(f"int4 quantization_group_size={group_size} does not divide the "
+                             f"input dim {shape[-1]} of a {tuple(shape)} weight; pick a group "
+                             f"size that divides every input dim (e.g. 32)")
+
+
+@dataclasses.dataclass
+class QuantizedTensor:
+    """A quantized weight on the host (numpy arrays), or read back from device.
+
+    Attributes:
+      fmt: its ``TensorFormat``.
+      shape: the logical weight shape ``[..., F, D]`` (HF's ``[out, in]``).
+      q: int8 ``[..., F, D]`` (bits 8), uint8 ``[..., F, D/2]`` (bits 4) or
+        f32 ``[..., F, D]`` (bits 0, the dense weight itself).
+      scale: ``[..., F, G]``, f32 per channel (G = 1), f16 when grouped
+        (``GROUP_SCALE_DTYPE``); None for bits 0.
+      zero: ``[..., F, G]`` f16, or None.
+    """
+
+    fmt: TensorFormat
+    shape: tuple[int, ...]
+    q: np.ndarray
+    scale: np.ndarray | None
+    zero: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.zero) if a is not None)
+
+    def dequantize(self) -> np.ndarray:
+        """f32 ``[..., F, D]`` values: ``scale * q + zero`` per group, in that
+        f32 order (bit-equal to ``gguf.quants.dequantize`` for Q8_0/Q4_0/Q4_1)."""
+        if self.fmt.bits == 0:
+            return np.asarray(self.q, np.float32)
+        q = unpack_int4_np(self.q) if self.fmt.bits == 4 else self.q
+        *lead, F, D = self.shape
+        G = self.scale.shape[-1]
+        qg = q.reshape(*lead, F, G, D // G).astype(np.float32)
+        w = self.scale[..., None].astype(np.float32) * qg
+        if self.zero is not None:
+            w = w + self.zero[..., None].astype(np.float32)
+        return w.reshape(self.shape)
+
+
+def pack_int4_np(q: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., D/2]`` of uint4 values ``q`` ``[..., D]`` in [0, 15]
+    (input 2j in the low nibble of byte j, 2j + 1 in the high one)."""
+    q = np.asarray(q, np.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4_np(p: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., 2 * n]`` values in [0, 15] of packed bytes ``p`` ``[..., n]``."""
+    return np.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+
+
+def quantize_np(w: np.ndarray, fmt: TensorFormat) -> QuantizedTensor:
+    """Quantize a float weight ``w`` ``[..., F, D]`` to ``fmt`` (round to nearest).
+
+    * bits 8 (symmetric): ``scale = amax / 127`` per group (1 where the group
+      is all zero), ``q = clip(round(w / scale), -127, 127)``.
+    * bits 4 (asymmetric, as ggml's Q4_1): ``zero = min``, ``scale = (max -
+      min) / 15`` (1 where max == min), ``q = clip(round((w - zero) / scale), 0, 15)``.
+    * bits 0: the weight as f32.
+
+    Grouped scales and zeros are rounded to f16 first and q is computed from
+    the rounded values (so ``dequantize`` is what was meant).
+
+    Raises:
+      ValueError: the group size does not divide D, int4 with an odd D, or a
+        group scale beyond f16's range.
+    """
+    w = np.asarray(w, np.float32)
+    *lead, F, D = w.shape
+    if fmt.bits == 0:
+        return QuantizedTensor(fmt, w.shape, w.copy(), None)
+    g = D if fmt.group_size is None else fmt.group_size
+    if D % g or (fmt.bits == 4 and D % 2):
+        raise ValueError(f"group size {g} does not divide the input dim {D} of a "
+                         f"{tuple(w.shape)} weight" + (" (int4 also needs an even dim)"
+                                                       if fmt.bits == 4 else ""))
+    wg = w.reshape(*lead, F, D // g, g)
+    sdt = np.float32 if fmt.group_size is None else GROUP_SCALE_DTYPE
+
+    def stored(a):
+        out = a.astype(sdt)
+        if not np.all(np.isfinite(out)):
+            raise ValueError(f"a group scale of a {tuple(w.shape)} weight is beyond "
+                             f"{np.dtype(sdt).name}'s range (|w| up to {np.abs(w).max():.3g})")
+        return out
+    if fmt.bits == 8:
+        scale = np.abs(wg).max(axis=-1) / INT8_MAX
+        scale = stored(np.where(scale > 0, scale, 1.0))
+        q = np.clip(np.rint(wg / scale[..., None].astype(np.float32)), -INT8_MAX,
+                    INT8_MAX).astype(np.int8)
+        return QuantizedTensor(fmt, w.shape, q.reshape(w.shape), scale)
+    lo, hi = wg.min(axis=-1), wg.max(axis=-1)
+    scale = stored(np.where(hi > lo, (hi - lo) / 15, 1.0))
+    zero = stored(lo)
+    q = np.clip(np.rint((wg - zero[..., None].astype(np.float32))
+                        / scale[..., None].astype(np.float32)), 0, 15).astype(np.uint8)
+    return QuantizedTensor(fmt, w.shape, pack_int4_np(q.reshape(w.shape)), scale, zero)
+
+
+def quantize_act_np(x_DT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token symmetric int8 of feature-major activations: (q i8[D, T],
+    scale f32[T]) with ``x ~= scale * q`` (the w8a8 definition)."""
+    amax = np.abs(x_DT).max(axis=0)
+    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    q = np.clip(np.rint(x_DT / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale
+
+
+def quantize_act(x_DT):
+    """Per-token (column) symmetric int8 of activations x [D, T] under jit:
+    (q i8[D, T], scale f32[1, T]); ``quantize_act_np``'s definition in jnp."""
+    x = x_DT.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=0, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def reference_linear(qt: QuantizedTensor, x_DT: np.ndarray) -> np.ndarray:
+    """The numpy (f64) reference of a format's definition: ``W x`` with W the
+    dequantized weight [F, D] and, for ``act_int8``, x replaced by its
+    per-token int8 quantization; f64 [F, T]."""
+    x = np.asarray(x_DT, np.float64)
+    if qt.fmt.act_int8:
+        q, s = quantize_act_np(np.asarray(x_DT, np.float32))
+        x = q.astype(np.float64) * s.astype(np.float64)
+    return qt.dequantize().astype(np.float64) @ x
+
+
+# ---- device side ---------------------------------------------------------
