@@ -260,19 +260,51 @@ def pytest_sessionstart(session):
     session.config._jaxserve_start = (time.monotonic(), compile_cache.counts())
 
 
+# Under pytest-xdist: each worker's ([ProgramCounts' numeric fields], peak mappings).
+_worker_figures: list = []
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its compile bill to the controller
+    (``workeroutput``), which builds no program itself."""
+    out, start = getattr(session.config, "workeroutput", None), \
+        getattr(session.config, "_jaxserve_start", None)
+    if out is not None and start is not None:
+        from jaxserve.engine import compile_cache
+        c = compile_cache.counts() - start[1]
+        out["jaxserve_compile"] = [c.programs, c.loaded, c.written, c.compile_s, c.load_s,
+                                   c.trace_s, c.lower_s]
+        out["jaxserve_mappings"] = _peak_mappings[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: keep a finished worker's compile bill."""
+    got = getattr(node, "workeroutput", {}).get("jaxserve_compile")
+    if got is not None:
+        _worker_figures.append((got, node.workeroutput.get("jaxserve_mappings", 0)))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The suite's wall time and the XLA programs its in-process engines built
     (compiled, or loaded from the persistent cache; subprocess servers are
-    not counted), with the seconds XLA spent compiling them."""
+    not counted), with the seconds XLA spent compiling them; under
+    pytest-xdist, summed over the workers (the peak mappings: the most of any
+    one worker)."""
     start = getattr(config, "_jaxserve_start", None)
     if start is None:
         return
     from jaxserve.engine import compile_cache
     t0, c0 = start
-    c = compile_cache.counts() - c0
+    if _worker_figures:
+        c = compile_cache.ProgramCounts(*map(sum, zip(*(w for w, _ in _worker_figures))))
+        peak = max(m for _, m in _worker_figures)
+        where = f"in {len(_worker_figures)} pytest-xdist workers"
+    else:
+        c, peak, where = compile_cache.counts() - c0, _peak_mappings[0], "in this process"
     terminalreporter.write_line(
-        f"jaxserve suite: {time.monotonic() - t0:.0f} s wall; XLA programs built in this "
-        f"process: {c.programs} ({c.loaded} loaded from the persistent cache, {c.compiled} "
+        f"jaxserve suite: {time.monotonic() - t0:.0f} s wall; XLA programs built {where}: "
+        f"{c.programs} ({c.loaded} loaded from the persistent cache, {c.compiled} "
         f"compiled in {c.compile_s:.0f} s; tracing {c.trace_s:.0f} s, lowering "
-        f"{c.lower_s:.0f} s); at most {_peak_mappings[0]:,} memory mappings after a test"
+        f"{c.lower_s:.0f} s); at most {peak:,} memory mappings after a test"
         f" (the kernel's limit: vm.max_map_count)")

@@ -169,9 +169,7 @@ def f32_matmul(w_FD, x_DM, layer=None, isa: int = -1, threads: int = 0,
 def _dequant(name, F, D, *args, layer, isa, threads):
     if not has_target(f"jaxserve_qmm_{name}"):
         raise RuntimeError(f"quant_matmul_cpu: no {name} target in the kernel library")
-    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    return jax.ffi.ffi_call(f"jaxserve_qmm_{name}", jax.ShapeDtypeStruct((F, D), jnp.float32))(
-        *args, layer.reshape(()), isa=np.int32(isa), threads=np.int32(threads))
+    return _call(name, F, D, *args, layer=layer, isa=isa, threads=threads)  # f32 [F, D]
 
 
 def q4g_dequantize(p_FD2, scale_FG, zero_FG, layer=None, isa: int = -1, threads: int = 0):
