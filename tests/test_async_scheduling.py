@@ -50,13 +50,13 @@ def small_llm(tiny_parts):
 
 def set_async(engine, on: bool) -> None:
     engine.config = dataclasses.replace(engine.config, async_scheduling=on)
-    engine.allocator.reset_prefix_cache()
+    engine.reset_prefix_cache()
 
 
 def assert_idle(engine) -> None:
     """No page leaked, nothing running, waiting or in flight."""
     assert engine.num_free_pages == engine.num_pages
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.num_running == 0 and engine.num_waiting == 0
     assert not engine.has_unfinished_requests() and not engine._groups
 
 

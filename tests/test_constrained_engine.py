@@ -132,7 +132,7 @@ def tokens(outs):
 
 def assert_idle(engine):
     assert engine.num_free_pages == engine.num_pages
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.num_running == 0 and engine.num_waiting == 0
     assert not engine.has_unfinished_requests()
 
 
@@ -149,7 +149,7 @@ def llm(tiny_parts):
 def set_async(llm, on):
     e = llm.engine
     e.config = dataclasses.replace(e.config, async_scheduling=on)
-    e.allocator.reset_prefix_cache()
+    e.reset_prefix_cache()
 
 
 def test_greedy_under_a_mask_is_the_argmax_over_allowed_ids(llm):

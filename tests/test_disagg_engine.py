@@ -48,7 +48,7 @@ def test_handoff_equals_colocated_and_frees_every_page(make_tiny_llm, kv_cache_d
     pre = make_tiny_llm(kv_cache_dtype=kv_cache_dtype).engine
     dec = make_tiny_llm(kv_cache_dtype=kv_cache_dtype).engine
     first = _prefill(pre, prompts)
-    assert pre.num_held_kv == 4 and pre.allocator.num_free_pages < pre.allocator.num_pages
+    assert pre.num_held_kv == 4 and pre.num_free_pages < pre.num_pages
     for i, p in enumerate(prompts):
         kv = pre.export_kv(f"p{i}")
         assert [k.pages_PLKH.shape[1] for k, _ in kv] == \
@@ -58,13 +58,13 @@ def test_handoff_equals_colocated_and_frees_every_page(make_tiny_llm, kv_cache_d
         dec.add_prefilled(f"d{i}", p, GREEDY, first[f"p{i}"], kv, transfer_ms=1.0,
                           transfer_bytes=123)
     assert pre.num_held_kv == 0
-    assert pre.allocator.num_free_pages == pre.allocator.num_pages
+    assert pre.num_free_pages == pre.num_pages
     done = _drain(dec)
     assert [done[f"d{i}"].outputs[0].token_ids for i in range(4)] == want
     m = done["d2"].metrics
     assert (m.disagg_route, m.kv_transfer_ms, m.kv_transfer_bytes) == ("handoff", 1.0, 123)
     assert m.ttft_ms is not None and m.num_output_tokens == 10
-    assert dec.allocator.num_free_pages == dec.allocator.num_pages
+    assert dec.num_free_pages == dec.num_pages
 
 
 def test_cached_prefix_pages_are_skipped_and_refusals_change_nothing(make_tiny_llm):
@@ -85,14 +85,14 @@ def test_cached_prefix_pages_are_skipped_and_refusals_change_nothing(make_tiny_l
     kv = pre.export_kv("p0", skip)
     assert sum(k.pages_PLKH.shape[1] for k, _ in kv) == 8 - 6
 
-    free = dec.allocator.num_free_pages
+    free = dec.num_free_pages
     with pytest.raises(KVHandoffError, match="bad_kv") as e:
         dec.add_prefilled("bad", prompt, GREEDY, first["p0"], kv, skip_pages=0)
     assert e.value.reason == "bad_kv"
     with pytest.raises(KVHandoffError) as e:  # a prefix this engine never cached
         dec.add_prefilled("evicted", [9] * 48 + prompt[48:], GREEDY, first["p0"], kv, skip)
     assert e.value.reason == "evicted"
-    assert dec.allocator.num_free_pages == free and not dec.get_sequences("bad")
+    assert dec.num_free_pages == free and not dec.get_sequences("bad")
 
     dec.add_prefilled("d", prompt, GREEDY, first["p0"], kv, skip)
     out = _drain(dec)["d"]
@@ -102,7 +102,7 @@ def test_cached_prefix_pages_are_skipped_and_refusals_change_nothing(make_tiny_l
     small = make_tiny_llm(num_pages=8).engine  # a running sequence holds 6 of its 8 pages
     small.add_request("busy", [3] * 41, SamplingParams(max_tokens=5, ignore_eos=True))
     small.step()
-    free = small.allocator.num_free_pages
+    free = small.num_free_pages
     assert free == 2
     pre2 = make_tiny_llm().engine
     first = _prefill(pre2, [prompt[:30]])
@@ -110,9 +110,9 @@ def test_cached_prefix_pages_are_skipped_and_refusals_change_nothing(make_tiny_l
         small.add_prefilled("big", prompt[:30], SamplingParams(max_tokens=1),
                             first["p0"], pre2.export_kv("p0"))
     assert e.value.reason == "no_pages"
-    assert small.allocator.num_free_pages == free and not small.get_sequences("big")
+    assert small.num_free_pages == free and not small.get_sequences("big")
     _drain(small)
-    assert small.allocator.num_free_pages == 8
+    assert small.num_free_pages == 8
 
 
 def test_held_pages_are_released_aborted_or_refused(make_tiny_llm):
@@ -133,10 +133,10 @@ def test_held_pages_are_released_aborted_or_refused(make_tiny_llm):
     chunked = make_tiny_llm(max_num_batched_tokens=16).engine  # a prefill of 3 chunks
     chunked.add_request("a", [4] * 40, SamplingParams(max_tokens=1), hold_kv=True)
     chunked.step()
-    assert chunked.allocator.num_free_pages < total
+    assert chunked.num_free_pages < total
     chunked.abort("a")
     _drain(chunked)
-    assert chunked.num_held_kv == 0 and chunked.allocator.num_free_pages == total
+    assert chunked.num_held_kv == 0 and chunked.num_free_pages == total
     # Once it has finished, an abort leaves the held pages to release_kv (or the lease).
     _prefill(eng, [[4] * 40])
     eng.abort("p0")

@@ -224,10 +224,10 @@ def test_engine_sizes_the_cache_by_its_bytes(make_tiny_llm):
     f32 = make_tiny_llm(num_pages=None, kv_cache_memory_bytes=1 << 20).engine
     i8 = make_tiny_llm(num_pages=None, kv_cache_memory_bytes=1 << 20, kv_cache_dtype="int8").engine
     cfg = f32.model_config
-    assert f32.allocator.num_pages == (1 << 20) // ModelRunner.kv_bytes_per_page(cfg, 8, "float32")
-    assert i8.allocator.num_pages == (1 << 20) // ModelRunner.kv_bytes_per_page(cfg, 8, "int8")
+    assert f32.num_pages == (1 << 20) // ModelRunner.kv_bytes_per_page(cfg, 8, "float32")
+    assert i8.num_pages == (1 << 20) // ModelRunner.kv_bytes_per_page(cfg, 8, "int8")
     H = cfg.head_dim
-    assert i8.allocator.num_pages // f32.allocator.num_pages == (4 * H) // (H + 4)
+    assert i8.num_pages // f32.num_pages == (4 * H) // (H + 4)
     cache = i8.runner.k_cache[0]
     assert isinstance(cache, KVPages) and cache.dtype == jnp.int8
     assert cache.scales_PLK.shape == cache.shape[:3] and cache.scales_PLK.dtype == jnp.float32

@@ -49,7 +49,7 @@ def user_turn(tok, question):
 def test_shared_prefix_cold_warm_exact(llm, smollm2_ckpt, smollm2_hf, system_prefix):
     tok = smollm2_ckpt.tokenizer
     engine = llm.engine
-    engine.allocator.reset_prefix_cache()
+    engine.reset_prefix_cache()
     qs = ["Which item is number 3?", "What were the tools used for?", "Say hello."]
     prompts = [system_prefix + user_turn(tok, q) for q in qs]
     cold = llm.generate(prompts, greedy(12))
@@ -66,7 +66,7 @@ def test_shared_prefix_cold_warm_exact(llm, smollm2_ckpt, smollm2_hf, system_pre
     # New questions after the same 500-token system prefix: 31 full pages hit.
     more = [system_prefix + user_turn(tok, q) for q in ("Where is site 4?", "List two items.")]
     hits = llm.generate(more, greedy(12))
-    engine.allocator.reset_prefix_cache()
+    engine.reset_prefix_cache()
     fresh = llm.generate(more, greedy(12))
     for h, f in zip(hits, fresh):
         assert h.metrics.num_cached_tokens == 496 and f.metrics.num_cached_tokens == 0

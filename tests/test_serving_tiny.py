@@ -42,7 +42,7 @@ def assert_all_pages_free(engine):
     a = engine.allocator
     assert a.num_free_pages == a.num_pages, (a.num_free_pages, a.num_pages)
     assert not any(a._ref), "a page still holds a reference"
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.num_running == 0 and engine.num_waiting == 0
 
 
 # ---- 1. chunked prefill -------------------------------------------------------

@@ -92,7 +92,7 @@ def tokens(outs):
 
 def assert_idle(engine):
     assert engine.num_free_pages == engine.num_pages
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.num_running == 0 and engine.num_waiting == 0
     assert not engine.has_unfinished_requests()
 
 
