@@ -21,7 +21,8 @@ into the cache). A test taking one of them gets its mark from the fixture
 (``tiers.FIXTURE_MARKS``), so it cannot leak into the fast tier.
 
 The CPU backend is given 8 devices (before jax is imported) so sharding tests
-can build meshes; everything else runs on the first device as before.
+can build meshes; everything else runs on the first device as before. The CPU
+kernel's column limits are the built-in table (``JAXSERVE_KERNEL_WIDTHS=builtin``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ import os
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
+
+# The CPU kernel's built-in column limits, not this machine's measurement
+# (jaxserve.engine.kernel_widths): the same programs on every run and worker, and
+# no 10-20 s measurement per kernel kind in a fresh cache. test_kernel_widths.py
+# measures on purpose, and CLI subprocesses inherit this.
+os.environ.setdefault("JAXSERVE_KERNEL_WIDTHS", "builtin")
 
 import gc
 import time

@@ -10,8 +10,9 @@ its config alone before its weights are read
 here instead), which yields the engine's final config (an Orbax
 checkpoint's own quantization); the architecture, the sharding rules and the
 attention path (the Pallas kernel's start-up self-check, with a fallback
-to XLA: ``attention_check``); the model; the draft model; the KV pages from
-the memory budget; the scheduler, the runner and the speculator.
+to XLA: ``attention_check``); the model; the draft model; on one CPU device,
+the CPU kernel's column limits for their weight kinds (``kernel_widths``:
+this machine's, measured once); the KV pages from the memory budget; the scheduler, the runner and the speculator.
 
 ``build_model`` builds the target from its loaded checkpoint and
 ``load_draft`` the draft model of speculative decoding
@@ -37,7 +38,8 @@ from checkpoints.loader import EngineLoad, check_quantization, load_for_engine, 
 from checkpoints.orbax_ckpt import restore_for_model
 from jaxserve import models
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import attention_check, compile_cache, format_choice, multihost, shapes
+from jaxserve.engine import (attention_check, compile_cache, format_choice, kernel_widths, multihost,
+                             shapes)
 from jaxserve.engine.attention_check import AttentionCheck
 from jaxserve.engine.page_table import PageAllocator
 from jaxserve.engine.runner import ModelRunner
@@ -205,6 +207,13 @@ def _assemble(loaded: EngineLoad, quantization_checked: bool, mesh, draft_parts:
         draft = load_draft(config, model_config, model, loaded.params, loaded.orbax_dir, impl,
                            mesh, model_config=draft_parts.get("model_config"),
                            params_override=draft_parts.get("params"))
+    # Before any program traces: the CPU kernel's column limits for the kinds these
+    # weights use, this machine's (measured once, cached; kernel_widths).
+    if mesh.size == 1:
+        kernel_widths.resolve(model, model_config, config.quantization, config.dtype)
+        if draft is not None:
+            kernel_widths.resolve(draft[0], draft_config or model_config,
+                                  config.speculative.draft_quantization, config.dtype)
     max_model_len = sc.max_model_len or model_config.max_position_embeddings
     allocator = PageAllocator(num_pages, cache.page_size, cache.enable_prefix_caching)
     scheduler = Scheduler(sc, allocator, max_model_len)

@@ -10,8 +10,10 @@ argument/result pytree structures) under a key computed without tracing:
 
 * a **fingerprint** of everything that shapes the programs: the source of
   ``jaxserve``, ``pallas_kernels`` and ``sharding``; whether the CPU kernel
-  library is in use and its bytes (``kernel_digest``: its programs call it,
-  and ``JAXSERVE_CPU_KERNELS=0`` builds others); jax and jaxlib versions,
+  library is in use, its bytes and the widths it serves (``kernel_digest``:
+  its programs call it, and ``JAXSERVE_CPU_KERNELS=0`` or other column
+  limits build others); XLA's int8 form past the kernel
+  (``quant_cpu.int8_wide_form``); jax and jaxlib versions,
   ``XLA_FLAGS`` and the x64 / matmul-precision settings; the backend, its
   devices and the mesh; and what the caller adds (the runner's model
   graph, parameter and cache shapes, dtypes and shardings, limits);
@@ -79,12 +81,15 @@ def _file_digest(path: str, mtime_ns: int) -> str:
 
 def kernel_digest() -> str:
     """``"xla"`` when the CPU kernel library is not in use (not built, not
-    loadable, or ``JAXSERVE_CPU_KERNELS=0``), else a digest of its bytes."""
+    loadable, or ``JAXSERVE_CPU_KERNELS=0``), else a digest of its bytes and
+    the process's column limits (``quant_matmul_cpu.max_columns``: which
+    widths call it, ``kernel_widths``)."""
     from pallas_kernels import quant_matmul_cpu
     path = quant_matmul_cpu.library_path()
     if path is None or not quant_matmul_cpu.available():
         return "xla"
-    return _file_digest(path, os.stat(path).st_mtime_ns)
+    limits = sorted(quant_matmul_cpu.max_columns().items())
+    return f"{_file_digest(path, os.stat(path).st_mtime_ns)} {limits}"
 
 
 def fingerprint(*parts) -> str:
@@ -92,8 +97,11 @@ def fingerprint(*parts) -> str:
     program-shaping state (``source_digest``, versions, flags, devices)."""
     import jax
     import jaxlib
+
+    from jaxserve.models import quant_cpu
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
-    env = (source_digest(), kernel_digest(), jax.__version__, jaxlib.__version__,
+    env = (source_digest(), kernel_digest(), quant_cpu.int8_wide_form(), jax.__version__,
+           jaxlib.__version__,
            os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64,
            str(jax.config.jax_default_matmul_precision), jax.default_backend(), devices)
     return hashlib.sha256(repr((env, parts)).encode()).hexdigest()[:32]

@@ -130,10 +130,14 @@ def _candidates(config: EngineConfig):
     return ("none", "gguf"), fmt, ""
 
 
-def _time_format(fmt, shapes, layers: int, head: tuple[int, int], reps: int = 3) -> dict:
-    """ms per pass over ``layers`` copies of every projection in ``shapes``
-    (a ``lax.scan`` over stacked copies, as the model runs its layers) plus
-    the LM head, at each of ``COLUMNS``; ``fmt`` None is dense f32."""
+def projection_pass(fmt, shapes, layers: int, head: tuple[int, int] | None, M: int):
+    """A function that runs one pass over ``layers`` copies of every
+    projection in ``shapes`` (a ``lax.scan`` over stacked copies, as the model
+    runs its layers) plus the LM head ``head`` [V, D] (None: none) at M
+    activation columns, and returns its ms; ``fmt`` None is dense f32. Random
+    weights (seed 0). The program is traced, compiled and run once before
+    this returns, so it keeps the forms (``quant_matmul_cpu.max_columns``)
+    in force now."""
     from jaxserve.models import quant
     rng = np.random.default_rng(0)
 
@@ -145,7 +149,9 @@ def _time_format(fmt, shapes, layers: int, head: tuple[int, int], reps: int = 3)
                                                          else a) for a in parts)
 
     stack = [stored(s, layers) for s in shapes]
-    head_w = stored(head, 0)
+    head_w = None if head is None else stored(head, 0)
+    xs = {d: jnp.asarray(rng.standard_normal((d, M), dtype=np.float32))
+          for d in {s[-1] for s in shapes + ([head] if head else [])}}
 
     def linear(w, x_DT):
         return quant.matmul_parts(fmt, w, x_DT)
@@ -158,28 +164,65 @@ def _time_format(fmt, shapes, layers: int, head: tuple[int, int], reps: int = 3)
             ws = [tuple(None if a is None else quant.StackedRead(a, i) for a in w) for w in stack]
             return acc + sum(linear(w, xs[s[-1]]).sum() for w, s in zip(ws, shapes)), None
         acc, _ = jax.lax.scan(layer, jnp.zeros((), jnp.float32), jnp.arange(layers))
-        return acc + linear(head_w, xs[head[1]]).sum()
+        return acc if head_w is None else acc + linear(head_w, xs[head[1]]).sum()
 
-    out = {}
-    for M in COLUMNS:
-        xs = {d: jnp.asarray(rng.standard_normal((d, M), dtype=np.float32))
-              for d in {s[-1] for s in shapes + [head]}}
+    run(stack, head_w, xs).block_until_ready()
+
+    def one_pass() -> float:
+        t = time.perf_counter()
         run(stack, head_w, xs).block_until_ready()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            run(stack, head_w, xs).block_until_ready()
-            times.append(time.perf_counter() - t)
-        out[M] = 1e3 * statistics.median(times)
+        return 1e3 * (time.perf_counter() - t)
+    return one_pass
+
+
+def time_projections(fmt, shapes, layers: int, head: tuple[int, int] | None, reps: int = 3,
+                     columns: tuple[int, ...] = COLUMNS) -> dict:
+    """{M: ms} per pass (``projection_pass``) at each of ``columns``: the
+    median of ``reps`` timed passes after an untimed one."""
+    out = {}
+    for M in columns:
+        one_pass = projection_pass(fmt, shapes, layers, head, M)
+        out[M] = statistics.median(one_pass() for _ in range(reps))
     return out
 
 
-def _cache_path() -> pathlib.Path:
+def layer_shapes(model_config: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of one layer's seven dense projections: q, k, v, o, gate, up,
+    down (an MoE model's experts left out: the kernels do not serve them)."""
+    from checkpoints.loader import projection_shapes
+    shapes = projection_shapes(model_config)[:5]  # q, k(=v), o, gate(=up), down
+    return shapes[:2] + shapes[1:4] + shapes[3:]  # v and up counted again
+
+
+def cache_path() -> pathlib.Path:
+    """``$JAXSERVE_CACHE/format_choice.json`` (default ``~/.cache/jaxserve``)."""
     root = os.environ.get("JAXSERVE_CACHE") or os.path.expanduser("~/.cache/jaxserve")
     return pathlib.Path(root) / CACHE_FILE
 
 
-def _kernel_tag() -> str:
+def read_cache(path: pathlib.Path) -> dict:
+    """A per-machine JSON cache file's entries; {} when absent or unreadable."""
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache(path: pathlib.Path, cache: dict) -> None:
+    """Write ``cache`` to ``path`` atomically (a temporary name, then
+    ``os.replace``: processes sharing the folder see whole files); a failure
+    is logged, not raised."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not write %s: %s", path, e)
+
+
+def kernel_tag() -> str:
+    """"kernel" where the CPU kernel library is built and loaded, else "xla"."""
     try:
         from pallas_kernels.quant_matmul_cpu import ffi
         return "kernel" if ffi.available() else "xla"
@@ -201,10 +244,8 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
       ValueError, RuntimeError: as ``checkpoints.fetch.resolve_model`` for a
         model that cannot be found or fetched.
     """
-    from checkpoints.loader import projection_shapes
     cands, gguf_fmt, why = _candidates(config)
-    shapes = projection_shapes(model_config)[:5]  # q, k(=v), o, gate(=up), down
-    shapes = shapes[:2] + shapes[1:4] + shapes[3:]  # v and up counted again
+    shapes = layer_shapes(model_config)
     head = (model_config.vocab_size, model_config.hidden_size)
     layers = layers or model_config.num_layers
     f32_bytes = 4 * layers * sum(math.prod(s) for s in shapes)
@@ -214,20 +255,15 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
         cands = ("none",)
     if len(cands) == 1:
         return FormatChoice(cands[0], cands, {}, {}, False, why)
-    key = (f"{machine_key()} | jax {jax.__version__} | {_kernel_tag()} | "
+    key = (f"{machine_key()} | jax {jax.__version__} | {kernel_tag()} | "
            f"{gguf_fmt} | {shapes} x {layers} + {head}")
-    path = _cache_path()
-    cache = {}
-    if use_cache and path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
+    path = cache_path()
+    cache = read_cache(path) if use_cache else {}
     if key in cache:
         e = cache[key]
         return FormatChoice(e["quantization"], cands, e["score"], e["ms"], True, e["reason"])
-    ms = {"none": _time_format(None, shapes, layers, head),
-          "gguf": _time_format(gguf_fmt, shapes, layers, head)}
+    ms = {"none": time_projections(None, shapes, layers, head),
+          "gguf": time_projections(gguf_fmt, shapes, layers, head)}
     score = {m: math.exp(statistics.fmean(math.log(ms[m][c] / ms["none"][c]) for c in COLUMNS))
              for m in ms}
     best = "gguf" if score["gguf"] <= TIE else "none"
@@ -238,13 +274,7 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
         cache[key] = {"quantization": best, "score": score,
                       "ms": {m: {str(c): v for c, v in t.items()} for m, t in ms.items()},
                       "reason": reason}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
-        except OSError as e:
-            log.warning("could not write %s: %s", path, e)
+        write_cache(path, cache)
     return FormatChoice(best, cands, score, ms, False, reason)
 
 

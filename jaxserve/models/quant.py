@@ -77,7 +77,9 @@ rows unchanged (tiles both ways).
 So on CPU, where the library is built (``quant_matmul_cpu.available()``),
 ``lowering="auto"`` calls the kernel for int4 / Q4_0 / Q4_1 at M <= 512,
 Q8_0 at M <= 128, int8 and w8a8 at M = 1, and a scanned layer's f32
-projections at M <= 256 (``quant_matmul_cpu.use_kernel``; from 12 columns,
+projections at M <= 256 on the Xeon these were measured on (the built-in
+table; an engine measures its machine's once, ``jaxserve.engine.kernel_widths``,
+and ``quant_matmul_cpu.use_kernel`` reads that; from 12 columns,
 f32 8, its GEMM-style panel path, which runs at the f32 GEMM's speed);
 past those widths a scanned layer's 4-bit / Q8_0 weight is dequantized by the
 library's threads (``q4g_dequantize``, the same values) for XLA's f32 dot
@@ -94,7 +96,12 @@ fused into a dot, a grouped scale and int4 are all 6-9x slower than f32. So:
   ``|x - s1 q1 - s2 q2| <= amax / 64516`` per element: ~16 bits, finer than
   the bf16 activations GPU/TPU serving uses); both terms go through ONE int8
   dot as 2M columns (so M = 1 needs no padding). ``lowering="exact"`` gives
-  the dequantize-then-dot form instead (f32 rounding only; slow on CPU).
+  the dequantize-then-dot form instead (f32 rounding only). Where XLA's int8
+  dot has no AMX to run on (the AMD EPYC: 1.4-1.6x slower than dequantizing
+  first at 128-1024 columns), ``quant_cpu.int8_wide_form()`` is
+  ``"dequantize"``: from ``DEQUANTIZE_FIRST_COLUMNS`` columns the weight is
+  dequantized to f32 once and XLA's f32 dot reads it (``kernel_widths``
+  measures which form a machine gets).
 * CPU, grouped formats (``int4``, Q8_0, Q4_0/1): dequantize to f32 inside
   the dot. Correct, and slower than f32 on this machine: they save memory
   (0.16x of f32's bytes), not time, until XLA:CPU gains a grouped int8 dot.
@@ -210,10 +217,12 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
                 q, xq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32))
             return acc.astype(jnp.float32) * sx * scale
         x_DT = xq.astype(jnp.float32) * sx  # grouped w8a8: dequantized x, then as below
-    if lowering == "exact" or fmt.bits != 8 or fmt.group_size is not None:
+    wide = x_DT.shape[1] >= quant_cpu.DEQUANTIZE_FIRST_COLUMNS
+    int8_dequantized = (lowering == "auto" and backend == "cpu" and wide and fmt.bits == 8
+                        and quant_cpu.int8_wide_form() == "dequantize")
+    if lowering == "exact" or fmt.bits != 8 or fmt.group_size is not None or int8_dequantized:
         dtype = jnp.float32 if backend == "cpu" or lowering == "exact" else x_DT.dtype
         w = dequantize(fmt, q, scale, zero, dtype)
-        wide = x_DT.shape[1] >= quant_cpu.DEQUANTIZE_FIRST_COLUMNS
         if backend == "cpu" and q.ndim == 2 and wide:
             # Wide on XLA:CPU: the dequantization written out once,
             # then a plain f32 dot, instead of XLA's fused dequantize-in-the-dot

@@ -22,6 +22,33 @@ from pallas_kernels import quant_matmul_cpu
 DEQUANTIZE_FIRST_COLUMNS = 5
 
 
+# int8 weight-only past the kernel's widths, in XLA's forms (quant.quantized_matmul):
+# "int8_dot": x written as two int8 terms, one int8 dot (fastest where XLA's int8 dot
+# runs on AMX: the Xeon); "dequantize": the weight dequantized to f32 once, then XLA's
+# f32 dot (exact; 1.4-1.6x faster than "int8_dot" on the AMD EPYC, no AMX, at 128-1024
+# columns). Per process; ``jaxserve.engine.kernel_widths`` measures which, per machine.
+INT8_WIDE_FORMS = ("int8_dot", "dequantize")
+_int8_wide = ["int8_dot"]
+
+
+def int8_wide_form() -> str:
+    """This process's form for int8 weight-only past the kernel (``INT8_WIDE_FORMS``)."""
+    return _int8_wide[0]
+
+
+def set_int8_wide_form(form: str) -> str:
+    """Set this process's ``int8_wide_form`` for programs traced from now on;
+    returns the previous one.
+
+    Raises:
+      ValueError: ``form`` not in ``INT8_WIDE_FORMS``.
+    """
+    if form not in INT8_WIDE_FORMS:
+        raise ValueError(f"int8 wide form must be one of {list(INT8_WIDE_FORMS)}, got {form!r}")
+    previous, _int8_wide[0] = _int8_wide[0], form
+    return previous
+
+
 def kernel_allowed(x_DT) -> bool:
     """The CPU kernel may run here: CPU backend, 2-D activations, outside a
     mesh of several devices (the engine's abstract mesh, as ``moe`` reads it:

@@ -142,8 +142,10 @@ FMA peak here) without its dequantized copy, so the grouped formats gain
 1.4-6x over XLA from M = 16 to 128; from M = 512 oneDNN's f32 GEMM blocking
 (D and packing) catches up, and an int8 dot on AMX beats any f32 FMA path. A
 panel pads M to the vector width (16), so below it the tiles win. Hence
-``PANEL_COLUMNS`` (12) and ``_MAX_COLUMNS``: int4 to 512, f32 to 256, Q8_0
-to 128 (a tie at 256); int8 and w8a8 stay at M = 1.
+``PANEL_COLUMNS`` (12) and ``BUILTIN_MAX_COLUMNS``: int4 to 512, f32 to 256,
+Q8_0 to 128 (a tie at 256); int8 and w8a8 stay at M = 1. That table is the
+Xeon's: ``jaxserve.engine.kernel_widths`` measures each machine's (once,
+cached) and installs it (``set_max_columns``).
 """
 
 from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, has_target, int8_matmul,
@@ -158,16 +160,46 @@ from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, has_targ
 PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
 
 # The largest column count M at which the kernel (tiles, then panels) measured
-# faster than the XLA form, per kind (the tables above).
-_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 256}
+# faster than the XLA form, per kind: the built-in table, measured on the Xeon above.
+# Other machines differ (AMD EPYC, AVX-512 without AMX: int8 wins to M = 256 there, as
+# XLA's int8 dot has no AMX to run on), so ``jaxserve.engine.kernel_widths`` measures
+# this machine's once, caches it and installs it with ``set_max_columns``.
+BUILTIN_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 256}
+_MAX_COLUMNS = dict(BUILTIN_MAX_COLUMNS)
 
 
 def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     """Whether ``quantized_matmul`` should call the kernel for a weight [F, D] of
-    ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``, ``"f32"``) and M columns."""
+    ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``, ``"f32"``) and M columns:
+    M <= the kind's limit in this process's table (``max_columns``)."""
     return M <= _MAX_COLUMNS[kind]
 
 
-__all__ = ["PANEL_COLUMNS", "available", "f32_matmul", "has_target", "int8_matmul",
-           "library_path", "q4g_dequantize", "q4g_matmul", "q4g_matmul_parts", "q8g_dequantize",
-           "q8g_matmul", "use_kernel", "w8a8_matmul"]
+def max_columns() -> dict[str, int]:
+    """This process's table: kind -> the largest M the kernel serves (a copy)."""
+    return dict(_MAX_COLUMNS)
+
+
+def set_max_columns(limits: dict[str, int]) -> dict[str, int]:
+    """Install ``limits`` (kind -> largest M served; 0: never the kernel) over
+    this process's table for the kinds it names; returns the previous table.
+    Programs traced afterwards read the new limits (compiled ones keep theirs).
+
+    Raises:
+      ValueError: a kind not in ``BUILTIN_MAX_COLUMNS``, or a limit that is not
+        an int >= 0.
+    """
+    for kind, m in limits.items():
+        if kind not in BUILTIN_MAX_COLUMNS:
+            raise ValueError(f"unknown kernel kind {kind!r}; known: {sorted(BUILTIN_MAX_COLUMNS)}")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"column limit for {kind!r} must be an int >= 0, got {m!r}")
+    previous = dict(_MAX_COLUMNS)
+    _MAX_COLUMNS.update(limits)
+    return previous
+
+
+__all__ = ["BUILTIN_MAX_COLUMNS", "PANEL_COLUMNS", "available", "f32_matmul", "has_target",
+           "int8_matmul", "library_path", "max_columns", "q4g_dequantize", "q4g_matmul",
+           "q4g_matmul_parts", "q8g_dequantize", "q8g_matmul", "set_max_columns", "use_kernel",
+           "w8a8_matmul"]
