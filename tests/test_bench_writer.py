@@ -68,6 +68,14 @@ def test_writer_smoke_formats(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "## Weight formats and KV cache dtypes" in md and "## Weight format targets" in md
     assert "| int8 | int8 |" in md and "| none | auto |" in md
+    # The CPU kernel's column limits this run served with: the suite keeps the built-in
+    # table (conftest), and the report names them.
+    from pallas_kernels.quant_matmul_cpu import BUILTIN_MAX_COLUMNS
+    widths = r["kernel_widths"]
+    assert widths["int8"] == {"max_columns": BUILTIN_MAX_COLUMNS["int8"], "source": "builtin",
+                              "wide_form": "int8_dot"}
+    assert widths["f32"]["wide_form"] is None and widths["f32"]["source"] == "builtin"
+    assert f"int8 {BUILTIN_MAX_COLUMNS['int8']} (then XLA: int8_dot) [builtin]" in md
     assert "## Weight format targets" in capsys.readouterr().out
 
 

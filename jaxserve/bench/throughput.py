@@ -49,6 +49,7 @@ from jaxserve.bench import peers as peers_mod
 from jaxserve.bench.comparison import HOW, SMOKE_SHAPES, Shapes, log
 from jaxserve.bench.device import SMOKE
 from jaxserve.bench.report import fmt as _f
+from jaxserve.engine import kernel_widths
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampling_params import SamplingParams
 
@@ -243,6 +244,10 @@ def run(a) -> int:
         notes += _workloads(result, build, cfg, shapes, pairs, kv_mib, a, peer_names, t0)
     if smoke:
         notes.append("smoke run: a tiny random config at tiny shapes; the figures mean nothing")
+    # Which column counts the CPU kernels served in this process (kernel_widths).
+    result["kernel_widths"] = {k: {"max_columns": w.max_columns, "source": w.source,
+                                   "wide_form": w.wide_form}
+                               for k, w in kernel_widths.resolved().items()}
     if busy := machine.busy_note(m):
         notes.append(busy)
     result["load_average_end"] = machine.load_average()
@@ -341,6 +346,14 @@ def targets(result: dict) -> list[dict]:
             for t, v, lim, ok in out]
 
 
+def _widths(result: dict) -> str:
+    """The CPU kernel's column limits this run used, one kind after another."""
+    ws = result.get("kernel_widths") or {}
+    return ", ".join(
+        f"{k} {w['max_columns']}" + (f" (then XLA: {w['wide_form']})" if w["wide_form"] else "")
+        + f" [{w['source']}]" for k, w in sorted(ws.items())) or "-"
+
+
 def markdown(result: dict) -> str:
     """The report (see the module docstring)."""
     m, lim = result["machine"], result.get("limits") or {}
@@ -360,7 +373,8 @@ def markdown(result: dict) -> str:
              f"| matvec ({lim.get('matvec', '-')}) | {g('matvec_bytes_per_s')} GB/s |",
              f"| copy (x + 1 in place, read + write) | {g('copy_bytes_per_s')} GB/s |",
              (f"| model params | {result.get('param_bytes', 0) / 1e6:.1f} MB -> weight-streaming "
-              f"time {_f(result.get('weights_ms'), '{:.2f}')} ms at the matvec bytes/s |"), ""]
+              f"time {_f(result.get('weights_ms'), '{:.2f}')} ms at the matvec bytes/s |"),
+             f"| CPU kernel widths (largest M served) | {_widths(result)} |", ""]
     if result.get("sweep"):
         lines += decode_sweep.markdown(result["sweep"])
     lines += comparison.markdown(result)
