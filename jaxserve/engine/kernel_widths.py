@@ -38,7 +38,10 @@ The table is the process's (a machine property): a kind is resolved once
 per process, by the first engine that uses it; later engines, tiny ones
 included, read it. ``JAXSERVE_KERNEL_WIDTHS=builtin`` keeps the built-in
 table (no measurement); a multi-host job always does (every process must
-trace the same programs).
+trace the same programs). Measuring sets the table's entry for the kind it
+times: a program another engine in the process traces meanwhile (a
+background warm-up) may take the temporary limit, which changes its speed,
+never its values.
 """
 
 from __future__ import annotations
