@@ -43,7 +43,7 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 # The CPU kernel's built-in column limits, not this machine's measurement
 # (jaxserve.engine.kernel_widths): the same programs on every run and worker, and
-# no 10-20 s measurement per kernel kind in a fresh cache. test_kernel_widths.py
+# no 3-19 s measurement per kernel kind in a fresh cache. test_kernel_widths.py
 # measures on purpose, and CLI subprocesses inherit this.
 os.environ.setdefault("JAXSERVE_KERNEL_WIDTHS", "builtin")
 

@@ -32,7 +32,7 @@ M = 512), and the kernel is then timed against the faster. Answers are
 cached per (machine, jax version, kernel library, kind, shapes) in
 ``$JAXSERVE_CACHE/kernel_widths.json``, so a machine's first start of a kind
 pays for it and later starts nothing (SmolLM2-135M on the 2-core EPYC:
-8-19 s a kind).
+3-19 s a kind).
 
 The table is the process's (a machine property): a kind is resolved once
 per process, by the first engine that uses it; later engines, tiny ones
