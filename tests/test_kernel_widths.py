@@ -129,7 +129,9 @@ def test_a_measurement_sets_the_limit_it_timed_and_is_cached(monkeypatch, fresh_
     last_x, last_k = w.ms[max(w.ms)]
     assert last_k >= last_x or len(w.ms) == 3
     saved = json.loads((fresh_table / kernel_widths.CACHE_FILE).read_text())
-    (entry,) = saved.values()
+    ((key, entry),) = saved.items()
+    # Keyed on the library's bytes: a rebuilt library measures again.
+    assert executables.library_digest() in key and executables.library_digest() != "xla"
     assert entry["max_columns"] == w.max_columns and "int8 kernel / XLA form" in entry["reason"]
     # int8 also times XLA's two forms past the kernel, and keeps the faster.
     assert set(w.wide_ms) == set(quant_cpu.INT8_WIDE_FORMS)

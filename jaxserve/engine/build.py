@@ -12,7 +12,8 @@ checkpoint's own quantization); the architecture, the sharding rules and the
 attention path (the Pallas kernel's start-up self-check, with a fallback
 to XLA: ``attention_check``); the model; the draft model; on one CPU device,
 the CPU kernel's column limits for their weight kinds (``kernel_widths``:
-this machine's, measured once); the KV pages from the memory budget; the scheduler, the runner and the speculator.
+this machine's, measured once); the KV pages from the memory budget; the
+scheduler, the runner and the speculator.
 
 ``build_model`` builds the target from its loaded checkpoint and
 ``load_draft`` the draft model of speculative decoding
@@ -38,8 +39,8 @@ from checkpoints.loader import EngineLoad, check_quantization, load_for_engine, 
 from checkpoints.orbax_ckpt import restore_for_model
 from jaxserve import models
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import (attention_check, compile_cache, format_choice, kernel_widths, multihost,
-                             shapes)
+from jaxserve.engine import (attention_check, compile_cache, format_choice, kernel_widths,
+                             multihost, shapes)
 from jaxserve.engine.attention_check import AttentionCheck
 from jaxserve.engine.page_table import PageAllocator
 from jaxserve.engine.runner import ModelRunner

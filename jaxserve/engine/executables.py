@@ -79,17 +79,26 @@ def _file_digest(path: str, mtime_ns: int) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def kernel_digest() -> str:
+def library_digest() -> str:
     """``"xla"`` when the CPU kernel library is not in use (not built, not
-    loadable, or ``JAXSERVE_CPU_KERNELS=0``), else a digest of its bytes and
-    the process's column limits (``quant_matmul_cpu.max_columns``: which
-    widths call it, ``kernel_widths``)."""
+    loadable, or ``JAXSERVE_CPU_KERNELS=0``), else a digest of its bytes (so
+    a rebuilt library is a new one to the per-machine caches that key on it)."""
     from pallas_kernels import quant_matmul_cpu
     path = quant_matmul_cpu.library_path()
     if path is None or not quant_matmul_cpu.available():
         return "xla"
-    limits = sorted(quant_matmul_cpu.max_columns().items())
-    return f"{_file_digest(path, os.stat(path).st_mtime_ns)} {limits}"
+    return _file_digest(path, os.stat(path).st_mtime_ns)
+
+
+def kernel_digest() -> str:
+    """``library_digest()`` and, where the library is in use, the process's
+    column limits (``quant_matmul_cpu.max_columns``: which widths call it,
+    ``kernel_widths``)."""
+    from pallas_kernels import quant_matmul_cpu
+    digest = library_digest()
+    if digest == "xla":
+        return digest
+    return f"{digest} {sorted(quant_matmul_cpu.max_columns().items())}"
 
 
 def fingerprint(*parts) -> str:

@@ -5,7 +5,7 @@ do XLA:CPU's and the CPU kernels' relative costs on them: which format
 decodes fastest is a property of the machine, not of the model alone. So
 ``auto`` times the candidate formats on this machine at the model's own
 projection shapes and serves the fastest; the answer is cached per
-(machine, jax version, kernel availability, shapes) in
+(machine, jax version, the kernel library's bytes, shapes) in
 ``$JAXSERVE_CACHE/format_choice.json`` (default ``~/.cache/jaxserve``), so
 only a machine's first start pays for it (a few seconds).
 
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import executables
 
 log = logging.getLogger(__name__)
 
@@ -221,15 +222,6 @@ def write_cache(path: pathlib.Path, cache: dict) -> None:
         log.warning("could not write %s: %s", path, e)
 
 
-def kernel_tag() -> str:
-    """"kernel" where the CPU kernel library is built and loaded, else "xla"."""
-    try:
-        from pallas_kernels.quant_matmul_cpu import ffi
-        return "kernel" if ffi.available() else "xla"
-    except ImportError:
-        return "xla"
-
-
 def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool = True,
            layers: int | None = None) -> FormatChoice:
     """The method ``--quantization auto`` serves ``config.model`` with here.
@@ -255,7 +247,7 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
         cands = ("none",)
     if len(cands) == 1:
         return FormatChoice(cands[0], cands, {}, {}, False, why)
-    key = (f"{machine_key()} | jax {jax.__version__} | {kernel_tag()} | "
+    key = (f"{machine_key()} | jax {jax.__version__} | {executables.library_digest()} | "
            f"{gguf_fmt} | {shapes} x {layers} + {head}")
     path = cache_path()
     cache = read_cache(path) if use_cache else {}

@@ -29,7 +29,7 @@ dequantized to f32 first (``quant_cpu.set_int8_wide_form``; on the EPYC
 the second takes 0.65-0.7x the first's time, on the AMX Xeon the int8 dot
 wins; the Xeon table in ``quant_matmul_cpu``: 241 against f32's 865 ms at
 M = 512), and the kernel is then timed against the faster. Answers are
-cached per (machine, jax version, kernel library, kind, shapes) in
+cached per (machine, jax version, the kernel library's bytes, kind, shapes) in
 ``$JAXSERVE_CACHE/kernel_widths.json``, so a machine's first start of a kind
 pays for it and later starts nothing (SmolLM2-135M on the 2-core EPYC:
 3-19 s a kind).
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine import format_choice
+from jaxserve.engine import executables, format_choice
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def measure_int8_wide(shapes, layers: int, reps: int = REPS, M: int = WIDE_COLUM
 
 def _key(kind: str, shapes, layers: int) -> str:
     return (f"{format_choice.machine_key()} | jax {jax.__version__} | "
-            f"{format_choice.kernel_tag()} | {kind} | {shapes} x {layers}")
+            f"{executables.library_digest()} | {kind} | {shapes} x {layers}")
 
 
 def choose(kind: str, model_config: ModelConfig, *, use_cache: bool = True,
