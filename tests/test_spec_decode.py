@@ -355,10 +355,10 @@ def test_random_aborts_leak_no_page(tiny_parts, draft_parts):
 
 
 def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, draft_parts):
-    # A fake device: flat (bandwidth-bound) up to 16 tokens, then linear; drafting is cheap.
-    policy = SpecPolicy(3, method="draft", cost_fn=lambda T: 1.0 + max(0, T - 16) / 16,
+    # A fake device: flat (bandwidth-bound) up to 8 tokens, then linear; drafting is cheap.
+    policy = SpecPolicy(3, method="draft", cost_fn=lambda T: 1.0 + max(0, T - 8) / 8,
                         draft_cost_fn=lambda rows: 0.02)
-    llm = LLM(compilation_cache_dir=XLA_CACHE, num_pages=256, page_size=8, max_num_seqs=24,
+    llm = LLM(compilation_cache_dir=XLA_CACHE, num_pages=256, page_size=8, max_num_seqs=12,
               max_num_batched_tokens=32, spec_policy=policy, draft_parts=draft_parts,
               speculative_config=dict(method="draft", model="tiny-noisy",
                                       num_speculative_tokens=3), **tiny_parts)
@@ -381,9 +381,9 @@ def test_policy_turns_k_off_as_the_batch_grows_without_recompiling(tiny_parts, d
 
     small = ks_while_decoding(1)
     assert all(k > 0 for rows, k in small if rows == 1)
-    big = ks_while_decoding(24)
-    assert any(rows == 24 for rows, k in big)
-    assert all(k == 0 for rows, k in big if rows >= 20), big
+    big = ks_while_decoding(12)
+    assert any(rows == 12 for rows, k in big)
+    assert all(k == 0 for rows, k in big if rows >= 10), big
     again = ks_while_decoding(1)
     assert all(k > 0 for rows, k in again if rows == 1)
     assert (e.num_compilations, e.speculator.draft.runner.num_compilations) == compiled
