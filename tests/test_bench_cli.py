@@ -31,7 +31,7 @@ def test_bench_cli_writes_every_figure_with_hf_beside(tiny_gguf, tmp_path):
     res = _cli("--model", tiny_gguf, "--workload", "mixed", "--concurrency", "1,2",
                "--num_prompts", "4", "--scale", "0.05", "--peers", "hf,llama_cpp",
                "--slo", "ttft_ms=60000,tpot_ms=10000", "--num_pages", "128", "--page_size", "8",
-               "--output", str(out))
+               "--max_num_seqs", "4", "--output", str(out))  # 4 slots: 3 decode widths to warm
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads((out / "result.json").read_text())
     assert r["config"]["concurrency"] == [1, 2] and r["config"]["scale"] == 0.05
@@ -192,14 +192,15 @@ def test_inprocess_driver_reports_speculation():
     assert serving.LevelRun(1, 1.0, [], [], [], 0, 0, 0, 0, None, 0.0).spec_dict() is None
 
 
-def test_structured_bench_writes_its_figures(tiny_gguf, tmp_path):
+def test_structured_bench_writes_its_figures(tiny_gguf, tmp_path, capsys):
     """``python -m jaxserve.bench structured`` on the tiny model: both passes
     measured, constrained rows compile nothing, forced drafts are counted
     only when on, and the report names the machine and both ratios."""
     from jaxserve.bench.__main__ import main
     out = tmp_path / "structured"
     assert main(["structured", "--model", tiny_gguf, "--output", str(out), "--batch", "3",
-                 "--max_tokens", "24", "--single", "1", "--fields", "2", "--repeats", "1"]) == 0
+                 "--max_tokens", "24", "--single", "1", "--fields", "2", "--repeats", "1",
+                 "--max_num_seqs", "4"]) == 0
     res = json.loads((out / "result.json").read_text())
     assert res["batch_plain"]["output_tokens"] > 0 and res["batch_constrained"]["tok_s"] > 0
     assert res["batch_constrained"]["compilations"] == 0
@@ -210,3 +211,8 @@ def test_structured_bench_writes_its_figures(tiny_gguf, tmp_path):
     assert single["forced_drafts"]["steps"] < single["plain_constrained"]["steps"]
     text = (out / "report.md").read_text()
     assert "Machine: " in text and "the unconstrained time" in text and "Forced drafting" in text
+    with pytest.raises(SystemExit) as e:  # refused before the model loads
+        main(["structured", "--model", tiny_gguf, "--output", str(tmp_path / "o2"),
+              "--batch", "3", "--max_num_seqs", "2"])
+    assert e.value.code == 2
+    assert "--max_num_seqs 2 is less than --batch 3" in capsys.readouterr().err

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single", type=int, default=4, help="requests of the forced-drafting pass "
                    "(one at a time)")
     p.add_argument("--repeats", type=int, default=5, help="measured runs per pass (median)")
+    p.add_argument("--max_num_seqs", type=int, default=None, help="the engine's sequence "
+                   "slots, every decode width of which is compiled before measuring "
+                   "(default: max(64, --batch); at least --batch)")
 
 
 def forced_key_schema(fields: int) -> dict:
@@ -110,7 +113,11 @@ def _paired(llm, prompts, plain, constrained, repeats: int) -> tuple[dict, dict,
 def run(a) -> int:
     from jaxserve import LLM, SamplingParams
     from jaxserve.engine.sampling_params import StructuredOutputsParams
-    llm = LLM(a.model, max_num_seqs=max(64, a.batch))
+    slots = max(64, a.batch) if a.max_num_seqs is None else a.max_num_seqs
+    if slots < a.batch:
+        raise ValueError(f"--max_num_seqs {slots} is less than --batch {a.batch}: the batch "
+                         f"pass runs all its requests at once")
+    llm = LLM(a.model, max_num_seqs=slots)
     prompts = [llm.apply_chat_template(
         [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} number {i} as a JSON "
           "object with name, age, city and role."}]) for i in range(a.batch)]
