@@ -36,8 +36,6 @@ import os
 import subprocess
 import sys
 
-from jaxserve.bench import (device, lora, peers, soak, speculation, startup, structured,
-                            throughput)
 
 COMMANDS = {
     "serve": "serving benchmark: workloads at concurrency levels against HF, llama.cpp and "
@@ -59,6 +57,7 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxserve.bench import device, lora, soak, speculation, structured, throughput
     ap = argparse.ArgumentParser(prog="python -m jaxserve.bench",
                                  description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -117,6 +116,7 @@ def main_command(argv: list[str]) -> list[str] | None:
 
 
 def _startup(a) -> int:
+    from jaxserve.bench import peers, startup
     if os.path.exists(a.output) and (not os.path.isdir(a.output) or os.listdir(a.output)):
         raise ValueError(f"--output {a.output!r} exists and is not an empty folder")
     opts = startup.StartupOptions(model=a.model, engine_flags=tuple(a.engine_flags),
@@ -134,7 +134,8 @@ def main(argv=None, parts: dict | None = None) -> int:
     ``--model``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if (cmd := main_command(argv)) is not None:  # jaxserve.main's parser reads the engine flags
-        return subprocess.call(cmd)
+        return subprocess.call(cmd)  # (this process imports no benchmark module, nor JAX)
+    from jaxserve.bench import device, lora, soak, speculation, structured, throughput
     ap = _parser()
     a = ap.parse_args(argv)
     try:
