@@ -49,9 +49,11 @@ setup(
     ext_modules=[Extension(
         "pallas_kernels.quant_matmul_cpu._quant_matmul_cpu",
         sources=["pallas_kernels/quant_matmul_cpu/kernel.cc",
+                 "pallas_kernels/quant_matmul_cpu/kernel_a8.cc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu.cc",
                  "pallas_kernels/sampling_cpu/kernel.cc"],
-        depends=["pallas_kernels/quant_matmul_cpu/kernel_body.inc",
+        depends=["pallas_kernels/quant_matmul_cpu/kernel_common.h",
+                 "pallas_kernels/quant_matmul_cpu/kernel_body.inc",
                  "pallas_kernels/quant_matmul_cpu/kernel_panel.inc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu_body.inc",
                  "pallas_kernels/ragged_paged_attention/kernel_cpu_prefill.inc"],

@@ -29,7 +29,7 @@ from checkpoints.hf_loader import HFCheckpoint, load_hf, load_hf_config
 from checkpoints.orbax_ckpt import (OrbaxCheckpoint, is_orbax_checkpoint, load_orbax,
                                     load_orbax_config, save_orbax)
 from checkpoints.orbax_lora import check_adapters
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import GGUF_BLOCK_METHODS, EngineConfig, ModelConfig
 
 
 def load_model_config(model: str | os.PathLike) -> ModelConfig:
@@ -72,11 +72,11 @@ def check_quantization(config: EngineConfig, cfg: ModelConfig) -> None:
     from jaxserve.models import quant
     quant.check_shapes(config.quantization, config.quantization_group_size,
                        projection_shapes(cfg))
-    if config.quantization == "gguf" and config.model:
+    if config.quantization in GGUF_BLOCK_METHODS and config.model:
         path = pathlib.Path(config.model).expanduser()
         if path.is_dir() and not is_orbax_checkpoint(path):
-            raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks, but "
-                             f"{config.model!r} is an HF folder; use int8, w8a8 or int4")
+            raise ValueError(f"quantization={config.quantization!r} keeps a GGUF file's own "
+                             f"blocks, but {config.model!r} is an HF folder; use int8, w8a8 or int4")
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ def load_for_engine(config: EngineConfig, mesh_shape) -> EngineLoad:
     else:
         ckpt = load_checkpoint(config.model, dtype=np.dtype(
             "float32" if config.dtype != "float16" else "float16"),
-            keep_blocks=config.quantization == "gguf")
+            keep_blocks=config.quantization in GGUF_BLOCK_METHODS)
     return EngineLoad(config, ckpt.config, None if orbax else ckpt.params, ckpt.tokenizer,
                       ckpt.chat_template, config.model if orbax else None)
 
@@ -212,16 +212,16 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: output folder exists and is not empty")
     fmt = quant.method_format(quantization, group_size)
-    if quantization == "gguf" and pathlib.Path(model).expanduser().is_dir():
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks, but {model!r} "
-                         f"is a folder (HF or Orbax); use int8, w8a8 or int4")
+    if quantization in GGUF_BLOCK_METHODS and pathlib.Path(model).expanduser().is_dir():
+        raise ValueError(f"quantization={quantization!r} keeps a GGUF file's own blocks, but "
+                         f"{model!r} is a folder (HF or Orbax); use int8, w8a8 or int4")
     adapters = check_adapters(lora_modules, load_model_config(model)) if lora_modules else {}
     if fmt is not None:
         quant.check_shapes(quantization, group_size, [
             shape for name, shape in expected_tensors(load_model_config(model)).items()
             if quant.is_projection(name)])
     ckpt = load_checkpoint(model, dtype=dtype if fmt is None else np.float32,
-                           show_progress=show_progress, keep_blocks=quantization == "gguf")
+                           show_progress=show_progress, keep_blocks=quantization in GGUF_BLOCK_METHODS)
     params = {}
     for name, w in ckpt.params.items():
         quantized = quant.is_projection(name) or quantize_lm_head and name == "lm_head.weight"
@@ -231,10 +231,10 @@ def convert_to_orbax(model: str | os.PathLike, output_dir: str | os.PathLike,
         else:
             f = quant.head_format(fmt) if name == "lm_head.weight" else fmt
             if isinstance(w, quant.QuantizedTensor):  # GGUF blocks, or a quantized Orbax folder
-                params[name] = w if quantization == "gguf" or w.fmt == f else \
+                params[name] = w if quantization in GGUF_BLOCK_METHODS or w.fmt == f else \
                     quant.quantize_np(w.dequantize(), f)
             else:
-                params[name] = quant.quantize_np(w, quant.DENSE if quantization == "gguf" else f)
+                params[name] = quant.quantize_np(w, quant.DENSE if quantization in GGUF_BLOCK_METHODS else f)
     return save_orbax(out, dataclasses.replace(ckpt, params=params), source=os.fspath(model),
                       quantization=quantization, group_size=group_size,
                       lora_adapters=adapters)

@@ -20,7 +20,7 @@ import pathlib
 import zlib
 from typing import Any, Mapping
 
-from jaxserve.config import QUANTIZATION_METHODS, ModelConfig
+from jaxserve.config import GGUF_BLOCK_METHODS, QUANTIZATION_METHODS, ModelConfig
 from jaxserve.models import quant
 
 FORMAT_VERSION = 1
@@ -178,8 +178,8 @@ def resolve_quantization(path: str | os.PathLike, config):
     """
     saved = saved_quantization(path)
     if saved is None:
-        if config.quantization == "gguf":
-            raise ValueError(f"{path}: quantization='gguf' keeps a GGUF file's own blocks, but "
+        if config.quantization in GGUF_BLOCK_METHODS:
+            raise ValueError(f"{path}: quantization={config.quantization!r} keeps a GGUF file's own blocks, but "
                              f"this Orbax checkpoint is unquantized; convert the .gguf with "
                              f"--quantization gguf, or use int8, w8a8 or int4")
         return config

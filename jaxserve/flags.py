@@ -49,9 +49,11 @@ flags.DEFINE_string("quantization", "auto", "Weight format of the linear project
                     "(the default: on CPU the fastest of the formats that keep the checkpoint's "
                     "numerics, measured once per machine and cached; none elsewhere), none, "
                     "int8 (weight-only, per channel), w8a8 (int8 weights x int8 activations), "
-                    "int4 (groups along the input dim, scale + zero point) or gguf (the "
-                    "file's own Q8_0/Q4_0/Q4_1 blocks), and the LM head unless "
-                    "--noquantize_lm_head. Embeddings, norms, router and attention stay precise.")
+                    "int4 (groups along the input dim, scale + zero point), gguf (the "
+                    "file's own Q8_0/Q4_0/Q4_1 blocks) or gguf_a8 (those blocks x int8 "
+                    "activations in blocks of 32, as llama.cpp computes them), and the LM "
+                    "head unless --noquantize_lm_head. Embeddings, norms, router and attention "
+                    "stay precise.")
 flags.DEFINE_integer("quantization_group_size", 32, "int4: input elements per scale.")
 flags.DEFINE_bool("quantize_lm_head", True, "Under --quantization, hold the LM head in the "
                   "weight format too (a tied head: a quantized copy beside the exact embedding); "

@@ -29,7 +29,7 @@ def test_block_gguf_candidates_and_the_overhead_bound_floor(tmp_path, cache_dir)
     assert format_choice.gguf_block_format(q41) == quant.Q4
     assert format_choice.gguf_block_format(f16) is None
     cands, fmt, _ = format_choice._candidates(EngineConfig(model=str(q41)))
-    assert cands == ("none", "gguf") and fmt == quant.Q4
+    assert cands == ("none", "gguf", "gguf_a8") and fmt == quant.Q4
     cands, _, why = format_choice._candidates(EngineConfig(model=str(f16)))
     assert cands == ("none",) and "Q8_0/Q4_0/Q4_1" in why
     # A tiny model is overhead-bound: f32 kept without measuring, nothing cached.
@@ -45,10 +45,11 @@ def test_a_real_measurement_is_cached_per_machine(tmp_path, cache_dir, monkeypat
     monkeypatch.setattr(format_choice, "MIN_WEIGHT_BYTES", 0)
     config = EngineConfig(model=str(path), quantization="auto")
     c = format_choice.choose(config, SMALL)
-    assert not c.cached and c.candidates == ("none", "gguf")
-    assert c.score["none"] == 1.0 and c.score["gguf"] > 0
-    assert all(c.ms[m][M] > 0 for m in ("none", "gguf") for M in format_choice.COLUMNS)
-    assert c.quantization == ("gguf" if c.score["gguf"] <= format_choice.TIE else "none")
+    cands = ("none", "gguf", "gguf_a8")
+    assert not c.cached and c.candidates == cands
+    assert c.score["none"] == 1.0 and c.score["gguf"] > 0 and c.score["gguf_a8"] > 0
+    assert all(c.ms[m][M] > 0 for m in cands for M in format_choice.COLUMNS)
+    assert c.quantization == format_choice.pick(c.score, cands)
     saved = json.loads((cache_dir / format_choice.CACHE_FILE).read_text())
     (key, entry), = saved.items()
     assert format_choice.machine_key() in key and entry["quantization"] == c.quantization
@@ -59,9 +60,19 @@ def test_a_real_measurement_is_cached_per_machine(tmp_path, cache_dir, monkeypat
     assert not format_choice.choose(config, SMALL).cached
     assert len(json.loads((cache_dir / format_choice.CACHE_FILE).read_text())) == 2
     # resolve() replaces only "auto".
-    assert format_choice.resolve(config, SMALL).quantization in ("none", "gguf")
+    assert format_choice.resolve(config, SMALL).quantization in cands
     fixed = EngineConfig(model=str(path), quantization="int8")
     assert format_choice.resolve(fixed, SMALL) is fixed
+
+
+def test_pick_prefers_exact_numerics_on_ties():
+    cands = ("none", "gguf", "gguf_a8")
+    pick = format_choice.pick
+    assert pick({"none": 1.0, "gguf": 0.98, "gguf_a8": 0.975}, cands) == "none"  # all ties
+    assert pick({"none": 1.0, "gguf": 0.5, "gguf_a8": 0.49}, cands) == "gguf"  # within 3%
+    assert pick({"none": 1.0, "gguf": 0.5, "gguf_a8": 0.48}, cands) == "gguf_a8"
+    assert pick({"none": 1.0, "gguf": 1.2, "gguf_a8": 0.9}, cands) == "gguf_a8"
+    assert pick({"none": 1.0, "gguf": 0.9, "gguf_a8": 1.5}, cands) == "gguf"
 
 
 def test_engine_serves_the_resolved_format(tiny_gguf, cache_dir):

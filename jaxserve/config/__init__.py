@@ -15,14 +15,14 @@ Import them from ``jaxserve.config``.
 """
 
 from jaxserve.config.checks import check_positive
-from jaxserve.config.engine import (KV_CACHE_DTYPES, QUANTIZATION_CHOICES, QUANTIZATION_METHODS,
-                                    CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
+from jaxserve.config.engine import (GGUF_BLOCK_METHODS, KV_CACHE_DTYPES, QUANTIZATION_CHOICES,
+                                    QUANTIZATION_METHODS, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
                                     SchedulerConfig, SpeculativeConfig, kv_cache_dtype_from_name)
 from jaxserve.config.model import (HIDDEN_ACTS, LAYER_TYPES, ROPE_SCALING_TYPES, ModelConfig,
                                    RopeScaling)
 
 __all__ = [
-    "CacheConfig", "EngineConfig", "HIDDEN_ACTS", "KV_CACHE_DTYPES", "LAYER_TYPES",
+    "CacheConfig", "EngineConfig", "GGUF_BLOCK_METHODS", "HIDDEN_ACTS", "KV_CACHE_DTYPES", "LAYER_TYPES",
     "LoRAConfig", "ModelConfig", "ParallelConfig", "QUANTIZATION_CHOICES",
     "QUANTIZATION_METHODS", "ROPE_SCALING_TYPES", "RopeScaling", "SchedulerConfig",
     "SpeculativeConfig", "check_positive", "kv_cache_dtype_from_name",

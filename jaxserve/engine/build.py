@@ -38,7 +38,7 @@ from flax import nnx
 from checkpoints.loader import EngineLoad, check_quantization, load_for_engine, load_model_config
 from checkpoints.orbax_ckpt import restore_for_model
 from jaxserve import models
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import GGUF_BLOCK_METHODS, EngineConfig, ModelConfig
 from jaxserve.engine import (attention_check, compile_cache, format_choice, kernel_widths,
                              multihost, shapes)
 from jaxserve.engine.attention_check import AttentionCheck
@@ -259,8 +259,8 @@ def build_model(config: EngineConfig, model_config: ModelConfig, params: dict | 
         model cannot take, a missing or misshapen tensor.
     """
     random_init = params is None and orbax_dir is None
-    if random_init and config.quantization == "gguf":
-        raise ValueError("quantization='gguf' keeps a GGUF file's own blocks; it needs a "
+    if random_init and config.quantization in GGUF_BLOCK_METHODS:
+        raise ValueError(f"quantization={config.quantization!r} keeps a GGUF file's own blocks; it needs a "
                          "GGUF checkpoint (random init has none)")
     if not quantization_checked:
         check_quantization(config, model_config)

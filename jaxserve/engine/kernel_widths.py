@@ -116,8 +116,10 @@ def kinds_of(model, quantization: str, dtype) -> list[str]:
     from flax import nnx
 
     from jaxserve.models import quant, quant_cpu
-    kinds = {quant_cpu.kernel_kind(node.fmt) for _, node in nnx.iter_graph(model)
-             if isinstance(node, quant.QuantizedWeight) and node.fmt.bits != 0}
+    fmts = {node.fmt for _, node in nnx.iter_graph(model)
+            if isinstance(node, quant.QuantizedWeight) and node.fmt.bits != 0}
+    # gguf_a8's int8-activation kinds, and the weight-only ones its narrow widths take
+    kinds = {quant_cpu.kernel_kind(f) for f in fmts | {f.weight_only() for f in fmts}}
     if quantization == "none" and jnp.dtype(dtype) == jnp.float32:
         kinds.add("f32")
     return sorted(k for k in kinds if k is not None)
@@ -125,6 +127,8 @@ def kinds_of(model, quantization: str, dtype) -> list[str]:
 
 def _format_of(kind: str):
     from jaxserve.models import quant
+    if kind.endswith("_a8"):
+        return dataclasses.replace(_format_of(kind[:-3]), act_block=quant.ACT_BLOCK)
     return {"int8": quant.INT8, "w8a8": quant.W8A8, "q8g": quant.Q8_0, "q4g": quant.Q4,
             "f32": None}[kind]
 
@@ -149,6 +153,8 @@ def measure(kind: str, shapes, layers: int, reps: int = REPS,
     from pallas_kernels import quant_matmul_cpu
     fmt, out = _format_of(kind), {}
     previous = quant_matmul_cpu.max_columns()
+    # the int8-activation kinds serve only panel widths (narrower: the same program twice)
+    columns = [M for M in columns if M >= quant_matmul_cpu.A8_MIN_COLUMNS.get(kind, 1)]
     try:
         for M in columns:
             passes = {}

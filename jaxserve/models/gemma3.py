@@ -46,7 +46,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import LoRAConfig, ModelConfig
+from jaxserve.config import GGUF_BLOCK_METHODS, LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params)
@@ -106,7 +106,7 @@ class Gemma3ForCausalLM(nnx.Module):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
         qfmt = quant.method_format(quantization, quantization_group_size)
-        adopt = quantization == "gguf"
+        adopt = quantization in GGUF_BLOCK_METHODS
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([
             Gemma3DecoderLayer(cfg, dtype, rngs, qfmt, adopt, lora, attention_impl=attention_impl,

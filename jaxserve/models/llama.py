@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import LoRAConfig, ModelConfig
+from jaxserve.config import GGUF_BLOCK_METHODS, LoRAConfig, ModelConfig
 from jaxserve.models import lora as lora_lib
 from jaxserve.models import quant, quant_cpu, stack
 from jaxserve.models.params import lm_head, load_tied_head, put_param
@@ -358,7 +358,7 @@ class LlamaForCausalLM(nnx.Module):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
         qfmt = quant.method_format(quantization, quantization_group_size)
-        adopt = quantization == "gguf"
+        adopt = quantization in GGUF_BLOCK_METHODS
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, qfmt, adopt, lora=lora,
                                              attention_impl=attention_impl, interpret=interpret,
@@ -403,7 +403,10 @@ class LlamaForCausalLM(nnx.Module):
         # grouped blocks inside the dot 2-7x slower than an f32 dot).
         exact_dense = (isinstance(head, quant.QuantizedWeight) and head.adopt
                        and self.cfg.tie_word_embeddings and jax.default_backend() == "cpu"
-                       and not quant_cpu.kernel_serves(head.fmt, head.shape[0], x_DR))
+                       and not any(quant_cpu.kernel_serves(f, head.shape[0], x_DR)
+                                   for f in (head.fmt, head.fmt.weight_only())))
+        if exact_dense and head.fmt.act_block:  # gguf_a8: the head reads x's int8 blocks
+            x_DR = quant.fake_quantize_act_blocks(x_DR, head.fmt.act_block)
         if isinstance(head, quant.QuantizedWeight) and not exact_dense:
             logits_RV = head.matmul(x_DR).T
         else:

@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.config import LoRAConfig, ModelConfig
+from jaxserve.config import GGUF_BLOCK_METHODS, LoRAConfig, ModelConfig
 from jaxserve.models import quant, stack
 from jaxserve.models.llama import (MLP, Attention, AttentionMetadata, LlamaForCausalLM, RMSNorm,
                                    _param, attention_hf_params)
@@ -197,6 +197,11 @@ class MoEBlock(nnx.Module):
         if isinstance(self.gate_proj, quant.QuantizedWeight) and self.gate_proj.fmt.act_int8:
             xq_DT, sx_1T = quant.quantize_act(x_DT)  # w8a8: the tokens as int8 per token
             x_TD = (xq_DT.astype(jnp.float32) * sx_1T).T.astype(x_DT.dtype)
+        elif isinstance(self.gate_proj, quant.QuantizedWeight) and self.gate_proj.fmt.act_block:
+            # gguf_a8: the tokens as their int8 blocks (the down projection's input, inside
+            # the ragged expert FFN, stays precise, as under w8a8)
+            x_TD = quant.fake_quantize_act_blocks(x_DT, self.gate_proj.fmt.act_block).T.astype(
+                x_DT.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
             y_TD = expert_ffn(x_TD, ids_TX, weights_TX,
@@ -311,7 +316,7 @@ class MoEForCausalLM(nnx.Module):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.hidden_size
         qfmt = quant.method_format(quantization, quantization_group_size)
-        adopt = quantization == "gguf"
+        adopt = quantization in GGUF_BLOCK_METHODS
         self.embed_tokens = _param((V, D), ("vocab", "embed"), dtype, rngs)
         self.layers = nnx.List([
             MoEDecoderLayer(cfg, dtype, rngs, i not in cfg.mlp_only_layers, qfmt, adopt, lora,

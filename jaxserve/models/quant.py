@@ -135,9 +135,10 @@ from flax import nnx
 # The formats' numpy definitions (``quant_format``) are this module's names too:
 # callers read ``quant.TensorFormat``, ``quant.quantize_np`` and the rest.
 from jaxserve.models.quant_format import (  # noqa: F401
-    DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8, QuantizedTensor, TensorFormat,
-    check_shapes, head_format, method_format, pack_int4_np, quantize_act_np, quantize_np,
-    quantize_act, reference_linear, unpack_int4_np,
+    ACT_BLOCK, DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8, QuantizedTensor,
+    TensorFormat, adopted_format, check_shapes, fake_quantize_act_blocks, head_format,
+    method_format, pack_int4_np, quantize_act_blocks, quantize_act_blocks_np, quantize_act_np,
+    quantize_np, quantize_act, reference_linear, unpack_int4_np,
 )
 from jaxserve.models import quant_cpu
 from pallas_kernels import quant_matmul_cpu
@@ -183,6 +184,16 @@ def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
         if isinstance(w, StackedRead) and (y := quant_cpu.dense_kernel(w, x_DT)) is not None:
             return y.astype(x_DT.dtype)
         return jnp.einsum("fd,dt->ft", layer_slice(w), x_DT)
+    if fmt.act_block:
+        if lowering == "auto":  # the int8-activation kernel (panel widths), in place
+            read = isinstance(parts[0], StackedRead)
+            y = quant_cpu.cpu_kernel(
+                fmt, *[p.stacked if read and p is not None else p for p in parts], x_DT,
+                layer=parts[0].index if read else None)
+            if y is not None:
+                return y
+        # Any other lowering: x replaced by its int8 blocks, then the weight-only forms.
+        fmt, x_DT = fmt.weight_only(), fake_quantize_act_blocks(x_DT, fmt.act_block)
     if isinstance(parts[0], StackedRead) and lowering == "auto":
         stacked = [None if p is None else p.stacked for p in parts]
         y = quant_cpu.cpu_kernel(fmt, *stacked, x_DT, layer=parts[0].index)
@@ -210,6 +221,9 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
         y = quant_cpu.cpu_kernel(fmt, q, scale, zero, x_DT)
         if y is not None:
             return y
+    if fmt.act_block:  # gguf_a8 elsewhere: x replaced by its int8 blocks, then weight-only
+        return quantized_matmul(fmt.weight_only(), q, scale, zero,
+                                fake_quantize_act_blocks(x_DT, fmt.act_block), lowering)
     if fmt.act_int8:  # w8a8: the definition quantizes x; one int8 dot everywhere
         xq, sx = quantize_act(x_DT)
         if fmt.group_size is None:
@@ -311,6 +325,7 @@ class QuantizedWeight(nnx.Module):
         self.shape = tuple(shape)
         self.names = tuple(names)
         self.adopt = adopt
+        self.placeholder = fmt  # what adopt=True turns a loaded format into (adopted_format)
         self.lowering = lowering
         self._build(fmt)
 
@@ -350,10 +365,11 @@ class QuantizedWeight(nnx.Module):
         if tuple(value.shape) != self.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
                              f"{self.shape}")
-        if value.fmt != self.fmt:
+        fmt = adopted_format(value.fmt, self.placeholder) if self.adopt else value.fmt
+        if fmt != self.fmt:
             if not self.adopt:
                 raise ValueError(f"{name}: checkpoint format {value.fmt} != model {self.fmt}")
-            self._build(value.fmt)
+            self._build(fmt)
         for part in ("q", "scale", "zero"):
             p, arr = getattr(self, part), getattr(value, part)
             if (p is None) != (arr is None):
@@ -452,10 +468,19 @@ def linears(ws, x_DT, bs=None):
 def _q4g_fused(ws, x_DT):
     if len(ws) < 2 or len(ws) > 4 or x_DT.shape[1] >= quant_matmul_cpu.PANEL_COLUMNS["q4g"]:
         return None
+    if not all(isinstance(w, QuantizedWeight) for w in ws):
+        return None
+    act = {w.fmt.act_block for w in ws}
+    if len(act) != 1:
+        return None
+    if (block := act.pop()) is not None:
+        # gguf_a8 at row-tile widths: x replaced by its int8 blocks once, then the
+        # weight-only tiles (the definition, up to f32 rounding)
+        x_DT = fake_quantize_act_blocks(x_DT, block)
     parts, index = [], None
     for w in ws:
-        if not (isinstance(w, QuantizedWeight) and w.lowering == "auto"
-                and quant_cpu.kernel_kind(w.fmt) == "q4g" and w.zero is not None):
+        if not (w.lowering == "auto" and quant_cpu.kernel_kind(w.fmt.weight_only()) == "q4g"
+                and w.zero is not None):
             return None
         q, s, z = (w.q.value, w.scale.value, w.zero.value)
         if not all(isinstance(a, StackedRead) for a in (q, s, z)):
@@ -463,7 +488,7 @@ def _q4g_fused(ws, x_DT):
         if index is None:
             index = q.index
         if any(a.index is not index for a in (q, s, z)) or q.stacked.ndim != 3 \
-                or not quant_cpu.kernel_serves(w.fmt, s.stacked.shape[-2], x_DT):
+                or not quant_cpu.kernel_serves(w.fmt.weight_only(), s.stacked.shape[-2], x_DT):
             return None
         parts.append((q.stacked, s.stacked, z.stacked))
     if len({p[1].shape[-1] for p in parts}) != 1:  # one G

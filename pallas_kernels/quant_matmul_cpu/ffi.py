@@ -39,7 +39,9 @@ _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "Jaxserve
 # ``ragged_paged_attention/kernel_cpu.cc``, ``sampling_cpu/kernel.cc``), registered
 # here too so that a stored program calling them runs without being traced again;
 # each only where the library has it (``has_target``).
-OTHER_TARGETS = {"jaxserve_qmm_dequant_q4g": "JaxserveQmmDequantQ4g",
+OTHER_TARGETS = {"jaxserve_qmm_q4g_a8": "JaxserveQmmQ4gA8",
+                 "jaxserve_qmm_q8g_a8": "JaxserveQmmQ8gA8",
+                 "jaxserve_qmm_dequant_q4g": "JaxserveQmmDequantQ4g",
                  "jaxserve_qmm_dequant_q8g": "JaxserveQmmDequantQ8g",
                  "jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
                  "jaxserve_rpa_decode_int8": "JaxserveRpaDecodeInt8",
@@ -164,6 +166,39 @@ def f32_matmul(w_FD, x_DM, layer=None, isa: int = -1, threads: int = 0,
     a scanned layer's f32 projections read in place at decode widths."""
     return _call("f32", w_FD.shape[-2], x_DM.shape[1], w_FD, x_DM.astype(jnp.float32),
                  layer=layer, isa=isa, threads=threads, panel=panel)
+
+
+def q4g_a8_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1,
+                  threads: int = 0):
+    """Grouped uint4 weights (as ``q4g_matmul``) x activations quantized to
+    int8 in blocks of the weight's group (``gguf_a8``; quant_format's
+    ``quantize_act_blocks`` inside the kernel, the same values): per group,
+    ``s sx sum(q xq) + z sx sum(xq)`` with exact int32 sums (AVX-512 VNNI
+    ``vpdpbusd``; without VNNI the activations' block values through the
+    weight-only panels). f32 [F, M].
+
+    Raises:
+      RuntimeError: the library or its target is not available.
+    """
+    if not has_target("jaxserve_qmm_q4g_a8"):
+        raise RuntimeError("quant_matmul_cpu: no q4g_a8 target in the kernel library")
+    return _call("q4g_a8", p_FD2.shape[-2], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
+                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa,
+                 threads=threads)
+
+
+def q8g_a8_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
+    """Grouped int8 weights (Q8_0, as ``q8g_matmul``) x activations quantized to
+    int8 in blocks of the weight's group (``gguf_a8``): per group ``s sx
+    sum(q xq)``, exact int32 sums. f32 [F, M].
+
+    Raises:
+      RuntimeError: the library or its target is not available.
+    """
+    if not has_target("jaxserve_qmm_q8g_a8"):
+        raise RuntimeError("quant_matmul_cpu: no q8g_a8 target in the kernel library")
+    return _call("q8g_a8", q_FD.shape[-2], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
+                 x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
 
 
 def _dequant(name, F, D, *args, layer, isa, threads):

@@ -23,17 +23,9 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "kernel_common.h"
 
 namespace jaxserve_qmm {
 
@@ -267,76 +259,6 @@ std::vector<float> panel_x(int level, const float* x, int64_t D, int64_t M, bool
   return xp;
 }
 
-// Rows [0, F) in chunks over up to `threads` threads: the caller and tasks on
-// XLA's intra-op pool take chunks from one counter, so no chunk waits on a
-// task that has not started (a busy or absent pool only costs parallelism).
-// Below kMinWork multiply-adds one thread does it all (2^16: SmolLM2's 192 x 576 k/v
-// projections at one column split over 2 threads took 6-7% off 30 layers' seven
-// projections against 2^18, which kept them on one).
-constexpr int64_t kMinWork = 1 << 16;
-
-template <class Fn>
-void parallel_rows(ffi::ThreadPool& pool, int32_t threads, int64_t F, int64_t work, Fn fn) {
-  int64_t n = pool.num_threads();
-  if (threads > 0) n = std::min<int64_t>(n, threads);
-  if (n <= 1 || work < kMinWork || F < 32) {
-    fn(0, F);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    int64_t chunks, rows;
-    Fn fn;
-    State(int64_t c, int64_t r, Fn f) : chunks(c), rows(r), fn(f) {}
-    void run(int64_t F) {
-      for (int64_t i; (i = next.fetch_add(1)) < chunks;) {
-        fn(i * rows, std::min(F, (i + 1) * rows));
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  // chunks of whole 48-row blocks: whole panels at every ISA (12, 6, 4 rows) and tiles
-  const int64_t rows = std::max<int64_t>(48, (F / (4 * n) + 47) / 48 * 48);
-  auto st = std::make_shared<State>((F + rows - 1) / rows, rows, fn);
-  for (int64_t t = 1; t < n; ++t) pool.Schedule([st, F] { st->run(F); });
-  st->run(F);
-  while (st->done.load(std::memory_order_acquire) < st->chunks) std::this_thread::yield();
-}
-
-ffi::Error check_x(int64_t D, ffi::Span<const int64_t> xdims) {
-  if (xdims.size() != 2 || xdims[0] != D)
-    return ffi::Error::InvalidArgument("quant_matmul_cpu: x must be [D, M] with D of the weight");
-  return ffi::Error::Success();
-}
-
-// The last two dims of a weight part of rank 2 ([F, C]) or 3 ([L, F, C], stacked
-// over layers) as a rank-2 span, and L (1 for rank 2); L = 0 for another rank.
-struct Part {
-  int64_t L = 0;
-  std::vector<int64_t> dims;
-};
-Part part(ffi::Span<const int64_t> d) {
-  Part p;
-  if (d.size() == 2 || d.size() == 3) {
-    p.L = d.size() == 3 ? d[0] : 1;
-    p.dims = {d[d.size() - 2], d[d.size() - 1]};
-  }
-  return p;
-}
-
-// The layer to read: layer[0] when 0 <= it < L, else -1.
-int64_t layer_index(ffi::Buffer<ffi::S32>& layer, int64_t L) {
-  if (layer.element_count() != 1) return -1;
-  const int64_t i = layer.typed_data()[0];
-  return i >= 0 && i < L ? i : -1;
-}
-
-#define JS_LAYER(NAME, L)                                                              \
-  const int64_t li = layer_index(layer, L);                                            \
-  if (li < 0)                                                                          \
-    return ffi::Error::InvalidArgument(NAME ": layer must be a scalar in [0, L) of a " \
-                                       "stacked weight (0 for a 2-D one)");
-
 ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int32_t isa,
                    int32_t threads, int32_t panel) {
@@ -419,32 +341,38 @@ ffi::Error Q8gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi
                 gs = D / G;
   if (auto e = check_x(D, x.dimensions()); e.failure()) return e;
   JS_LAYER("jaxserve_qmm_q8g", qp_.L)
-  int level = pick_isa(isa);
+  (void)gs;
+  q8g_matmul_x(pool, threads, pick_isa(isa), q.typed_data() + li * F * D,
+               reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G,
+               x.typed_data(), F, D, G, M, out->typed_data(), panel);
+  return ffi::Error::Success();
+}
+
+void q8g_matmul_x(ffi::ThreadPool& pool, int32_t threads, int level, const int8_t* qp,
+                  const uint16_t* s, const float* x, int64_t F, int64_t D, int64_t G, int64_t M,
+                  float* o, int32_t panel) {
+  const int64_t gs = D / G;
   if (level == 2 && gs % 16) level = 1;
   if (level == 1 && gs % 8) level = 0;
-  const int8_t* qp = q.typed_data() + li * F * D;
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
-  float* o = out->typed_data();
   if (use_panel(panel, M, kPanelQ8g)) {
-    const std::vector<float> xpb = panel_x(level, x.typed_data(), D, M, false);
+    const std::vector<float> xpb = panel_x(level, x, D, M, false);
     auto pn = [&, xp = xpb.data()](int64_t f0, int64_t f1) {
       if (level == 2) avx512::q8g_panel(qp, s, xp, D, G, M, f0, f1, o);
       else if (level == 1) avx2::q8g_panel(qp, s, xp, D, G, M, f0, f1, o);
       else scalar::q8g_panel(qp, s, xp, D, G, M, f0, f1, o);
     };
     parallel_rows(pool, threads, F, F * D * M, pn);
-    return ffi::Error::Success();
+    return;
   }
   std::vector<float> xt(D * M);
   const float* xp = xt.data();
-  scalar::prepare_x(x.typed_data(), D, M, xt.data());
+  scalar::prepare_x(x, D, M, xt.data());
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
     else if (level == 1) avx2::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
     else scalar::q8g_rows(qp, s, xp, D, G, M, f0, f1, o);
   };
   parallel_rows(pool, threads, F, F * D * M, fn);
-  return ffi::Error::Success();
 }
 
 ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F16> scale,
@@ -460,35 +388,41 @@ ffi::Error Q4gImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi
         "jaxserve_qmm_q4g: q [(L,) F, D/2], scale and zero [(L,) F, G], x [D, M], even D / G");
   const int64_t F = qp_.dims[0], G = sp_.dims[1], M = x.dimensions().back(), gs = D / G;
   JS_LAYER("jaxserve_qmm_q4g", qp_.L)
-  int level = pick_isa(isa);
+  (void)gs;
+  q4g_matmul_x(pool, threads, pick_isa(isa), q.typed_data() + li * F * (D / 2),
+               reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G,
+               reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G,
+               x.typed_data(), F, D, G, M, out->typed_data(), panel);
+  return ffi::Error::Success();
+}
+
+void q4g_matmul_x(ffi::ThreadPool& pool, int32_t threads, int level, const uint8_t* qp,
+                  const uint16_t* s, const uint16_t* z, const float* x, int64_t F, int64_t D,
+                  int64_t G, int64_t M, float* o, int32_t panel) {
+  const int64_t gs = D / G;
   if (level == 2 && gs % 32) level = 1;
   if (level == 1 && gs % 16) level = 0;
-  const uint8_t* qp = q.typed_data() + li * F * (D / 2);
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
-  const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G;
-  float* o = out->typed_data();
   if (use_panel(panel, M, kPanelQ4g)) {
-    const std::vector<float> xpb = panel_x(level, x.typed_data(), D, M, true);
+    const std::vector<float> xpb = panel_x(level, x, D, M, true);
     auto pn = [&, xp = xpb.data()](int64_t f0, int64_t f1) {
       if (level == 2) avx512::q4g_panel(qp, s, z, xp, D, G, M, f0, f1, o);
       else if (level == 1) avx2::q4g_panel(qp, s, z, xp, D, G, M, f0, f1, o);
       else scalar::q4g_panel(qp, s, z, xp, D, G, M, f0, f1, o);
     };
     parallel_rows(pool, threads, F, F * D * M, pn);
-    return ffi::Error::Success();
+    return;
   }
   std::vector<float> xt(D * M);
   float* xp = xt.data();
-  if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
-  else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
-  else scalar::prepare_x4(x.typed_data(), D, M, xp);
+  if (level == 2) avx512::prepare_x4(x, D, M, xp);
+  else if (level == 1) avx2::prepare_x4(x, D, M, xp);
+  else scalar::prepare_x4(x, D, M, xp);
   auto fn = [&](int64_t f0, int64_t f1) {
     if (level == 2) avx512::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
     else if (level == 1) avx2::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
     else scalar::q4g_rows(qp, s, z, xp, D, G, M, f0, f1, o);
   };
   parallel_rows(pool, threads, F, F * D * M, fn);
-  return ffi::Error::Success();
 }
 
 // Several 4-bit-group weights over the same x (a layer's q/k/v, or gate/up) in one
