@@ -34,7 +34,7 @@ Figures per pair (``result["quant"]["formats"]``):
   is the same bytes at the matvec bytes/s.
 
 Targets (``targets``; printed, not tests): W2 TPOT of int8 / w8a8 <= 1.0x
-llama.cpp's, of int4 / gguf <= 0.8x; W1 of w8a8 >= 1.5x W1 of f32 (same KV
+llama.cpp's, of int4 / gguf / gguf_a8 <= 0.8x; W1 of w8a8 >= 1.5x W1 of f32 (same KV
 dtype when that pair ran, else f32 / ``auto``); weight bytes of int8 <= 0.27x
 f32's and of int4 <= 0.16x, whole model and projections each.
 """
@@ -54,12 +54,13 @@ from jaxserve.bench import peers as peers_mod
 from jaxserve.bench.report import fmt as _f
 from jaxserve.bench.report import ratio as _ratio
 from jaxserve.bench.report import targets_table
-from jaxserve.config import QUANTIZATION_METHODS
+from jaxserve.config import GGUF_BLOCK_METHODS, QUANTIZATION_METHODS
 from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 KV_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 BASELINE = ("none", "auto")
-LABEL = {"none": "f32", "int8": "int8", "w8a8": "w8a8", "int4": "int4", "gguf": "gguf"}
+LABEL = {"none": "f32", "int8": "int8", "w8a8": "w8a8", "int4": "int4", "gguf": "gguf",
+         "gguf_a8": "gguf_a8"}
 # The projections' attribute names in every model family (``quant.is_projection``'s
 # q/k/v/o and gate/up/down, experts' stacked ones included).
 PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -150,14 +151,14 @@ def kv_bytes_per_token(engine) -> float:
 
 class GgufParams:
     """The checkpoint's params for each quantization: the run's float
-    params, or (``gguf``) the GGUF loaded again with its blocks kept, once."""
+    params, or (``gguf``, ``gguf_a8``) the GGUF loaded again with its blocks kept, once."""
 
     def __init__(self, parts: dict, model: str, smoke: bool):
         self.parts, self.model, self.smoke = parts, model, smoke
         self._blocks = None
 
     def __call__(self, quantization: str) -> dict:
-        if quantization != "gguf" or self.smoke:
+        if quantization not in GGUF_BLOCK_METHODS or self.smoke:
             return self.parts  # smoke: random init, which the engine refuses for gguf
         if self._blocks is None:
             self._blocks = load_checkpoint(self.model, show_progress=False,
@@ -245,7 +246,7 @@ def targets(formats: list[dict], llama: dict | None) -> list[dict]:
     rows = []
     for e in runs:
         q, kv = e["quantization"], e["kv_cache_dtype"]
-        if q in ("int8", "w8a8", "int4", "gguf"):
+        if q in ("int8", "w8a8", "int4") + GGUF_BLOCK_METHODS:
             lim = 1.0 if q in ("int8", "w8a8") else 0.8
             v = _ratio(e["w2"]["tpot_ms"], (llama or {}).get("w2", {}).get("tpot_ms"))
             rows.append((f"W2 TPOT {q} (KV {kv}) / llama.cpp's", v, lim, "<="))

@@ -94,7 +94,7 @@ from jaxserve import LLM
 from jaxserve.bench import machine, report, speculation_report, workloads
 from jaxserve.bench.formats import parse_list
 from jaxserve.bench.report import fmt as _f
-from jaxserve.config import QUANTIZATION_METHODS
+from jaxserve.config import GGUF_BLOCK_METHODS, QUANTIZATION_METHODS
 from jaxserve.engine import compile_cache
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.shapes import bucket
@@ -421,7 +421,8 @@ def run(a, parts: dict | None = None) -> int:
       ValueError: a bad option (before anything loads).
     """
     wls = parse_list(a.workloads, ("copy", "chat", "rare"), "--workloads")
-    drafts = parse_list(a.chat_drafts, tuple(q for q in QUANTIZATION_METHODS if q != "gguf"),
+    drafts = parse_list(a.chat_drafts,
+                        tuple(q for q in QUANTIZATION_METHODS if q not in GGUF_BLOCK_METHODS),
                         "--chat_drafts")
     for k in ("num_requests", "max_tokens", "passage_tokens", "rare_requests",
               "rare_max_tokens"):

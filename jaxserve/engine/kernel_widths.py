@@ -64,6 +64,11 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "kernel_widths.json"
 # Activation columns measured, in order; the limit is one of them (or 0).
 COLUMNS = (1, 8, 32, 128, 256, 512)
+# The int8-activation kinds' (gguf_a8) widths: their VNNI panels run from
+# quant_matmul_cpu.A8_PANEL_COLUMNS on (below, the same row tiles as the XLA form's), and
+# measured faster than XLA's f32 dot up to a prefill chunk's (0.45x its time at 512
+# columns on the EPYC), so up to the default token budget.
+A8_COLUMNS = (32, 128, 512, 2048)
 WIDE_COLUMNS = 512  # int8's two XLA forms past the kernel: a prefill's width
 REPS = 3  # timed passes of each form, alternated; the median
 ENV = "JAXSERVE_KERNEL_WIDTHS"  # "measure" (default) or "builtin"
@@ -153,8 +158,6 @@ def measure(kind: str, shapes, layers: int, reps: int = REPS,
     from pallas_kernels import quant_matmul_cpu
     fmt, out = _format_of(kind), {}
     previous = quant_matmul_cpu.max_columns()
-    # the int8-activation kinds serve only panel widths (narrower: the same program twice)
-    columns = [M for M in columns if M >= quant_matmul_cpu.A8_MIN_COLUMNS.get(kind, 1)]
     try:
         for M in columns:
             passes = {}
@@ -240,7 +243,8 @@ def choose(kind: str, model_config: ModelConfig, *, use_cache: bool = True,
                    + ", ".join(f"{f} {t:.1f} ms" for f, t in wide_ms.items()) + f" -> {wide}; ")
     form = quant_cpu.set_int8_wide_form(wide) if wide else None
     try:
-        ms = measure(kind, shapes, layers, columns=COLUMNS)
+        ms = measure(kind, shapes, layers,
+                     columns=A8_COLUMNS if kind.endswith("_a8") else COLUMNS)
     finally:
         if form:
             quant_cpu.set_int8_wide_form(form)

@@ -473,10 +473,9 @@ def _q4g_fused(ws, x_DT):
     act = {w.fmt.act_block for w in ws}
     if len(act) != 1:
         return None
-    if (block := act.pop()) is not None:
-        # gguf_a8 at row-tile widths: x replaced by its int8 blocks once, then the
-        # weight-only tiles (the definition, up to f32 rounding)
-        x_DT = fake_quantize_act_blocks(x_DT, block)
+    block = act.pop()  # gguf_a8: the kernel replaces x by its int8 blocks' values first
+    if block not in (None, ACT_BLOCK):
+        return None
     parts, index = [], None
     for w in ws:
         if not (w.lowering == "auto" and quant_cpu.kernel_kind(w.fmt.weight_only()) == "q4g"
@@ -493,7 +492,7 @@ def _q4g_fused(ws, x_DT):
         parts.append((q.stacked, s.stacked, z.stacked))
     if len({p[1].shape[-1] for p in parts}) != 1:  # one G
         return None
-    return quant_matmul_cpu.q4g_matmul_parts(parts, x_DT, layer=index)
+    return quant_matmul_cpu.q4g_matmul_parts(parts, x_DT, layer=index, act_block=block or 0)
 
 
 def weight_bytes(state) -> int:

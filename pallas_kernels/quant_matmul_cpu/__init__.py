@@ -158,9 +158,10 @@ from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, has_targ
 # that the two agree). Measured: 8 columns faster on the tiles, 16 on the panels (f32
 # level at 8).
 PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
-# The int8-activation kinds (gguf_a8) have only panels: below this many columns the
-# caller writes x as its int8 blocks and takes the weight-only tiles.
-A8_MIN_COLUMNS = {"q4g_a8": 12, "q8g_a8": 12}
+# The int8-activation kinds (gguf_a8) run their VNNI panels from this many columns
+# (kernel_a8.cc's kA8Panel); below, the kernel writes x as its int8 blocks' values and
+# runs the weight-only row tiles on them.
+A8_PANEL_COLUMNS = 12
 
 # The largest column count M at which the kernel (tiles, then panels) measured
 # faster than the XLA form, per kind: the built-in table, measured on the Xeon above.
@@ -168,7 +169,7 @@ A8_MIN_COLUMNS = {"q4g_a8": 12, "q8g_a8": 12}
 # XLA's int8 dot has no AMX to run on), so ``jaxserve.engine.kernel_widths`` measures
 # this machine's once, caches it and installs it with ``set_max_columns``.
 BUILTIN_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 256,
-                       "q4g_a8": 512, "q8g_a8": 512}
+                       "q4g_a8": 2048, "q8g_a8": 2048}
 _MAX_COLUMNS = dict(BUILTIN_MAX_COLUMNS)
 
 
@@ -176,8 +177,8 @@ def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     """Whether ``quantized_matmul`` should call the kernel for a weight [F, D] of
     ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``, ``"f32"``, ``"q4g_a8"``,
     ``"q8g_a8"``) and M columns: M <= the kind's limit in this process's table
-    (``max_columns``), and for the int8-activation kinds M >= ``A8_MIN_COLUMNS``."""
-    return A8_MIN_COLUMNS.get(kind, 1) <= M <= _MAX_COLUMNS[kind]
+    (``max_columns``)."""
+    return M <= _MAX_COLUMNS[kind]
 
 
 def max_columns() -> dict[str, int]:
@@ -204,7 +205,7 @@ def set_max_columns(limits: dict[str, int]) -> dict[str, int]:
     return previous
 
 
-__all__ = ["A8_MIN_COLUMNS", "BUILTIN_MAX_COLUMNS", "PANEL_COLUMNS", "available", "f32_matmul",
+__all__ = ["A8_PANEL_COLUMNS", "BUILTIN_MAX_COLUMNS", "PANEL_COLUMNS", "available", "f32_matmul",
            "has_target", "int8_matmul", "library_path", "max_columns", "q4g_a8_matmul",
            "q4g_dequantize", "q4g_matmul", "q4g_matmul_parts", "q8g_a8_matmul",
            "q8g_dequantize", "q8g_matmul", "set_max_columns", "use_kernel", "w8a8_matmul"]

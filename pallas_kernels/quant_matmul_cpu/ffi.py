@@ -130,13 +130,16 @@ def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1, thread
                  threads=threads, panel=panel)
 
 
-def q4g_matmul_parts(parts, x_DM, layer=None, isa: int = -1, threads: int = 0):
+def q4g_matmul_parts(parts, x_DM, layer=None, isa: int = -1, threads: int = 0,
+                     act_block: int = 0):
     """Several ``q4g_matmul``s of the same x in one call (row tiles; a layer's
     q/k/v or gate/up at decode widths): x is prepared once and the parts' rows
     are shared over the threads as one range. ``parts``: 1-4 (p, scale, zero)
     triples as ``q4g_matmul``'s, one G for all, each 2-D or stacked [L, ...]
     and read at ``layer``. Returns [f32[F_i, M]], the same sums as one
-    ``q4g_matmul(..., panel=0)`` per part.
+    ``q4g_matmul(..., panel=0)`` per part. ``act_block`` 32 (``gguf_a8``):
+    x is first replaced by its int8 blocks' values
+    (``quant_format.fake_quantize_act_blocks``, the same f32 values), once.
 
     Raises:
       RuntimeError: the kernel library is not available.
@@ -150,7 +153,7 @@ def q4g_matmul_parts(parts, x_DM, layer=None, isa: int = -1, threads: int = 0):
     outs = [jax.ShapeDtypeStruct((p.shape[-2], M), jnp.float32) for p, _, _ in parts]
     return jax.ffi.ffi_call("jaxserve_qmm_q4g_parts", outs)(
         x_DM.astype(jnp.float32), layer.reshape(()), *flat, isa=np.int32(isa),
-        threads=np.int32(threads))
+        threads=np.int32(threads), act_block=np.int32(act_block))
 
 
 def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, layer=None, isa: int = -1, threads: int = 0):

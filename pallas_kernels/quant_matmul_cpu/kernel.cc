@@ -431,13 +431,17 @@ void q4g_matmul_x(ffi::ThreadPool& pool, int32_t threads, int level, const uint8
 // per part. The parts share D and G; each is read at layer[0] of its own stack.
 ffi::Error Q4gPartsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs args,
-                        ffi::RemainingRets rets, int32_t isa, int32_t threads) {
+                        ffi::RemainingRets rets, int32_t isa, int32_t threads,
+                        int32_t act_block) {
   constexpr int kMaxParts = 4;
   const int64_t n = int64_t(rets.size());
   if (n < 1 || n > kMaxParts || int64_t(args.size()) != 3 * n)
     return ffi::Error::InvalidArgument(
         "jaxserve_qmm_q4g_parts: 1-4 parts, (q, scale, zero) each, one result each");
   const int64_t D = x.dimensions().front(), M = x.dimensions().back();
+  if ((act_block != 0 && act_block != 32) || (act_block && D % 32))
+    return ffi::Error::InvalidArgument(
+        "jaxserve_qmm_q4g_parts: act_block must be 0 or 32 (dividing D)");
   const uint8_t* qp[kMaxParts];
   const uint16_t *sp[kMaxParts], *zp[kMaxParts];
   float* op[kMaxParts];
@@ -473,9 +477,12 @@ ffi::Error Q4gPartsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (level == 1 && gs % 16) level = 0;
   std::vector<float> xt(D * M);
   float* xp = xt.data();
-  if (level == 2) avx512::prepare_x4(x.typed_data(), D, M, xp);
-  else if (level == 1) avx2::prepare_x4(x.typed_data(), D, M, xp);
-  else scalar::prepare_x4(x.typed_data(), D, M, xp);
+  std::vector<float> xf;  // act_block (gguf_a8): x replaced by its int8 blocks' values
+  if (act_block) xf = fake_quantize_act_blocks(x.typed_data(), D, M);
+  const float* xs = act_block ? xf.data() : x.typed_data();
+  if (level == 2) avx512::prepare_x4(xs, D, M, xp);
+  else if (level == 1) avx2::prepare_x4(xs, D, M, xp);
+  else scalar::prepare_x4(xs, D, M, xp);
   auto fn = [&](int64_t f0, int64_t f1) {  // rows of the parts laid end to end
     for (int64_t i = 0; i < n; ++i) {
       const int64_t a = std::max(f0, off[i]) - off[i], b = std::min(f1, off[i + 1]) - off[i];
@@ -616,7 +623,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4gParts, jaxserve_qmm::Q4gPartsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .RemainingRets() JS_ATTRS);
+                                  .RemainingRets() JS_ATTRS.Attr<int32_t>("act_block"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
                               ffi::Ffi::Bind()

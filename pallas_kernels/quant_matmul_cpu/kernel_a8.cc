@@ -33,9 +33,10 @@
 // one of vpdpbusd / vfmadd / vmulps per cycle, so each group's epilogue takes slots from
 // the dot products: that caps 4-bit groups at ~73% of the vpdpbusd peak.
 //
-// Without AVX-512 VNNI (or a ragged F): x is replaced by its int8 blocks' values (sx xq,
-// the same f32 values as quant_format.fake_quantize_act_blocks) and kernel.cc's
-// weight-only grouped matmul runs on them (the definition, up to f32 rounding).
+// Below 12 columns, without AVX-512 VNNI or with a ragged F: x is replaced by its int8
+// blocks' values (sx xq, the same f32 values as quant_format.fake_quantize_act_blocks)
+// and kernel.cc's weight-only grouped matmul runs on them (the definition, up to f32
+// rounding).
 
 #include <immintrin.h>
 
@@ -447,11 +448,7 @@ void q8g_rows(const int8_t* q, const uint16_t* s, const ActQ& a, int64_t f0, int
 }  // namespace a8
 #pragma GCC pop_options
 
-namespace {
-
-// x [D, M] with every block of 32 inputs of a column replaced by its int8 values sx * xq
-// (quant_format.fake_quantize_act_blocks: the same f32 divisions, rint and product).
-std::vector<float> fake_quantized(const float* x, int64_t D, int64_t M) {
+std::vector<float> fake_quantize_act_blocks(const float* x, int64_t D, int64_t M) {
   std::vector<float> xf(size_t(D) * M);
   for (int64_t g = 0; g < D / 32; ++g)
     for (int64_t m = 0; m < M; ++m) {
@@ -466,8 +463,17 @@ std::vector<float> fake_quantized(const float* x, int64_t D, int64_t M) {
   return xf;
 }
 
+namespace {
+
+// The VNNI panels from this many columns (below: the activations' int8 block values
+// through kernel.cc's weight-only row tiles, which read the weights once per call
+// instead of repacking them); quant_matmul_cpu.A8_PANEL_COLUMNS repeats it.
+constexpr int64_t kA8Panel = 12;
+
 // Threads split rows in whole 48-row chunks (parallel_rows), multiples of 16.
-bool vnni_path(int32_t isa, int64_t F) { return pick_isa(isa) == 2 && F % 16 == 0; }
+bool vnni_path(int32_t isa, int64_t F, int64_t M) {
+  return pick_isa(isa) == 2 && F % 16 == 0 && M >= kA8Panel;
+}
 
 }  // namespace
 
@@ -488,8 +494,8 @@ ffi::Error Q4gA8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> q, ffi::Buffer<f
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
   const uint16_t* z = reinterpret_cast<const uint16_t*>(zero.typed_data()) + li * F * G;
   float* o = out->typed_data();
-  if (!vnni_path(isa, F)) {
-    const std::vector<float> xf = fake_quantized(x.typed_data(), D, M);
+  if (!vnni_path(isa, F, M)) {
+    const std::vector<float> xf = fake_quantize_act_blocks(x.typed_data(), D, M);
     q4g_matmul_x(pool, threads, pick_isa(isa), qp, s, z, xf.data(), F, D, G, M, o);
     return ffi::Error::Success();
   }
@@ -515,8 +521,8 @@ ffi::Error Q8gA8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<f
   const int8_t* qp = q.typed_data() + li * F * D;
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scale.typed_data()) + li * F * G;
   float* o = out->typed_data();
-  if (!vnni_path(isa, F)) {
-    const std::vector<float> xf = fake_quantized(x.typed_data(), D, M);
+  if (!vnni_path(isa, F, M)) {
+    const std::vector<float> xf = fake_quantize_act_blocks(x.typed_data(), D, M);
     q8g_matmul_x(pool, threads, pick_isa(isa), qp, s, xf.data(), F, D, G, M, o);
     return ffi::Error::Success();
   }

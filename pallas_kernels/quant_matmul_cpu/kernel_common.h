@@ -103,4 +103,9 @@ void q8g_matmul_x(ffi::ThreadPool& pool, int32_t threads, int level, const int8_
                   const uint16_t* s, const float* x, int64_t F, int64_t D, int64_t G, int64_t M,
                   float* out, int32_t panel = -1);
 
+// x f32 [D, M] with every block of 32 inputs of a column replaced by its int8 values
+// sx * xq (quant_format.fake_quantize_act_blocks: the same f32 products and rint), the
+// activations gguf_a8 multiplies; D % 32 == 0. Defined in kernel_a8.cc.
+std::vector<float> fake_quantize_act_blocks(const float* x, int64_t D, int64_t M);
+
 }  // namespace jaxserve_qmm
