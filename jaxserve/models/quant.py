@@ -135,7 +135,7 @@ from flax import nnx
 # The formats' numpy definitions (``quant_format``) are this module's names too:
 # callers read ``quant.TensorFormat``, ``quant.quantize_np`` and the rest.
 from jaxserve.models.quant_format import (  # noqa: F401
-    ACT_BLOCK, DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8, QuantizedTensor,
+    ACT_BLOCK, ACT_SCALE, DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8, QuantizedTensor,
     TensorFormat, adopted_format, check_shapes, fake_quantize_act_blocks, head_format,
     method_format, pack_int4_np, quantize_act_blocks, quantize_act_blocks_np, quantize_act_np,
     quantize_np, quantize_act, reference_linear, unpack_int4_np,
