@@ -29,7 +29,7 @@ def test_block_gguf_candidates_and_the_overhead_bound_floor(tmp_path, cache_dir)
     assert format_choice.gguf_block_format(q41) == quant.Q4
     assert format_choice.gguf_block_format(f16) is None
     cands, fmt, _ = format_choice._candidates(EngineConfig(model=str(q41)))
-    assert cands == ("none", "gguf", "gguf_a8") and fmt == quant.Q4
+    assert cands == ("none", "gguf") and fmt == quant.Q4
     cands, _, why = format_choice._candidates(EngineConfig(model=str(f16)))
     assert cands == ("none",) and "Q8_0/Q4_0/Q4_1" in why
     # A tiny model is overhead-bound: f32 kept without measuring, nothing cached.
@@ -45,11 +45,13 @@ def test_a_real_measurement_is_cached_per_machine(tmp_path, cache_dir, monkeypat
     monkeypatch.setattr(format_choice, "MIN_WEIGHT_BYTES", 0)
     config = EngineConfig(model=str(path), quantization="auto")
     c = format_choice.choose(config, SMALL)
-    cands = ("none", "gguf", "gguf_a8")
+    cands = ("none", "gguf")
     assert not c.cached and c.candidates == cands
     assert c.score["none"] == 1.0 and c.score["gguf"] > 0 and c.score["gguf_a8"] > 0
-    assert all(c.ms[m][M] > 0 for m in cands for M in format_choice.COLUMNS)
-    assert c.quantization == format_choice.pick(c.score, cands)
+    assert all(c.ms[m][M] > 0 for m in (*cands, "gguf_a8") for M in format_choice.COLUMNS)
+    assert c.quantization == format_choice.pick(c.score, cands)  # gguf_a8 timed, not chosen
+    assert f"opt-in gguf_a8 (int8 activations, llama.cpp's arithmetic) " \
+           f"{c.score['gguf_a8']:.2f}x" in c.reason
     saved = json.loads((cache_dir / format_choice.CACHE_FILE).read_text())
     (key, entry), = saved.items()
     assert format_choice.machine_key() in key and entry["quantization"] == c.quantization

@@ -17,6 +17,7 @@ One weight is a ``QuantizedWeight`` (an NNX module holding up to three
 | ``gguf`` Q8_0 | int8 | 32 | no | precise |
 | ``gguf`` Q4_0 | uint4 | 32 | yes, ``-8 d`` | precise |
 | ``gguf`` Q4_1 | uint4 | 32 | yes, ``m`` | precise |
+| ``gguf_a8`` | as ``gguf`` | 32 | as ``gguf`` | int8 per token in blocks of 32 (``act_block``) |
 
 Each holds its source exactly: ggml's Q8_0 block is ``d * q`` (``d`` f16),
 Q4_0's ``d * (q - 8)`` = ``d * q - 8 d`` (both products exact in f32), Q4_1's
@@ -27,6 +28,14 @@ dense f32 weight (``bits=0``), its values exactly the library's dequantization.
 
 int4 packing: byte ``j`` of a row holds input ``2j`` in its low nibble and
 ``2j + 1`` in its high nibble.
+
+``gguf_a8`` multiplies the same blocks by activations quantized per token in
+blocks of 32 inputs (``quant_format.quantize_act_blocks``: llama.cpp's Q8
+"vec_dot" blocks): ``W x_q`` with ``x_q`` the blocks' values. On CPU with
+AVX-512 VNNI the kernel's a8 targets sum the integer products exactly
+(``kernel_a8.cc``); every other lowering replaces x by ``x_q``
+(``fake_quantize_act_blocks``) and runs the weight-only form, the same
+values up to f32 rounding.
 
 The w8a8 activation quantization is symmetric per token (one scale per column
 of ``x_DT``: ``amax / 127``), as in SmoothQuant's dynamic per-token scheme

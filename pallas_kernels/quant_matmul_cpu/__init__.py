@@ -9,6 +9,7 @@ where ``use_kernel`` says they measured faster than its XLA form.
 | ``q8g_matmul`` | q i8[F, D], scale f16[F, G] | ``s q`` in registers, f32 FMAs |
 | ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` (a lookup), f32 FMAs |
 | ``w8a8_matmul`` | q i8[F, D], scale f32[F, 1], xq i8[D, M], sx f32[1, M] | int32 sums |
+| ``q4g_a8_matmul``, ``q8g_a8_matmul`` | as ``q4g`` / ``q8g`` (groups of 32) | x in int8 blocks of 32, int32 sums per block (``kernel_a8.cc``, gguf_a8) |
 
 Weight-only formats never round the activations: results equal the numpy
 f64 reference (``reference.py``) within f32 summation rounding; w8a8's
