@@ -57,6 +57,13 @@ def test_a_real_measurement_is_cached_per_machine(tmp_path, cache_dir, monkeypat
     assert format_choice.machine_key() in key and entry["quantization"] == c.quantization
     again = format_choice.choose(config, SMALL)
     assert again.cached and again.quantization == c.quantization and again.score == c.score
+    # An entry whose choice is no longer a candidate (written when gguf_a8 was one) is
+    # measured again, not served.
+    stale = json.loads((cache_dir / format_choice.CACHE_FILE).read_text())
+    stale[key]["quantization"] = "gguf_a8"
+    (cache_dir / format_choice.CACHE_FILE).write_text(json.dumps(stale))
+    fresh = format_choice.choose(config, SMALL)
+    assert not fresh.cached and fresh.quantization in cands
     # Another machine (or jax, or kernel build) measures again.
     monkeypatch.setattr(format_choice, "machine_key", lambda: "another cpu [avx2]")
     assert not format_choice.choose(config, SMALL).cached

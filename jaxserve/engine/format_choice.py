@@ -256,7 +256,7 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
            f"{gguf_fmt} | {shapes} x {layers} + {head}")
     path = cache_path()
     cache = read_cache(path) if use_cache else {}
-    if key in cache:
+    if key in cache and cache[key].get("quantization") in cands:  # else: chosen by other rules
         e = cache[key]
         return FormatChoice(e["quantization"], cands, e["score"], e["ms"], True, e["reason"])
     fmts = {"none": None, "gguf": gguf_fmt,
