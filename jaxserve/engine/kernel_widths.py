@@ -65,7 +65,7 @@ CACHE_FILE = "kernel_widths.json"
 # Activation columns measured, in order; the limit is one of them (or 0).
 COLUMNS = (1, 8, 32, 128, 256, 512)
 # The int8-activation kinds' (gguf_a8) widths: their VNNI panels run from
-# quant_matmul_cpu.A8_PANEL_COLUMNS on (below, the same row tiles as the XLA form's), and
+# 12 columns on (kernel_a8.cc's kA8Panel; below, the same row tiles as the XLA form's), and
 # measured faster than XLA's f32 dot up to a prefill chunk's (0.45x its time at 512
 # columns on the EPYC), so up to the default token budget.
 A8_COLUMNS = (32, 128, 512, 2048)

@@ -159,10 +159,6 @@ from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, has_targ
 # that the two agree). Measured: 8 columns faster on the tiles, 16 on the panels (f32
 # level at 8).
 PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
-# The int8-activation kinds (gguf_a8) run their VNNI panels from this many columns
-# (kernel_a8.cc's kA8Panel); below, the kernel writes x as its int8 blocks' values and
-# runs the weight-only row tiles on them.
-A8_PANEL_COLUMNS = 12
 
 # The largest column count M at which the kernel (tiles, then panels) measured
 # faster than the XLA form, per kind: the built-in table, measured on the Xeon above.
@@ -206,7 +202,7 @@ def set_max_columns(limits: dict[str, int]) -> dict[str, int]:
     return previous
 
 
-__all__ = ["A8_PANEL_COLUMNS", "BUILTIN_MAX_COLUMNS", "PANEL_COLUMNS", "available", "f32_matmul",
+__all__ = ["BUILTIN_MAX_COLUMNS", "PANEL_COLUMNS", "available", "f32_matmul",
            "has_target", "int8_matmul", "library_path", "max_columns", "q4g_a8_matmul",
            "q4g_dequantize", "q4g_matmul", "q4g_matmul_parts", "q8g_a8_matmul",
            "q8g_dequantize", "q8g_matmul", "set_max_columns", "use_kernel", "w8a8_matmul"]

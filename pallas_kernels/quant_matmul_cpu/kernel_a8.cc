@@ -91,7 +91,7 @@ namespace {
 
 // The VNNI panels from this many columns (below: the activations' int8 block values
 // through kernel.cc's weight-only row tiles, which read the weights once per call
-// instead of repacking them); quant_matmul_cpu.A8_PANEL_COLUMNS repeats it.
+// instead of repacking them). The a8 targets serve every width, so Python needs no copy.
 constexpr int64_t kA8Panel = 12;
 
 // Threads split rows in whole 48-row chunks (parallel_rows), multiples of 16.
