@@ -50,8 +50,9 @@ flags.DEFINE_string("quantization", "auto", "Weight format of the linear project
                     "numerics, measured once per machine and cached; none elsewhere), none, "
                     "int8 (weight-only, per channel), w8a8 (int8 weights x int8 activations), "
                     "int4 (groups along the input dim, scale + zero point), gguf (the "
-                    "file's own Q8_0/Q4_0/Q4_1 blocks) or gguf_a8 (those blocks x int8 "
-                    "activations in blocks of 32, as llama.cpp computes them), and the LM "
+                    "file's own Q8_0/Q4_0/Q4_1 blocks), gguf_a16 (those blocks x int16 "
+                    "activations in blocks of 32, integer dot products) or gguf_a8 (x int8 "
+                    "activations, as llama.cpp computes them), and the LM "
                     "head unless --noquantize_lm_head. Embeddings, norms, router and attention "
                     "stay precise.")
 flags.DEFINE_integer("quantization_group_size", 32, "int4: input elements per scale.")

@@ -29,7 +29,7 @@ def test_block_gguf_candidates_and_the_overhead_bound_floor(tmp_path, cache_dir)
     assert format_choice.gguf_block_format(q41) == quant.Q4
     assert format_choice.gguf_block_format(f16) is None
     cands, fmt, _ = format_choice._candidates(EngineConfig(model=str(q41)))
-    assert cands == ("none", "gguf") and fmt == quant.Q4
+    assert cands == ("none", "gguf", "gguf_a16") and fmt == quant.Q4
     cands, _, why = format_choice._candidates(EngineConfig(model=str(f16)))
     assert cands == ("none",) and "Q8_0/Q4_0/Q4_1" in why
     # A tiny model is overhead-bound: f32 kept without measuring, nothing cached.
@@ -45,9 +45,9 @@ def test_a_real_measurement_is_cached_per_machine(tmp_path, cache_dir, monkeypat
     monkeypatch.setattr(format_choice, "MIN_WEIGHT_BYTES", 0)
     config = EngineConfig(model=str(path), quantization="auto")
     c = format_choice.choose(config, SMALL)
-    cands = ("none", "gguf")
+    cands = ("none", "gguf", "gguf_a16")
     assert not c.cached and c.candidates == cands
-    assert c.score["none"] == 1.0 and c.score["gguf"] > 0 and c.score["gguf_a8"] > 0
+    assert c.score["none"] == 1.0 and all(c.score[m] > 0 for m in ("gguf", "gguf_a16", "gguf_a8"))
     assert all(c.ms[m][M] > 0 for m in (*cands, "gguf_a8") for M in format_choice.COLUMNS)
     assert c.quantization == format_choice.pick(c.score, cands)  # gguf_a8 timed, not chosen
     assert f"opt-in gguf_a8 (int8 activations, llama.cpp's arithmetic) " \
@@ -75,13 +75,13 @@ def test_a_real_measurement_is_cached_per_machine(tmp_path, cache_dir, monkeypat
 
 
 def test_pick_prefers_exact_numerics_on_ties():
-    cands = ("none", "gguf", "gguf_a8")
+    cands = ("none", "gguf", "gguf_a16")
     pick = format_choice.pick
-    assert pick({"none": 1.0, "gguf": 0.98, "gguf_a8": 0.975}, cands) == "none"  # all ties
-    assert pick({"none": 1.0, "gguf": 0.5, "gguf_a8": 0.49}, cands) == "gguf"  # within 3%
-    assert pick({"none": 1.0, "gguf": 0.5, "gguf_a8": 0.48}, cands) == "gguf_a8"
-    assert pick({"none": 1.0, "gguf": 1.2, "gguf_a8": 0.9}, cands) == "gguf_a8"
-    assert pick({"none": 1.0, "gguf": 0.9, "gguf_a8": 1.5}, cands) == "gguf"
+    assert pick({"none": 1.0, "gguf": 0.98, "gguf_a16": 0.975}, cands) == "none"  # all ties
+    assert pick({"none": 1.0, "gguf": 0.5, "gguf_a16": 0.49}, cands) == "gguf"  # within 3%
+    assert pick({"none": 1.0, "gguf": 0.5, "gguf_a16": 0.48}, cands) == "gguf_a16"
+    assert pick({"none": 1.0, "gguf": 1.2, "gguf_a16": 0.9}, cands) == "gguf_a16"
+    assert pick({"none": 1.0, "gguf": 0.9, "gguf_a16": 1.5}, cands) == "gguf"
 
 
 def test_engine_serves_the_resolved_format(tiny_gguf, cache_dir):

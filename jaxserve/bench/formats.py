@@ -34,7 +34,7 @@ Figures per pair (``result["quant"]["formats"]``):
   is the same bytes at the matvec bytes/s.
 
 Targets (``targets``; printed, not tests): W2 TPOT of int8 / w8a8 <= 1.0x
-llama.cpp's, of int4 / gguf / gguf_a8 <= 0.8x; W1 of w8a8 >= 1.5x W1 of f32 (same KV
+llama.cpp's, of int4 / gguf / gguf_a16 / gguf_a8 <= 0.8x; W1 of w8a8 >= 1.5x W1 of f32 (same KV
 dtype when that pair ran, else f32 / ``auto``); weight bytes of int8 <= 0.27x
 f32's and of int4 <= 0.16x, whole model and projections each.
 """
@@ -60,7 +60,7 @@ from pallas_kernels.ragged_paged_attention.quant import is_quantized
 KV_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 BASELINE = ("none", "auto")
 LABEL = {"none": "f32", "int8": "int8", "w8a8": "w8a8", "int4": "int4", "gguf": "gguf",
-         "gguf_a8": "gguf_a8"}
+         "gguf_a16": "gguf_a16", "gguf_a8": "gguf_a8"}
 # The projections' attribute names in every model family (``quant.is_projection``'s
 # q/k/v/o and gate/up/down, experts' stacked ones included).
 PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -151,7 +151,8 @@ def kv_bytes_per_token(engine) -> float:
 
 class GgufParams:
     """The checkpoint's params for each quantization: the run's float
-    params, or (``gguf``, ``gguf_a8``) the GGUF loaded again with its blocks kept, once."""
+    params, or (``gguf``, ``gguf_a16``, ``gguf_a8``) the GGUF loaded again
+    with its blocks kept, once."""
 
     def __init__(self, parts: dict, model: str, smoke: bool):
         self.parts, self.model, self.smoke = parts, model, smoke

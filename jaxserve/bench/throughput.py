@@ -193,7 +193,8 @@ def run(a) -> int:
     peer_names = [] if smoke or not wl else peers_mod.parse_peers(
         a.peers.replace("llama.cpp", "llama_cpp"))
     pairs = formats.parse_formats(a.formats, a.kv_cache_dtypes) if wl else [formats.BASELINE]
-    formats.parse_list(a.sweep_format, ("none", "int8", "w8a8", "int4", "gguf", "gguf_a8"),
+    formats.parse_list(a.sweep_format,
+                       ("none", "int8", "w8a8", "int4", "gguf", "gguf_a16", "gguf_a8"),
                        "--sweep_format")
     iters = a.iters or (2 if smoke else 10)
     if iters < 1:

@@ -30,11 +30,12 @@ def kv_cache_dtype_from_name(name: str) -> str | None:
     return value
 
 # Weight quantization methods (``jaxserve.models.quant`` defines each).
-QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "gguf", "gguf_a8")
+QUANTIZATION_METHODS = ("none", "int8", "w8a8", "int4", "gguf", "gguf_a16", "gguf_a8")
 # The methods that keep a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks: "gguf" with precise
-# activations, "gguf_a8" with the activations quantized to int8 in blocks of 32 along the
-# input dim, as llama.cpp computes those blocks (``jaxserve.models.quant``).
-GGUF_BLOCK_METHODS = ("gguf", "gguf_a8")
+# activations, "gguf_a16" / "gguf_a8" with the activations quantized to int16 / int8 in
+# blocks of 32 along the input dim (gguf_a8 as llama.cpp computes those blocks;
+# ``jaxserve.models.quant``).
+GGUF_BLOCK_METHODS = ("gguf", "gguf_a16", "gguf_a8")
 # ``EngineConfig.quantization`` also takes "auto": the fastest of the formats that keep
 # the checkpoint's numerics, measured once per machine (``jaxserve.engine.format_choice``).
 QUANTIZATION_CHOICES = ("auto",) + QUANTIZATION_METHODS
@@ -252,8 +253,11 @@ class EngineConfig:
         activations, int32 accumulation), ``"int4"`` (weight-only, groups of
         ``quantization_group_size`` along the input dim, scale and zero point),
         ``"gguf"`` (a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, kept as they
-        are), ``"gguf_a8"`` (those blocks, with the activations quantized to
-        int8 per token in blocks of 32 inputs, as llama.cpp multiplies them),
+        are), ``"gguf_a16"`` (those blocks, with the activations quantized to
+        int16 per token in blocks of 32 inputs: integer dot products, PPL and
+        greedy tokens as ``"gguf"``'s within the eval's resolution),
+        ``"gguf_a8"`` (the same with int8 blocks, as llama.cpp multiplies
+        them),
         or ``"auto"`` (the engine picks: on CPU the fastest of the formats
         that keep the checkpoint's numerics, measured once per machine; see
         ``jaxserve.engine.format_choice``); the LM head too unless

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "kernel_widths.json"
 # Activation columns measured, in order; the limit is one of them (or 0).
 COLUMNS = (1, 8, 32, 128, 256, 512)
-# The int8-activation kinds' (gguf_a8) widths: their VNNI panels run from
+# The block-activation kinds' (gguf_a8, gguf_a16) widths: their VNNI panels run from
 # 12 columns on (kernel_a8.cc's kA8Panel; below, the same row tiles as the XLA form's), and
 # measured faster than XLA's f32 dot up to a prefill chunk's (0.45x its time at 512
 # columns on the EPYC), so up to the default token budget.
@@ -123,7 +123,8 @@ def kinds_of(model, quantization: str, dtype) -> list[str]:
     from jaxserve.models import quant, quant_cpu
     fmts = {node.fmt for _, node in nnx.iter_graph(model)
             if isinstance(node, quant.QuantizedWeight) and node.fmt.bits != 0}
-    # gguf_a8's int8-activation kinds, and the weight-only ones its narrow widths take
+    # gguf_a8's / a16's block-activation kinds, and the weight-only ones their narrow
+    # widths take
     kinds = {quant_cpu.kernel_kind(f) for f in fmts | {f.weight_only() for f in fmts}}
     if quantization == "none" and jnp.dtype(dtype) == jnp.float32:
         kinds.add("f32")
@@ -132,8 +133,9 @@ def kinds_of(model, quantization: str, dtype) -> list[str]:
 
 def _format_of(kind: str):
     from jaxserve.models import quant
-    if kind.endswith("_a8"):
-        return dataclasses.replace(_format_of(kind[:-3]), act_block=quant.ACT_BLOCK)
+    if "_a" in kind:  # q4g_a8, q8g_a16, ...
+        base, bits = kind.split("_a")
+        return dataclasses.replace(_format_of(base), act_block=quant.ACT_BLOCK, act_bits=int(bits))
     return {"int8": quant.INT8, "w8a8": quant.W8A8, "q8g": quant.Q8_0, "q4g": quant.Q4,
             "f32": None}[kind]
 
@@ -244,7 +246,7 @@ def choose(kind: str, model_config: ModelConfig, *, use_cache: bool = True,
     form = quant_cpu.set_int8_wide_form(wide) if wide else None
     try:
         ms = measure(kind, shapes, layers,
-                     columns=A8_COLUMNS if kind.endswith("_a8") else COLUMNS)
+                     columns=A8_COLUMNS if "_a" in kind else COLUMNS)
     finally:
         if form:
             quant_cpu.set_int8_wide_form(form)

@@ -405,8 +405,8 @@ class LlamaForCausalLM(nnx.Module):
                        and self.cfg.tie_word_embeddings and jax.default_backend() == "cpu"
                        and not any(quant_cpu.kernel_serves(f, head.shape[0], x_DR)
                                    for f in (head.fmt, head.fmt.weight_only())))
-        if exact_dense and head.fmt.act_block:  # gguf_a8: the head reads x's int8 blocks
-            x_DR = quant.fake_quantize_act_blocks(x_DR, head.fmt.act_block)
+        if exact_dense and head.fmt.act_block:  # gguf_a8 / a16: the head reads x's blocks
+            x_DR = quant.fake_quantize_act_blocks(x_DR, head.fmt.act_block, head.fmt.act_bits)
         if isinstance(head, quant.QuantizedWeight) and not exact_dense:
             logits_RV = head.matmul(x_DR).T
         else:

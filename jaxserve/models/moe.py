@@ -198,9 +198,10 @@ class MoEBlock(nnx.Module):
             xq_DT, sx_1T = quant.quantize_act(x_DT)  # w8a8: the tokens as int8 per token
             x_TD = (xq_DT.astype(jnp.float32) * sx_1T).T.astype(x_DT.dtype)
         elif isinstance(self.gate_proj, quant.QuantizedWeight) and self.gate_proj.fmt.act_block:
-            # gguf_a8: the tokens as their int8 blocks (the down projection's input, inside
+            # gguf_a8 / a16: the tokens as their blocks (the down projection's input, inside
             # the ragged expert FFN, stays precise, as under w8a8)
-            x_TD = quant.fake_quantize_act_blocks(x_DT, self.gate_proj.fmt.act_block).T.astype(
+            fmt = self.gate_proj.fmt
+            x_TD = quant.fake_quantize_act_blocks(x_DT, fmt.act_block, fmt.act_bits).T.astype(
                 x_DT.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:

@@ -17,6 +17,7 @@ One weight is a ``QuantizedWeight`` (an NNX module holding up to three
 | ``gguf`` Q8_0 | int8 | 32 | no | precise |
 | ``gguf`` Q4_0 | uint4 | 32 | yes, ``-8 d`` | precise |
 | ``gguf`` Q4_1 | uint4 | 32 | yes, ``m`` | precise |
+| ``gguf_a16`` | as ``gguf`` | 32 | as ``gguf`` | int16 per token in blocks of 32 (``act_block``, ``act_bits``) |
 | ``gguf_a8`` | as ``gguf`` | 32 | as ``gguf`` | int8 per token in blocks of 32 (``act_block``) |
 
 Each holds its source exactly: ggml's Q8_0 block is ``d * q`` (``d`` f16),
@@ -35,7 +36,10 @@ blocks of 32 inputs (``quant_format.quantize_act_blocks``: llama.cpp's Q8
 AVX-512 VNNI the kernel's a8 targets sum the integer products exactly
 (``kernel_a8.cc``); every other lowering replaces x by ``x_q``
 (``fake_quantize_act_blocks``) and runs the weight-only form, the same
-values up to f32 rounding.
+values up to f32 rounding. ``gguf_a16`` is the same with int16 blocks
+(``vpdpwssd``): a block's rounding error is 1/258 of int8's, so its eval and
+greedy tokens are ``gguf``'s within what the eval resolves, while its dot
+products still run on the integer units.
 
 The w8a8 activation quantization is symmetric per token (one scale per column
 of ``x_DT``: ``amax / 127``), as in SmoothQuant's dynamic per-token scheme
@@ -144,10 +148,11 @@ from flax import nnx
 # The formats' numpy definitions (``quant_format``) are this module's names too:
 # callers read ``quant.TensorFormat``, ``quant.quantize_np`` and the rest.
 from jaxserve.models.quant_format import (  # noqa: F401
-    ACT_BLOCK, ACT_SCALE, DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8, QuantizedTensor,
-    TensorFormat, adopted_format, check_shapes, fake_quantize_act_blocks, head_format,
-    method_format, pack_int4_np, quantize_act_blocks, quantize_act_blocks_np, quantize_act_np,
-    quantize_np, quantize_act, reference_linear, unpack_int4_np,
+    ACT_BLOCK, ACT_SCALE, ACT_SCALE16, DENSE, GROUP_SCALE_DTYPE, INT8, INT8_MAX, Q4, Q8_0, W8A8,
+    QuantizedTensor, TensorFormat, act_levels, adopted_format, check_shapes,
+    fake_quantize_act_blocks, head_format, method_format, pack_int4_np, quantize_act_blocks,
+    quantize_act_blocks_np, quantize_act_np, quantize_np, quantize_act, reference_linear,
+    unpack_int4_np,
 )
 from jaxserve.models import quant_cpu
 from pallas_kernels import quant_matmul_cpu
@@ -202,7 +207,8 @@ def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
             if y is not None:
                 return y
         # Any other lowering: x replaced by its int8 blocks, then the weight-only forms.
-        fmt, x_DT = fmt.weight_only(), fake_quantize_act_blocks(x_DT, fmt.act_block)
+        fmt, x_DT = fmt.weight_only(), fake_quantize_act_blocks(x_DT, fmt.act_block,
+                                                                fmt.act_bits)
     if isinstance(parts[0], StackedRead) and lowering == "auto":
         stacked = [None if p is None else p.stacked for p in parts]
         y = quant_cpu.cpu_kernel(fmt, *stacked, x_DT, layer=parts[0].index)
@@ -230,9 +236,10 @@ def quantized_matmul(fmt: TensorFormat, q, scale, zero, x_DT, lowering: str = "a
         y = quant_cpu.cpu_kernel(fmt, q, scale, zero, x_DT)
         if y is not None:
             return y
-    if fmt.act_block:  # gguf_a8 elsewhere: x replaced by its int8 blocks, then weight-only
+    if fmt.act_block:  # gguf_a8 / a16 elsewhere: x replaced by its blocks, then weight-only
         return quantized_matmul(fmt.weight_only(), q, scale, zero,
-                                fake_quantize_act_blocks(x_DT, fmt.act_block), lowering)
+                                fake_quantize_act_blocks(x_DT, fmt.act_block, fmt.act_bits),
+                                lowering)
     if fmt.act_int8:  # w8a8: the definition quantizes x; one int8 dot everywhere
         xq, sx = quantize_act(x_DT)
         if fmt.group_size is None:
@@ -479,10 +486,10 @@ def _q4g_fused(ws, x_DT):
         return None
     if not all(isinstance(w, QuantizedWeight) for w in ws):
         return None
-    act = {w.fmt.act_block for w in ws}
+    act = {(w.fmt.act_block, w.fmt.act_bits) for w in ws}
     if len(act) != 1:
         return None
-    block = act.pop()  # gguf_a8: the kernel replaces x by its int8 blocks' values first
+    block, bits = act.pop()  # gguf_a8 / a16: the kernel replaces x by its blocks' values first
     if block not in (None, ACT_BLOCK):
         return None
     parts, index = [], None
@@ -501,7 +508,8 @@ def _q4g_fused(ws, x_DT):
         parts.append((q.stacked, s.stacked, z.stacked))
     if len({p[1].shape[-1] for p in parts}) != 1:  # one G
         return None
-    return quant_matmul_cpu.q4g_matmul_parts(parts, x_DT, layer=index, act_block=block or 0)
+    return quant_matmul_cpu.q4g_matmul_parts(parts, x_DT, layer=index, act_block=block or 0,
+                                             act_bits=bits)
 
 
 def weight_bytes(state) -> int:

@@ -63,10 +63,11 @@ def kernel_kind(fmt: TensorFormat | None) -> str | None:
     kind); None: a dense f32 weight."""
     if fmt is None:
         return "f32"
-    if fmt.act_block:  # gguf_a8: the int8-activation kinds (blocks of the weight's groups)
+    if fmt.act_block:  # gguf_a8 / a16: the block-activation kinds (the weight's groups)
         if fmt.act_block != fmt.group_size:
             return None
-        return "q8g_a8" if fmt.bits == 8 else "q4g_a8" if fmt.bits == 4 and fmt.zero_point \
+        a = f"_a{fmt.act_bits}"
+        return "q8g" + a if fmt.bits == 8 else "q4g" + a if fmt.bits == 4 and fmt.zero_point \
             else None
     if fmt.bits == 8 and fmt.group_size is None:
         return "w8a8" if fmt.act_int8 else "int8"
@@ -83,7 +84,7 @@ def kernel_serves(fmt: TensorFormat | None, F: int, x_DT) -> bool:
     kind = kernel_kind(fmt)
     return (kind is not None and kernel_allowed(x_DT)
             and quant_matmul_cpu.use_kernel(kind, F, x_DT.shape[0], x_DT.shape[1])
-            and (quant_matmul_cpu.has_target(f"jaxserve_qmm_{kind}") if kind.endswith("_a8")
+            and (quant_matmul_cpu.has_target(f"jaxserve_qmm_{kind}") if "_a" in kind
                  else quant_matmul_cpu.available()))
 
 
@@ -110,6 +111,10 @@ def cpu_kernel(fmt: TensorFormat, q, scale, zero, x_DT, layer=None):
         return quant_matmul_cpu.q8g_a8_matmul(q, scale, x_DT, layer=layer)
     if kind == "q4g_a8":
         return quant_matmul_cpu.q4g_a8_matmul(q, scale, zero, x_DT, layer=layer)
+    if kind == "q8g_a16":
+        return quant_matmul_cpu.q8g_a16_matmul(q, scale, x_DT, layer=layer)
+    if kind == "q4g_a16":
+        return quant_matmul_cpu.q4g_a16_matmul(q, scale, zero, x_DT, layer=layer)
     return quant_matmul_cpu.q4g_matmul(q, scale, zero, x_DT, layer=layer)
 
 

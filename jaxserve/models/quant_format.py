@@ -32,10 +32,13 @@ class TensorFormat:
         scale per output channel).
       zero_point: the format stores ``zero`` (asymmetric).
       act_int8: activations are quantized per token to int8 (``w8a8``).
-      act_block: activations are quantized per token to int8 in blocks of this
-        many inputs (``gguf_a8``: symmetric, ``amax / 127`` per block, as
+      act_block: activations are quantized per token in blocks of this many
+        inputs (symmetric, one f32 scale per block: ``gguf_a8`` to int8 as
         llama.cpp quantizes activations to Q8 blocks of 32 before it
-        multiplies them with Q4_0 / Q4_1 / Q8_0 weights); None: precise.
+        multiplies them with Q4_0 / Q4_1 / Q8_0 weights, ``gguf_a16`` to
+        int16); None: precise.
+      act_bits: the blocks' integer width with ``act_block``: 8 (levels
+        +-127) or 16 (+-32767).
     """
 
     bits: int
@@ -43,6 +46,7 @@ class TensorFormat:
     zero_point: bool = False
     act_int8: bool = False
     act_block: int | None = None
+    act_bits: int = 8
 
     def __post_init__(self):
         if self.bits not in (0, 4, 8):
@@ -52,6 +56,8 @@ class TensorFormat:
         if self.act_block is not None and (self.act_block < 1 or self.act_int8):
             raise ValueError(f"TensorFormat.act_block must be >= 1 and exclusive of act_int8, "
                              f"got {self.act_block}")
+        if self.act_bits not in (8, 16):
+            raise ValueError(f"TensorFormat.act_bits must be 8 or 16, got {self.act_bits}")
         if self.bits == 4 and self.group_size is not None and self.group_size % 2:
             raise ValueError(f"int4 groups hold whole bytes: group_size must be even, "
                              f"got {self.group_size}")
@@ -62,7 +68,7 @@ class TensorFormat:
 
     def weight_only(self) -> "TensorFormat":
         """The same weight storage with precise activations (``act_block`` None)."""
-        return dataclasses.replace(self, act_block=None) if self.act_block else self
+        return dataclasses.replace(self, act_block=None, act_bits=8) if self.act_block else self
 
 
 DENSE = TensorFormat(bits=0)
@@ -70,10 +76,24 @@ INT8 = TensorFormat(bits=8)
 W8A8 = TensorFormat(bits=8, act_int8=True)
 Q8_0 = TensorFormat(bits=8, group_size=32)
 Q4 = TensorFormat(bits=4, group_size=32, zero_point=True)  # Q4_0 and Q4_1 alike
-# gguf_a8's activation blocks: llama.cpp's Q8_0 / Q8_1 block of 32 (QK8_0), and the
-# factor from a block's amax to its scale, 1/127 rounded to f32.
+# gguf_a8's and gguf_a16's activation blocks: llama.cpp's Q8_0 / Q8_1 block of 32
+# (QK8_0), and the factor from a block's amax to its scale, 1/127 (int8) or 1/32767
+# (int16) rounded to f32.
 ACT_BLOCK = 32
 ACT_SCALE = np.float32(1 / 127)
+ACT_SCALE16 = np.float32(1 / 32767)
+
+
+def act_levels(bits: int) -> tuple[int, np.float32]:
+    """(L, amax-to-scale factor) of activation blocks of ``bits`` (8: 127 and
+    ``ACT_SCALE``; 16: 32767 and ``ACT_SCALE16``).
+
+    Raises:
+      ValueError: bits other than 8 or 16.
+    """
+    if bits not in (8, 16):
+        raise ValueError(f"activation blocks are 8 or 16 bits, got {bits}")
+    return (INT8_MAX, ACT_SCALE) if bits == 8 else (32767, ACT_SCALE16)
 
 
 def head_format(fmt: TensorFormat | None) -> TensorFormat | None:
@@ -91,9 +111,10 @@ def head_format(fmt: TensorFormat | None) -> TensorFormat | None:
 
 def method_format(method: str, group_size: int = 32) -> TensorFormat | None:
     """The ``TensorFormat`` every quantized projection gets under ``method``;
-    None for ``"none"``; for ``"gguf"`` and ``"gguf_a8"`` a placeholder (each
-    tensor then takes its file's format when it loads, ``gguf_a8`` with
-    ``act_block`` added: ``adopted_format``).
+    None for ``"none"``; for ``"gguf"``, ``"gguf_a8"`` and ``"gguf_a16"`` a
+    placeholder (each tensor then takes its file's format when it loads,
+    ``gguf_a8`` / ``gguf_a16`` with ``act_block`` and ``act_bits`` added:
+    ``adopted_format``).
 
     Raises:
       ValueError: an unknown method, or a bad group size.
@@ -105,19 +126,21 @@ def method_format(method: str, group_size: int = 32) -> TensorFormat | None:
         return None
     if method == "int4":
         return TensorFormat(bits=4, group_size=group_size, zero_point=True)
-    if method == "gguf_a8":
-        return dataclasses.replace(Q4, act_block=ACT_BLOCK)
+    if method in ("gguf_a8", "gguf_a16"):
+        return dataclasses.replace(Q4, act_block=ACT_BLOCK, act_bits=int(method[6:]))
     return {"int8": INT8, "w8a8": W8A8, "gguf": Q4}[method]
 
 
 def adopted_format(loaded: TensorFormat, placeholder: TensorFormat) -> TensorFormat:
     """The format a weight built as ``placeholder`` (``method_format`` of
-    ``gguf`` / ``gguf_a8``) takes for a loaded GGUF tensor of format ``loaded``:
-    the tensor's own, with the placeholder's ``act_block`` where it is
-    quantized (a dense tensor of another ggml type keeps precise activations)."""
+    ``gguf`` / ``gguf_a8`` / ``gguf_a16``) takes for a loaded GGUF tensor of
+    format ``loaded``: the tensor's own, with the placeholder's ``act_block``
+    and ``act_bits`` where it is quantized (a dense tensor of another ggml
+    type keeps precise activations)."""
     if loaded.bits == 0 or placeholder.act_block is None:
         return loaded
-    return dataclasses.replace(loaded, act_block=placeholder.act_block)
+    return dataclasses.replace(loaded, act_block=placeholder.act_block,
+                               act_bits=placeholder.act_bits)
 
 
 def check_shapes(method: str, group_size: int, shapes) -> None:
@@ -255,53 +278,61 @@ def quantize_act(x_DT):
     return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
-def quantize_act_blocks_np(x_DT: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token symmetric int8 of feature-major activations in blocks of
-    ``block`` inputs (``TensorFormat.act_block``): (q i8[D, T], scale f32[D /
-    block, T]) with ``x[d, t] ~= scale[d // block, t] q[d, t]``; ``scale =
-    amax * ACT_SCALE`` over the block (1 where the block is all zero), ``q =
-    clip(rint(x * (1 / scale)), -127, 127)`` (llama.cpp's ``x * id``), all in
+def quantize_act_blocks_np(x_DT: np.ndarray, block: int,
+                           bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token symmetric int8 (``bits`` 8) or int16 (16) of feature-major
+    activations in blocks of ``block`` inputs (``TensorFormat.act_block``):
+    (q i8 / i16 [D, T], scale f32[D / block, T]) with ``x[d, t] ~= scale[d //
+    block, t] q[d, t]``; ``scale = amax * ACT_SCALE`` (``ACT_SCALE16``) over
+    the block (1 where the block is all zero), ``q = clip(rint(x * (1 /
+    scale)), -L, L)`` with L = 127 (32767) (llama.cpp's ``x * id``), all in
     f32. (Products, not ``amax / 127`` and ``x / scale``: XLA rewrites a
     division by a constant or a broadcast value into a product with its
     rounded reciprocal, so only these forms are computed alike by numpy, XLA
     and the C++ kernel.)
 
     Raises:
-      ValueError: ``block`` does not divide D.
+      ValueError: ``block`` does not divide D; ``bits`` not 8 or 16.
     """
+    levels, factor = act_levels(bits)
     x = np.asarray(x_DT, np.float32)
     D, T = x.shape
     if D % block:
         raise ValueError(f"activation block {block} does not divide the input dim {D}")
     xb = x.reshape(D // block, block, T)
     amax = np.abs(xb).max(axis=1)
-    scale = np.where(amax > 0, amax * ACT_SCALE, np.float32(1)).astype(np.float32)
+    scale = np.where(amax > 0, amax * factor, np.float32(1)).astype(np.float32)
     inv = (np.float32(1) / scale).astype(np.float32)
-    q = np.clip(np.rint(xb * inv[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    q = np.clip(np.rint(xb * inv[:, None]), -levels, levels).astype(
+        np.int8 if bits == 8 else np.int16)
     return q.reshape(D, T), scale
 
 
-def quantize_act_blocks(x_DT, block: int):
-    """``quantize_act_blocks_np`` under jit: (q i8[D, T], scale f32[D / block, T]).
+def quantize_act_blocks(x_DT, block: int, bits: int = 8):
+    """``quantize_act_blocks_np`` under jit: (q i8 / i16 [D, T], scale f32[D /
+    block, T]).
 
     Raises:
-      ValueError: ``block`` does not divide D.
+      ValueError: ``block`` does not divide D; ``bits`` not 8 or 16.
     """
+    levels, factor = act_levels(bits)
     D, T = x_DT.shape
     if D % block:
         raise ValueError(f"activation block {block} does not divide the input dim {D}")
     xb = x_DT.astype(jnp.float32).reshape(D // block, block, T)
     amax = jnp.max(jnp.abs(xb), axis=1)
-    scale = jnp.where(amax > 0, amax * ACT_SCALE, 1.0)
-    q = jnp.clip(jnp.round(xb * (1.0 / scale)[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    scale = jnp.where(amax > 0, amax * factor, 1.0)
+    q = jnp.clip(jnp.round(xb * (1.0 / scale)[:, None]), -levels, levels).astype(
+        jnp.int8 if bits == 8 else jnp.int16)
     return q.reshape(D, T), scale
 
 
-def fake_quantize_act_blocks(x_DT, block: int):
+def fake_quantize_act_blocks(x_DT, block: int, bits: int = 8):
     """f32 [D, T]: ``x`` replaced by its ``quantize_act_blocks`` values
-    ``scale q`` (the activations ``gguf_a8`` multiplies; any weight-only
-    lowering then computes that format's definition up to f32 rounding)."""
-    q, scale = quantize_act_blocks(x_DT, block)
+    ``scale q`` (the activations ``gguf_a8`` / ``gguf_a16`` multiply; any
+    weight-only lowering then computes that format's definition up to f32
+    rounding)."""
+    q, scale = quantize_act_blocks(x_DT, block, bits)
     D, T = q.shape
     return (q.reshape(D // block, block, T).astype(jnp.float32) * scale[:, None]).reshape(D, T)
 
@@ -309,13 +340,15 @@ def fake_quantize_act_blocks(x_DT, block: int):
 def reference_linear(qt: QuantizedTensor, x_DT: np.ndarray) -> np.ndarray:
     """The numpy (f64) reference of a format's definition: ``W x`` with W the
     dequantized weight [F, D] and, for ``act_int8``, x replaced by its
-    per-token int8 quantization (``act_block``: by its int8 blocks); f64 [F, T]."""
+    per-token int8 quantization (``act_block``: by its int8 / int16 blocks);
+    f64 [F, T]."""
     x = np.asarray(x_DT, np.float64)
     if qt.fmt.act_int8:
         q, s = quantize_act_np(np.asarray(x_DT, np.float32))
         x = q.astype(np.float64) * s.astype(np.float64)
     if qt.fmt.act_block:
-        q, s = quantize_act_blocks_np(np.asarray(x_DT, np.float32), qt.fmt.act_block)
+        q, s = quantize_act_blocks_np(np.asarray(x_DT, np.float32), qt.fmt.act_block,
+                                      qt.fmt.act_bits)
         x = q.astype(np.float64) * np.repeat(s.astype(np.float64), qt.fmt.act_block, axis=0)
     return qt.dequantize().astype(np.float64) @ x
 

@@ -10,6 +10,7 @@ where ``use_kernel`` says they measured faster than its XLA form.
 | ``q4g_matmul`` | p u8[F, D/2], scale, zero f16[F, G] | ``s q + z`` (a lookup), f32 FMAs |
 | ``w8a8_matmul`` | q i8[F, D], scale f32[F, 1], xq i8[D, M], sx f32[1, M] | int32 sums |
 | ``q4g_a8_matmul``, ``q8g_a8_matmul`` | as ``q4g`` / ``q8g`` (groups of 32) | x in int8 blocks of 32, int32 sums per block (``kernel_a8.cc``, gguf_a8) |
+| ``q4g_a16_matmul``, ``q8g_a16_matmul`` | as ``q4g`` / ``q8g`` (groups of 32) | x in int16 blocks of 32, int32 sums per block (``kernel_a8.cc``, gguf_a16) |
 
 Weight-only formats never round the activations: results equal the numpy
 f64 reference (``reference.py``) within f32 summation rounding; w8a8's
@@ -150,9 +151,10 @@ cached) and installs it (``set_max_columns``).
 """
 
 from pallas_kernels.quant_matmul_cpu.ffi import (available, f32_matmul, has_target, int8_matmul,
-                                                 library_path, q4g_a8_matmul, q4g_dequantize,
-                                                 q4g_matmul, q4g_matmul_parts, q8g_a8_matmul,
-                                                 q8g_dequantize, q8g_matmul, w8a8_matmul)
+                                                 library_path, q4g_a8_matmul, q4g_a16_matmul,
+                                                 q4g_dequantize, q4g_matmul, q4g_matmul_parts,
+                                                 q8g_a8_matmul, q8g_a16_matmul, q8g_dequantize,
+                                                 q8g_matmul, w8a8_matmul)
 
 # From this many columns M the weight-only targets run the panel path, below it the
 # row tiles (kernel.cc's kPanel* constants, its rule for ``panel=-1``; a test checks
@@ -166,15 +168,15 @@ PANEL_COLUMNS = {"int8": 12, "q8g": 12, "q4g": 12, "f32": 8}
 # XLA's int8 dot has no AMX to run on), so ``jaxserve.engine.kernel_widths`` measures
 # this machine's once, caches it and installs it with ``set_max_columns``.
 BUILTIN_MAX_COLUMNS = {"int8": 1, "w8a8": 1, "q8g": 128, "q4g": 512, "f32": 256,
-                       "q4g_a8": 2048, "q8g_a8": 2048}
+                       "q4g_a8": 2048, "q8g_a8": 2048, "q4g_a16": 2048, "q8g_a16": 2048}
 _MAX_COLUMNS = dict(BUILTIN_MAX_COLUMNS)
 
 
 def use_kernel(kind: str, F: int, D: int, M: int) -> bool:
     """Whether ``quantized_matmul`` should call the kernel for a weight [F, D] of
     ``kind`` (``"int8"``, ``"w8a8"``, ``"q8g"``, ``"q4g"``, ``"f32"``, ``"q4g_a8"``,
-    ``"q8g_a8"``) and M columns: M <= the kind's limit in this process's table
-    (``max_columns``)."""
+    ``"q8g_a8"``, ``"q4g_a16"``, ``"q8g_a16"``) and M columns: M <= the kind's
+    limit in this process's table (``max_columns``)."""
     return M <= _MAX_COLUMNS[kind]
 
 
@@ -204,5 +206,6 @@ def set_max_columns(limits: dict[str, int]) -> dict[str, int]:
 
 __all__ = ["BUILTIN_MAX_COLUMNS", "PANEL_COLUMNS", "available", "f32_matmul",
            "has_target", "int8_matmul", "library_path", "max_columns", "q4g_a8_matmul",
-           "q4g_dequantize", "q4g_matmul", "q4g_matmul_parts", "q8g_a8_matmul",
+           "q4g_a16_matmul", "q4g_dequantize", "q4g_matmul", "q4g_matmul_parts",
+           "q8g_a8_matmul", "q8g_a16_matmul",
            "q8g_dequantize", "q8g_matmul", "set_max_columns", "use_kernel", "w8a8_matmul"]

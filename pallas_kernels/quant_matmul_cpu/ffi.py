@@ -41,6 +41,8 @@ _TARGETS = {"int8": "JaxserveQmmInt8", "q8g": "JaxserveQmmQ8g", "q4g": "Jaxserve
 # each only where the library has it (``has_target``).
 OTHER_TARGETS = {"jaxserve_qmm_q4g_a8": "JaxserveQmmQ4gA8",
                  "jaxserve_qmm_q8g_a8": "JaxserveQmmQ8gA8",
+                 "jaxserve_qmm_q4g_a16": "JaxserveQmmQ4gA16",
+                 "jaxserve_qmm_q8g_a16": "JaxserveQmmQ8gA16",
                  "jaxserve_qmm_dequant_q4g": "JaxserveQmmDequantQ4g",
                  "jaxserve_qmm_dequant_q8g": "JaxserveQmmDequantQ8g",
                  "jaxserve_rpa_decode_f32": "JaxserveRpaDecodeF32",
@@ -131,15 +133,16 @@ def q4g_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1, thread
 
 
 def q4g_matmul_parts(parts, x_DM, layer=None, isa: int = -1, threads: int = 0,
-                     act_block: int = 0):
+                     act_block: int = 0, act_bits: int = 8):
     """Several ``q4g_matmul``s of the same x in one call (row tiles; a layer's
     q/k/v or gate/up at decode widths): x is prepared once and the parts' rows
     are shared over the threads as one range. ``parts``: 1-4 (p, scale, zero)
     triples as ``q4g_matmul``'s, one G for all, each 2-D or stacked [L, ...]
     and read at ``layer``. Returns [f32[F_i, M]], the same sums as one
-    ``q4g_matmul(..., panel=0)`` per part. ``act_block`` 32 (``gguf_a8``):
-    x is first replaced by its int8 blocks' values
-    (``quant_format.fake_quantize_act_blocks``, the same f32 values), once.
+    ``q4g_matmul(..., panel=0)`` per part. ``act_block`` 32 (``gguf_a8``,
+    ``gguf_a16``): x is first replaced by the values of its blocks of
+    ``act_bits`` (8 or 16; ``quant_format.fake_quantize_act_blocks``, the
+    same f32 values), once.
 
     Raises:
       RuntimeError: the kernel library is not available.
@@ -153,7 +156,7 @@ def q4g_matmul_parts(parts, x_DM, layer=None, isa: int = -1, threads: int = 0,
     outs = [jax.ShapeDtypeStruct((p.shape[-2], M), jnp.float32) for p, _, _ in parts]
     return jax.ffi.ffi_call("jaxserve_qmm_q4g_parts", outs)(
         x_DM.astype(jnp.float32), layer.reshape(()), *flat, isa=np.int32(isa),
-        threads=np.int32(threads), act_block=np.int32(act_block))
+        threads=np.int32(threads), act_block=np.int32(act_block), act_bits=np.int32(act_bits))
 
 
 def w8a8_matmul(q_FD, scale_F1, xq_DM, sx_1M, layer=None, isa: int = -1, threads: int = 0):
@@ -183,11 +186,19 @@ def q4g_a8_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1,
     Raises:
       RuntimeError: the library or its target is not available.
     """
-    if not has_target("jaxserve_qmm_q4g_a8"):
-        raise RuntimeError("quant_matmul_cpu: no q4g_a8 target in the kernel library")
-    return _call("q4g_a8", p_FD2.shape[-2], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
-                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa,
-                 threads=threads)
+    return _q4g_act("q4g_a8", p_FD2, scale_FG, zero_FG, x_DM, layer, isa, threads)
+
+
+def q4g_a16_matmul(p_FD2, scale_FG, zero_FG, x_DM, layer=None, isa: int = -1,
+                   threads: int = 0):
+    """``q4g_a8_matmul`` with the activations in int16 blocks (``gguf_a16``;
+    ``quantize_act_blocks(..., bits=16)``): exact int32 sums by AVX-512 VNNI
+    ``vpdpwssd``. f32 [F, M].
+
+    Raises:
+      RuntimeError: the library or its target is not available.
+    """
+    return _q4g_act("q4g_a16", p_FD2, scale_FG, zero_FG, x_DM, layer, isa, threads)
 
 
 def q8g_a8_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
@@ -198,9 +209,31 @@ def q8g_a8_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int 
     Raises:
       RuntimeError: the library or its target is not available.
     """
-    if not has_target("jaxserve_qmm_q8g_a8"):
-        raise RuntimeError("quant_matmul_cpu: no q8g_a8 target in the kernel library")
-    return _call("q8g_a8", q_FD.shape[-2], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
+    return _q8g_act("q8g_a8", q_FD, scale_FG, x_DM, layer, isa, threads)
+
+
+def q8g_a16_matmul(q_FD, scale_FG, x_DM, layer=None, isa: int = -1, threads: int = 0):
+    """``q8g_a8_matmul`` with the activations in int16 blocks (``gguf_a16``).
+    f32 [F, M].
+
+    Raises:
+      RuntimeError: the library or its target is not available.
+    """
+    return _q8g_act("q8g_a16", q_FD, scale_FG, x_DM, layer, isa, threads)
+
+
+def _q4g_act(kind, p_FD2, scale_FG, zero_FG, x_DM, layer, isa, threads):
+    if not has_target(f"jaxserve_qmm_{kind}"):
+        raise RuntimeError(f"quant_matmul_cpu: no {kind} target in the kernel library")
+    return _call(kind, p_FD2.shape[-2], x_DM.shape[1], p_FD2, scale_FG.astype(jnp.float16),
+                 zero_FG.astype(jnp.float16), x_DM.astype(jnp.float32), layer=layer, isa=isa,
+                 threads=threads)
+
+
+def _q8g_act(kind, q_FD, scale_FG, x_DM, layer, isa, threads):
+    if not has_target(f"jaxserve_qmm_{kind}"):
+        raise RuntimeError(f"quant_matmul_cpu: no {kind} target in the kernel library")
+    return _call(kind, q_FD.shape[-2], x_DM.shape[1], q_FD, scale_FG.astype(jnp.float16),
                  x_DM.astype(jnp.float32), layer=layer, isa=isa, threads=threads)
 
 

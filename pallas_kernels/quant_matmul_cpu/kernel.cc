@@ -432,16 +432,17 @@ void q4g_matmul_x(ffi::ThreadPool& pool, int32_t threads, int level, const uint8
 ffi::Error Q4gPartsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs args,
                         ffi::RemainingRets rets, int32_t isa, int32_t threads,
-                        int32_t act_block) {
+                        int32_t act_block, int32_t act_bits) {
   constexpr int kMaxParts = 4;
   const int64_t n = int64_t(rets.size());
   if (n < 1 || n > kMaxParts || int64_t(args.size()) != 3 * n)
     return ffi::Error::InvalidArgument(
         "jaxserve_qmm_q4g_parts: 1-4 parts, (q, scale, zero) each, one result each");
   const int64_t D = x.dimensions().front(), M = x.dimensions().back();
-  if ((act_block != 0 && act_block != 32) || (act_block && D % 32))
+  if ((act_block != 0 && act_block != 32) || (act_block && D % 32) ||
+      (act_block && act_bits != 8 && act_bits != 16))
     return ffi::Error::InvalidArgument(
-        "jaxserve_qmm_q4g_parts: act_block must be 0 or 32 (dividing D)");
+        "jaxserve_qmm_q4g_parts: act_block must be 0 or 32 (dividing D), act_bits 8 or 16");
   const uint8_t* qp[kMaxParts];
   const uint16_t *sp[kMaxParts], *zp[kMaxParts];
   float* op[kMaxParts];
@@ -477,8 +478,8 @@ ffi::Error Q4gPartsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (level == 1 && gs % 16) level = 0;
   std::vector<float> xt(D * M);
   float* xp = xt.data();
-  std::vector<float> xf;  // act_block (gguf_a8): x replaced by its int8 blocks' values
-  if (act_block) xf = fake_quantize_act_blocks(x.typed_data(), D, M);
+  std::vector<float> xf;  // act_block (gguf_a8 / a16): x replaced by its blocks' values
+  if (act_block) xf = fake_quantize_act_blocks(x.typed_data(), D, M, act_bits);
   const float* xs = act_block ? xf.data() : x.typed_data();
   if (level == 2) avx512::prepare_x4(xs, D, M, xp);
   else if (level == 1) avx2::prepare_x4(xs, D, M, xp);
@@ -623,7 +624,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4gParts, jaxserve_qmm::Q4gPartsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .RemainingRets() JS_ATTRS.Attr<int32_t>("act_block"));
+                                  .RemainingRets() JS_ATTRS.Attr<int32_t>("act_block")
+                                  .Attr<int32_t>("act_bits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmW8a8, jaxserve_qmm::W8a8Impl,
                               ffi::Ffi::Bind()

@@ -86,10 +86,11 @@ inline int64_t layer_index(ffi::Buffer<ffi::S32>& layer, int64_t L) {
   return i >= 0 && i < L ? i : -1;
 }
 
-#define JS_LAYER(NAME, L)                                                              \
-  const int64_t li = layer_index(layer, L);                                            \
-  if (li < 0)                                                                          \
-    return ffi::Error::InvalidArgument(NAME ": layer must be a scalar in [0, L) of a " \
+#define JS_LAYER(NAME, L)                                                         \
+  const int64_t li = layer_index(layer, L);                                       \
+  if (li < 0)                                                                     \
+    return ffi::Error::InvalidArgument(NAME                                       \
+                                       ": layer must be a scalar in [0, L) of a " \
                                        "stacked weight (0 for a 2-D one)");
 
 // kernel.cc's weight-only grouped matmuls of f32 x [D, M] (`panel` and `level` as the
@@ -103,9 +104,10 @@ void q8g_matmul_x(ffi::ThreadPool& pool, int32_t threads, int level, const int8_
                   const uint16_t* s, const float* x, int64_t F, int64_t D, int64_t G, int64_t M,
                   float* out, int32_t panel = -1);
 
-// x f32 [D, M] with every block of 32 inputs of a column replaced by its int8 values
-// sx * xq (quant_format.fake_quantize_act_blocks: the same f32 products and rint), the
-// activations gguf_a8 multiplies; D % 32 == 0. Defined in kernel_a8.cc.
-std::vector<float> fake_quantize_act_blocks(const float* x, int64_t D, int64_t M);
+// x f32 [D, M] with every block of 32 inputs of a column replaced by its int8 (bits 8) or
+// int16 (bits 16) values sx * xq (quant_format.fake_quantize_act_blocks: the same f32
+// products and rint), the activations gguf_a8 / gguf_a16 multiply; D % 32 == 0. Defined
+// in kernel_a8.cc.
+std::vector<float> fake_quantize_act_blocks(const float* x, int64_t D, int64_t M, int bits);
 
 }  // namespace jaxserve_qmm
