@@ -115,6 +115,24 @@ def test_kernels_against_reference(isa, F, M):
 
 
 @needs_a8
+@pytest.mark.parametrize("bits", [8, 16])
+def test_narrow_widths_are_the_weight_only_kernel_on_the_block_values(bits):
+    """Below the VNNI panels' 12 columns the kernel replaces x by its blocks'
+    values (vectorised with AVX-512) and runs the weight-only kernel: bit for
+    bit that kernel on numpy's ``quantize_act_blocks_np`` values."""
+    D, F = 160, 48
+    (fmt, call), _ = KERNELS[bits]
+    qt = _weights(fmt, F, D)
+    args = [jnp.asarray(a) for a in (qt.q, qt.scale, qt.zero)]
+    for M in (1, 3, 11):
+        x = _x(D, M, seed=M)
+        q, s = quant.quantize_act_blocks_np(x, 32, bits)
+        xf = (q.reshape(D // 32, 32, M).astype(np.float32) * s[:, None]).reshape(D, M)
+        np.testing.assert_array_equal(np.asarray(call(*args, jnp.asarray(x))),
+                                      np.asarray(qmm.q4g_matmul(*args, jnp.asarray(xf))))
+
+
+@needs_a8
 def test_stacked_layers_read_in_place_under_scan():
     L, F, D, M = 3, 64, 160, 20
     x = jnp.asarray(_x(D, M))

@@ -86,6 +86,10 @@ struct ActQ {
 std::vector<float> fake_quantize_act_blocks(const float* x, int64_t D, int64_t M, int bits) {
   const float scale = bits == 16 ? kActScale16 : kActScale, lim = bits == 16 ? 32767.f : 127.f;
   std::vector<float> xf(size_t(D) * M);
+  if (best_isa() == 2) {
+    a8::fake_quantize_blocks(x, D, M, bits, xf.data());
+    return xf;
+  }
   for (int64_t g = 0; g < D / 32; ++g)
     for (int64_t m = 0; m < M; ++m) {
       float amax = 0.f;
