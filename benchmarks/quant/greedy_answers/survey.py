@@ -1,12 +1,15 @@
 """Greedy answers of SmolLM2-135M (Q4_1 GGUF) to 24 chat questions, first 16
-tokens: jaxserve f32, gguf and gguf_a8 against llama.cpp (the same prompt token
-ids; top_k=1, no repeat penalty). Prints how many of the 24 token sequences each
-pair shares and the decoded answers; writes result.json. Run from this folder:
-``python survey.py`` (llama-cpp-python from the ``peers`` extra)."""
+tokens: jaxserve in each ``--quantization`` named on the command line (default
+none gguf gguf_a16 gguf_a8) against llama.cpp (the same prompt token ids; top_k=1,
+no repeat penalty). Prints how many of the 24 token sequences each pair shares and
+the decoded answers; writes result.json in the current folder. Run from a result
+folder: ``python ../survey.py [FORMAT ...]`` (llama-cpp-python from the ``peers``
+extra; ``epyc_stop49/`` ran ``none gguf gguf_a8``)."""
 
 import glob
 import json
 import os
+import sys
 
 from jaxserve import LLM, SamplingParams
 
@@ -39,7 +42,8 @@ QS = [
 N = 16
 sp = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
 res = {}
-for q in ("none", "gguf", "gguf_a8"):
+FORMATS = sys.argv[1:] or ["none", "gguf", "gguf_a16", "gguf_a8"]
+for q in FORMATS:
     llm = LLM("smollm2-135m", quantization=q, num_pages=256)
     ids = [list(llm.apply_chat_template([{"role": "user", "content": x}])) for x in QS]
     outs = llm.chat([[{"role": "user", "content": x}] for x in QS], sp)
@@ -67,6 +71,6 @@ for j, x in enumerate(QS[:24]):
     print(
         repr(x[:30]),
         "|",
-        *(repr(tok.decode(res[n][j])[:40]) for n in ("none", "gguf_a8", "llama.cpp")),
+        *(repr(tok.decode(res[n][j])[:40]) for n in [*FORMATS, "llama.cpp"] if n != "gguf"),
     )
 json.dump(res, open("result.json", "w"))
