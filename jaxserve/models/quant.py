@@ -206,7 +206,7 @@ def matmul_parts(fmt: TensorFormat | None, parts, x_DT, lowering: str = "auto"):
                 layer=parts[0].index if read else None)
             if y is not None:
                 return y
-        # Any other lowering: x replaced by its int8 blocks, then the weight-only forms.
+        # Any other lowering: x replaced by its blocks' values, then the weight-only forms.
         fmt, x_DT = fmt.weight_only(), fake_quantize_act_blocks(x_DT, fmt.act_block,
                                                                 fmt.act_bits)
     if isinstance(parts[0], StackedRead) and lowering == "auto":
