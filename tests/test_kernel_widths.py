@@ -42,6 +42,13 @@ def test_limit_is_the_last_width_of_the_kernels_unbroken_lead():
     assert kernel_widths.limit_from({}) == 0
 
 
+def test_wide_passes_run_over_a_share_of_the_layers():
+    # every layer while a step streams its weights, then about the same work
+    assert [kernel_widths.layers_at(M, 30) for M in (1, 8, 32, 128, 512, 2048)] == \
+        [30, 30, 30, 8, 2, 1]
+    assert kernel_widths.layers_at(2048, 2) == 1 and kernel_widths.layers_at(64, 3) == 2
+
+
 def test_the_process_table_is_checked_and_read_by_use_kernel():
     previous = qmc.set_max_columns({"int8": 64})
     assert previous == qmc.BUILTIN_MAX_COLUMNS

@@ -70,6 +70,7 @@ COLUMNS = (1, 8, 32, 128, 256, 512)
 # columns on the EPYC), so up to the default token budget.
 A8_COLUMNS = (32, 128, 512, 2048)
 WIDE_COLUMNS = 512  # int8's two XLA forms past the kernel: a prefill's width
+STREAM_COLUMNS = 32  # up to this many columns a pass runs over every layer (``layers_at``)
 REPS = 3  # timed passes of each form, alternated; the median
 ENV = "JAXSERVE_KERNEL_WIDTHS"  # "measure" (default) or "builtin"
 
@@ -150,13 +151,24 @@ def _alternated(passes: dict, reps: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def layers_at(M: int, layers: int) -> int:
+    """Layers a pass at M columns runs over: all of them up to
+    ``STREAM_COLUMNS``, where a step streams its weights from memory, and
+    from there a share with about the same work (ceil(layers *
+    STREAM_COLUMNS / M), at least 1): a wide step is compute-bound, so the
+    ratio of the two forms holds on fewer layers, and a first start does not
+    spend its measurement on 2,048-column passes over every layer (SmolLM2's
+    two int16-activation kinds: 47 -> 7 s on the EPYC, its four kinds 71 -> 15 s)."""
+    return layers if M <= STREAM_COLUMNS else max(1, -(-layers * STREAM_COLUMNS // M))
+
+
 def measure(kind: str, shapes, layers: int, reps: int = REPS,
             columns: tuple[int, ...] = COLUMNS) -> dict:
-    """{M: (XLA form ms, kernel ms)} per pass over ``layers`` layers of
-    ``shapes`` in ``kind``'s format (``format_choice.projection_pass``, the
-    two forms alternated ``reps`` times), from the smallest M until the
-    kernel loses. Sets this process's limit for ``kind`` while each program
-    traces, and restores it."""
+    """{M: (XLA form ms, kernel ms)} per pass over ``layers_at(M, layers)``
+    layers of ``shapes`` in ``kind``'s format
+    (``format_choice.projection_pass``, the two forms alternated ``reps``
+    times), from the smallest M until the kernel loses. Sets this process's
+    limit for ``kind`` while each program traces, and restores it."""
     from pallas_kernels import quant_matmul_cpu
     fmt, out = _format_of(kind), {}
     previous = quant_matmul_cpu.max_columns()
@@ -165,7 +177,8 @@ def measure(kind: str, shapes, layers: int, reps: int = REPS,
             passes = {}
             for name, limit in (("xla", 0), ("kernel", M)):
                 quant_matmul_cpu.set_max_columns({kind: limit})
-                passes[name] = format_choice.projection_pass(fmt, shapes, layers, None, M)
+                passes[name] = format_choice.projection_pass(fmt, shapes, layers_at(M, layers),
+                                                             None, M)
             ms = _alternated(passes, reps)
             out[M] = (ms["xla"], ms["kernel"])
             if ms["kernel"] >= ms["xla"]:
@@ -176,8 +189,8 @@ def measure(kind: str, shapes, layers: int, reps: int = REPS,
 
 
 def measure_int8_wide(shapes, layers: int, reps: int = REPS, M: int = WIDE_COLUMNS) -> dict:
-    """{form: ms} per pass over ``layers`` layers of ``shapes`` in int8 at M
-    columns with the kernel off, for each of ``quant_cpu.INT8_WIDE_FORMS``
+    """{form: ms} per pass over ``layers_at(M, layers)`` layers of ``shapes``
+    in int8 at M columns with the kernel off, for each of ``quant_cpu.INT8_WIDE_FORMS``
     (alternated). Restores this process's int8 limit and wide form."""
     from jaxserve.models import quant, quant_cpu
     from pallas_kernels import quant_matmul_cpu
@@ -187,7 +200,8 @@ def measure_int8_wide(shapes, layers: int, reps: int = REPS, M: int = WIDE_COLUM
         quant_matmul_cpu.set_max_columns({"int8": 0})
         for f in quant_cpu.INT8_WIDE_FORMS:
             quant_cpu.set_int8_wide_form(f)
-            passes[f] = format_choice.projection_pass(quant.INT8, shapes, layers, None, M)
+            passes[f] = format_choice.projection_pass(quant.INT8, shapes, layers_at(M, layers),
+                                                      None, M)
     finally:
         quant_matmul_cpu.set_max_columns(limits)
         quant_cpu.set_int8_wide_form(form)
