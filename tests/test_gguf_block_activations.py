@@ -26,7 +26,8 @@ from pallas_kernels import quant_matmul_cpu as qmm
 from pallas_kernels.quant_matmul_cpu import ffi
 
 needs_a8 = pytest.mark.skipif(not qmm.has_target("jaxserve_qmm_q4g_a8"),
-                              reason="quant_matmul_cpu (with the a8 targets) not built")
+                              reason="quant_matmul_cpu (with the a8 targets) not built, or "
+                                     "JAXSERVE_CPU_KERNELS=0")
 ISAS = [0, 1, 2]
 A4 = dataclasses.replace(quant.Q4, act_block=quant.ACT_BLOCK)
 A8 = dataclasses.replace(quant.Q8_0, act_block=quant.ACT_BLOCK)
@@ -192,7 +193,7 @@ def test_quantized_matmul_kernel_equals_fallback(monkeypatch, fmt):
         np.abs(ref).max()
     monkeypatch.undo()
     if not qmm.has_target("jaxserve_qmm_q4g_a8"):
-        pytest.skip("quant_matmul_cpu (with the a8 targets) not built")
+        pytest.skip("quant_matmul_cpu (with the a8 targets) not built, or JAXSERVE_CPU_KERNELS=0")
     monkeypatch.setattr(qmm, "use_kernel", lambda kind, F, D, M: True)
     run = jax.jit(lambda q, s, z, x: quant.quantized_matmul(fmt, q, s, z, x))
     on = np.asarray(run(*args, jnp.asarray(x)))
@@ -264,7 +265,8 @@ def test_engine_gguf_a16_keeps_gguf_tokens(monkeypatch, q41_gguf):
     assert 0 < np.abs(logits - exact_logits).max() <= 1e-4 * np.abs(exact_logits).max()
 
 
-def test_gguf_a8_needs_gguf_blocks():
+@pytest.mark.parametrize("method", ["gguf_a8", "gguf_a16"])
+def test_block_activation_methods_need_gguf_blocks(method):
     from tests.test_quant import _llm
-    with pytest.raises(ValueError, match="quantization='gguf_a8' keeps a GGUF file's own"):
-        _llm(None, quantization="gguf_a8")
+    with pytest.raises(ValueError, match=f"quantization='{method}' keeps a GGUF file's own"):
+        _llm(None, quantization=method)
