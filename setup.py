@@ -53,6 +53,7 @@ setup(
                  "pallas_kernels/ragged_paged_attention/kernel_cpu.cc",
                  "pallas_kernels/sampling_cpu/kernel.cc"],
         depends=["pallas_kernels/quant_matmul_cpu/kernel_common.h",
+                 "pallas_kernels/quant_matmul_cpu/kernel_a8_act.inc",
                  "pallas_kernels/quant_matmul_cpu/kernel_a8_vnni.inc",
                  "pallas_kernels/quant_matmul_cpu/kernel_body.inc",
                  "pallas_kernels/quant_matmul_cpu/kernel_panel.inc",

@@ -52,7 +52,7 @@
 
 namespace jaxserve_qmm {
 
-// quant_format.act_scale(bits): a block's scale is its amax times 1/127 (int8) or
+// quant_format.act_levels(bits): a block's scale is its amax times 1/127 (int8) or
 // 1/32767 (int16) rounded to f32.
 constexpr float kActScale = float(1.0 / 127.0);
 constexpr float kActScale16 = float(1.0 / 32767.0);
@@ -81,6 +81,8 @@ struct ActQ {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include "kernel_a8_vnni.inc"
+// (after: it uses kernel_a8_vnni.inc's transposes)
+#include "kernel_a8_act.inc"
 #pragma GCC pop_options
 
 std::vector<float> fake_quantize_act_blocks(const float* x, int64_t D, int64_t M, int bits) {
@@ -117,7 +119,8 @@ bool vnni_path(int32_t isa, int64_t F, int64_t M) {
 
 }  // namespace
 
-void prepare(const float* x, ActQ& a, int bits) {
+// The activations' int8 (bits 8) or int16 (16) blocks for the VNNI tiles.
+static void prepare(const float* x, ActQ& a, int bits) {
   if (bits == 16)
     a8::prepare_act16(x, a);
   else
