@@ -261,8 +261,8 @@ def choose(config: EngineConfig, model_config: ModelConfig, *, use_cache: bool =
         e = cache[key]
         return FormatChoice(e["quantization"], cands, e["score"], e["ms"], True, e["reason"])
     fmts = {"none": None, "gguf": gguf_fmt,
-            **{m: dataclasses.replace(gguf_fmt, act_block=quant_format.ACT_BLOCK,
-                                      act_bits=int(m[6:])) for m in ("gguf_a16", "gguf_a8")}}
+            **{m: quant_format.adopted_format(gguf_fmt, quant_format.method_format(m))
+               for m in ("gguf_a16", "gguf_a8")}}
     ms = {m: time_projections(fmts[m], shapes, layers, head) for m in (*cands, OPT_IN)}
     score = {m: math.exp(statistics.fmean(math.log(ms[m][c] / ms["none"][c]) for c in COLUMNS))
              for m in ms}

@@ -186,28 +186,20 @@ ffi::Error Q8gActImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<
 
 }  // namespace jaxserve_qmm
 
-// One binding per (weight kind, activation bits): the same signature, Bits a template argument.
-#define JS_Q4G_ACT_BIND             \
-  ffi::Ffi::Bind()                  \
-      .Ctx<ffi::ThreadPool>()       \
-      .Arg<ffi::Buffer<ffi::U8>>()  \
-      .Arg<ffi::Buffer<ffi::F16>>() \
-      .Arg<ffi::Buffer<ffi::F16>>() \
-      .Arg<ffi::Buffer<ffi::F32>>() \
-      .Arg<ffi::Buffer<ffi::S32>>() \
-      .Ret<ffi::Buffer<ffi::F32>>() \
-      .Attr<int32_t>("isa")         \
+// One binding per (weight kind, activation bits): the weight's operands (WEIGHT_ARGS),
+// then x, layer, the result and the attributes, which all four share.
+#define JS_ACT_BIND(WEIGHT_ARGS)                                       \
+  ffi::Ffi::Bind()                                                     \
+      .Ctx<ffi::ThreadPool>() WEIGHT_ARGS.Arg<ffi::Buffer<ffi::F32>>() \
+      .Arg<ffi::Buffer<ffi::S32>>()                                    \
+      .Ret<ffi::Buffer<ffi::F32>>()                                    \
+      .Attr<int32_t>("isa")                                            \
       .Attr<int32_t>("threads")
-#define JS_Q8G_ACT_BIND             \
-  ffi::Ffi::Bind()                  \
-      .Ctx<ffi::ThreadPool>()       \
-      .Arg<ffi::Buffer<ffi::S8>>()  \
-      .Arg<ffi::Buffer<ffi::F16>>() \
-      .Arg<ffi::Buffer<ffi::F32>>() \
-      .Arg<ffi::Buffer<ffi::S32>>() \
-      .Ret<ffi::Buffer<ffi::F32>>() \
-      .Attr<int32_t>("isa")         \
-      .Attr<int32_t>("threads")
+#define JS_Q4G_ACT_BIND                         \
+  JS_ACT_BIND(.Arg<ffi::Buffer<ffi::U8>>()      \
+                  .Arg<ffi::Buffer<ffi::F16>>() \
+                  .Arg<ffi::Buffer<ffi::F16>>())
+#define JS_Q8G_ACT_BIND JS_ACT_BIND(.Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::F16>>())
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4gA8, jaxserve_qmm::Q4gActImpl<8>, JS_Q4G_ACT_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmmQ4gA16, jaxserve_qmm::Q4gActImpl<16>, JS_Q4G_ACT_BIND);
